@@ -1,0 +1,179 @@
+//! The command line: every flag, its environment variable and default.
+//!
+//! Durations take humantime syntax (`200ms`, `5m`, `1h 30m`). Each flag reads
+//! the environment variable named beside it, so a relay can be configured
+//! entirely from its environment.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::logging::LogFormat;
+
+/// Transactional outbox for PostgreSQL: migrate the schema, run the relay,
+/// inspect and requeue dead letters.
+///
+/// Exit codes: 0 success (including a drain after SIGINT/SIGTERM); 1 runtime
+/// failure (e.g. PostgreSQL unreachable); 2 usage or configuration error (bad
+/// flag, URL, identifier or duration; schema not migrated or too new).
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, max_term_width = 100)]
+pub(crate) struct Cli {
+    #[command(flatten)]
+    pub(crate) global: Global,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// Options every command understands.
+#[derive(Debug, Args)]
+pub(crate) struct Global {
+    /// PostgreSQL connection string (URL or key=value).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub(crate) database_url: Option<String>,
+    /// Schema of the outbox table.
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = "public", global = true)]
+    pub(crate) schema: String,
+    /// Name of the outbox table.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox", global = true)]
+    pub(crate) table: String,
+    /// NOTIFY channel of the insert trigger.
+    #[arg(long, env = "OUTBOX_CHANNEL", default_value = "outbox_new", global = true)]
+    pub(crate) channel: String,
+    /// Failed attempts after which a row is a dead letter.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5,
+          value_parser = clap::value_parser!(i32).range(1..), global = true)]
+    pub(crate) max_attempts: i32,
+    /// How long to keep trying to reach PostgreSQL at startup.
+    #[arg(long, env = "OUTBOX_CONNECT_TIMEOUT", default_value = "10s",
+          value_parser = humantime::parse_duration, global = true)]
+    pub(crate) connect_timeout: Duration,
+    /// Log format.
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value = "human", global = true)]
+    pub(crate) log_format: LogFormat,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Create or upgrade the outbox table (or, with --inbox, the consumer's
+    /// processed_events table). Idempotent.
+    Migrate(MigrateArgs),
+    /// Deliver unpublished events to a sink until SIGINT/SIGTERM.
+    Relay(RelayArgs),
+    /// Backlog, dead letters and oldest unpublished age, per aggregate type.
+    Stats(StatsArgs),
+    /// Inspect and requeue dead letters.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+    /// Run the whole pattern end to end on a throwaway PostgreSQL and Redis
+    /// (or on DATABASE_URL / OUTBOX_SINK when set).
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct MigrateArgs {
+    /// Migrate the consumer's processed_events table instead of the outbox.
+    #[arg(long)]
+    pub(crate) inbox: bool,
+    /// Schema of the processed_events table.
+    #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
+    pub(crate) inbox_schema: String,
+    /// Name of the processed_events table.
+    #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = "processed_events")]
+    pub(crate) inbox_table: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RelayArgs {
+    /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…
+    #[arg(long, env = "OUTBOX_SINK")]
+    pub(crate) sink: String,
+    /// Rows claimed and delivered per transaction.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub(crate) batch_size: u32,
+    /// Fallback poll interval (NOTIFY wakes the relay sooner).
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = positive_duration)]
+    pub(crate) poll_interval: Duration,
+    /// Do not LISTEN; poll only.
+    #[arg(long, env = "OUTBOX_NO_NOTIFY")]
+    pub(crate) no_notify: bool,
+    /// Delay after the first failed attempt; doubles per attempt.
+    #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
+    pub(crate) backoff_base: Duration,
+    /// Cap on the retry delay.
+    #[arg(long, env = "OUTBOX_BACKOFF_MAX", default_value = "5m", value_parser = positive_duration)]
+    pub(crate) backoff_max: Duration,
+    /// Redis stream name prefix: streams are <prefix>.<aggregate_type>.
+    #[arg(long, env = "OUTBOX_STREAM_PREFIX", default_value = "outbox.event")]
+    pub(crate) stream_prefix: String,
+    /// Timeout of one HTTP request (and of one Redis round trip).
+    #[arg(long, env = "OUTBOX_HTTP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub(crate) http_timeout: Duration,
+    /// Aggregates an HTTP batch sends to concurrently.
+    #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) http_concurrency: u16,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatsArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum DlqCommand {
+    /// List dead letters, oldest first.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
+    /// Requeue dead letters: attempts = 0, due now.
+    Retry(RetryArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("selector").required(true).multiple(true)
+    .args(["all", "id", "aggregate_type", "error_contains"])))]
+pub(crate) struct RetryArgs {
+    /// Every dead letter.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// These outbox ids.
+    #[arg(long, num_args = 1..)]
+    pub(crate) id: Vec<i64>,
+    /// Dead letters of this aggregate type.
+    #[arg(long)]
+    pub(crate) aggregate_type: Option<String>,
+    /// Dead letters whose last error contains this text.
+    #[arg(long)]
+    pub(crate) error_contains: Option<String>,
+    /// Only count what would be requeued.
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    /// Orders to place.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub(crate) orders: u32,
+    /// Where events go; must be Redis (the demo consumes a Redis stream).
+    /// Without it the demo starts its own redis-server.
+    #[arg(long, env = "OUTBOX_SINK")]
+    pub(crate) sink: Option<String>,
+}
+
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 200ms, 1s, 5m)"))?;
+    if d.is_zero() {
+        return Err("must be greater than zero".to_owned());
+    }
+    Ok(d)
+}

@@ -1,0 +1,311 @@
+//! `outbox demo`: the whole pattern end to end, printed as it happens.
+//!
+//! A shop writes orders and their events in one transaction (some
+//! transactions roll back), the relay delivers the events to a Redis Stream,
+//! and a shipping consumer reads the stream through a consumer group and
+//! ships each paid order through the inbox. Then it replays deliveries to
+//! show that duplicates change nothing, checks the counts, and cleans up.
+//!
+//! Without `DATABASE_URL` it starts a throwaway PostgreSQL cluster and a
+//! redis-server (the testkit's), which vanish when it exits. With
+//! `DATABASE_URL` everything lives in the schema `outbox_demo`, dropped at
+//! the end, so the demo never touches other tables.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use outbox::{Config, Event, Inbox, InboxConfig, Outbox, Processed};
+use outbox_relay::{Relay, RelayConfig, SinkOptions};
+use outbox_testkit::{Postgres, Redis};
+use redis::AsyncCommands;
+use redis::streams::{StreamId, StreamReadOptions, StreamReadReply};
+use serde_json::json;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::cli::{DemoArgs, Global};
+use crate::exit::ConfigError;
+
+const SCHEMA: &str = "outbox_demo";
+const STREAM_PREFIX: &str = "outbox_demo.event";
+const GROUP: &str = "shipping";
+
+/// What the shipping consumer saw.
+#[derive(Debug, Default)]
+struct Consumed {
+    entries: u64,
+    processed: u64,
+    duplicates: u64,
+}
+
+pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    // Keep the throwaway servers alive until the end; dropping them stops them.
+    let mut _postgres = None;
+    let pg_url = match &g.database_url {
+        Some(url) => {
+            println!("using DATABASE_URL (everything goes into schema {SCHEMA}, dropped at the end)");
+            url.clone()
+        }
+        None => {
+            println!("starting a throwaway PostgreSQL cluster…");
+            let pg = Postgres::start().await.context("starting a throwaway PostgreSQL")?;
+            println!("  PostgreSQL on 127.0.0.1:{}", pg.port());
+            let url = pg.url("postgres");
+            _postgres = Some(pg);
+            url
+        }
+    };
+    let mut _redis = None;
+    let sink_url = match args.sink {
+        Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => url,
+        Some(url) => {
+            return Err(ConfigError(format!(
+                "the demo consumes a Redis stream, so OUTBOX_SINK must be a redis:// URL, not {url:?}"
+            ))
+            .into());
+        }
+        None => {
+            println!("starting a throwaway redis-server…");
+            let redis = Redis::start().await.context("starting a throwaway redis-server")?;
+            println!("  Redis on 127.0.0.1:{}", redis.port());
+            let url = redis.url();
+            _redis = Some(redis);
+            url
+        }
+    };
+
+    let pg = super::parse_pg_url(&pg_url, g)?;
+    let mut db = super::connect(&pg).await?;
+    let outbox_config = Config::new(SCHEMA, "outbox")?.with_channel("outbox_demo_new")?;
+    let inbox_config = InboxConfig::new(SCHEMA, "processed_events")?;
+    prepare_schema(&mut db, &outbox_config, &inbox_config).await?;
+
+    println!("\n1. writer: placing {} orders (order row + events in one transaction)", args.orders);
+    let (committed, rolled_back) = place_orders(&mut db, &Outbox::new(outbox_config.clone()), args.orders).await?;
+    println!("   {committed} committed, {rolled_back} rolled back (payment declined: no order, no event left behind)");
+    let written: i64 = db
+        .query_one(&format!("SELECT count(*) FROM {}", outbox_config.qualified()), &[])
+        .await?
+        .get(0);
+    println!("   outbox rows: {written}");
+
+    println!("\n2. relay: delivering to Redis Streams ({STREAM_PREFIX}.orders)");
+    let options = SinkOptions {
+        stream_prefix: STREAM_PREFIX.to_owned(),
+        ..SinkOptions::default()
+    };
+    let sink = outbox_relay::sink::from_url(&sink_url, &options)?;
+    let relay = Relay::new(
+        pg.clone(),
+        Arc::from(sink),
+        RelayConfig {
+            outbox: outbox_config.clone(),
+            ..RelayConfig::default()
+        },
+    );
+    let counters = relay.counters();
+    let cancel = CancellationToken::new();
+    let relay_task = tokio::spawn(relay.run(cancel.clone()));
+
+    println!("\n3. consumer: group {GROUP:?} ships each paid order through the inbox");
+    let redis_client = redis::Client::open(sink_url.as_str()).context("opening the Redis URL")?;
+    let mut redis = redis_client
+        .get_multiplexed_async_connection()
+        .await
+        .context("connecting to Redis")?;
+    let stream = format!("{STREAM_PREFIX}.orders");
+    let inbox = Inbox::new(inbox_config.clone());
+    let consumed = consume(&mut redis, &stream, &mut db, &inbox, written as u64).await?;
+    println!(
+        "   {} entries read, {} processed, {} duplicates",
+        consumed.entries, consumed.processed, consumed.duplicates
+    );
+
+    println!("\n4. at-least-once: replaying the first 5 stream entries to the consumer");
+    let replay: Vec<StreamId> = redis
+        .xrange_count::<_, _, _, redis::streams::StreamRangeReply>(&stream, "-", "+", 5)
+        .await
+        .context("reading the stream for the replay")?
+        .ids;
+    let mut replayed = Consumed::default();
+    for entry in &replay {
+        handle(&mut db, &inbox, entry, &mut replayed).await?;
+    }
+    println!(
+        "   {} replayed, {} processed again, {} answered as duplicates",
+        replayed.entries, replayed.processed, replayed.duplicates
+    );
+
+    cancel.cancel();
+    relay_task.await.context("joining the relay")??;
+
+    let count = |sql: String| {
+        let db = &db;
+        async move { Ok::<i64, anyhow::Error>(db.query_one(&sql, &[]).await?.get(0)) }
+    };
+    let orders = count(format!("SELECT count(*) FROM {SCHEMA}.orders")).await?;
+    let paid = count(format!("SELECT count(*) FROM {SCHEMA}.orders WHERE paid")).await?;
+    let shipments = count(format!("SELECT count(*) FROM {SCHEMA}.shipments")).await?;
+    let distinct_shipped = count(format!("SELECT count(DISTINCT order_id) FROM {SCHEMA}.shipments")).await?;
+    let published = count(format!(
+        "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
+        outbox_config.qualified()
+    ))
+    .await?;
+    let processed = count(format!("SELECT count(*) FROM {}", inbox_config.qualified())).await?;
+
+    println!("\nsummary");
+    println!("  orders committed          {orders}");
+    println!("  events written            {written}");
+    println!("  events published          {published} (relay delivered {})", counters.delivered.load(Ordering::Relaxed));
+    println!("  stream entries consumed   {}", consumed.entries + replayed.entries);
+    println!("  processed_events rows     {processed}");
+    println!("  shipments                 {shipments} for {distinct_shipped} orders ({paid} paid)");
+    println!("  took                      {:.2}s", started.elapsed().as_secs_f64());
+
+    cleanup(&db, &mut redis, &stream, g.database_url.is_some()).await?;
+
+    if published != written || shipments != paid || distinct_shipped != paid || processed != written {
+        bail!("the counts do not add up: see the summary above");
+    }
+    println!("\nevery committed event was delivered; every paid order shipped exactly once");
+    Ok(())
+}
+
+async fn prepare_schema(db: &mut Client, outbox: &Config, inbox: &InboxConfig) -> anyhow::Result<()> {
+    db.batch_execute(&format!(
+        "DROP SCHEMA IF EXISTS {SCHEMA} CASCADE;
+         CREATE SCHEMA {SCHEMA};
+         CREATE TABLE {SCHEMA}.orders (
+             id bigserial PRIMARY KEY, customer text NOT NULL,
+             total_cents bigint NOT NULL, paid boolean NOT NULL);
+         CREATE TABLE {SCHEMA}.shipments (
+             id bigserial PRIMARY KEY, order_id bigint NOT NULL, event_id uuid NOT NULL);"
+    ))
+    .await
+    .context("creating the demo tables")?;
+    outbox::migrate(db, outbox).await?;
+    outbox::migrate_inbox(db, inbox).await?;
+    Ok(())
+}
+
+/// Every order writes OrderPlaced; most also pay (OrderPaid). One in seven
+/// payments is declined, which rolls the whole transaction back.
+async fn place_orders(db: &mut Client, outbox: &Outbox, n: u32) -> anyhow::Result<(u32, u32)> {
+    let (mut committed, mut rolled_back) = (0, 0);
+    for i in 0..n {
+        let tx = db.transaction().await?;
+        let paid = i % 5 != 4;
+        let total = 1_000 + i64::from(i) * 250;
+        let id: i64 = tx
+            .query_one(
+                &format!("INSERT INTO {SCHEMA}.orders (customer, total_cents, paid) VALUES ($1, $2, $3) RETURNING id"),
+                &[&format!("customer-{}", i % 7), &total, &paid],
+            )
+            .await?
+            .get(0);
+        let aggregate = id.to_string();
+        let mut events = vec![Event::new("orders", &aggregate, "OrderPlaced", json!({"order_id": id, "total_cents": total}))];
+        if paid {
+            events.push(Event::new("orders", &aggregate, "OrderPaid", json!({"order_id": id})));
+        }
+        outbox.enqueue_all(&tx, &events).await?;
+        if i % 7 == 3 {
+            tx.rollback().await?;
+            rolled_back += 1;
+        } else {
+            tx.commit().await?;
+            committed += 1;
+        }
+    }
+    Ok((committed, rolled_back))
+}
+
+async fn consume(
+    redis: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    db: &mut Client,
+    inbox: &Inbox,
+    expected: u64,
+) -> anyhow::Result<Consumed> {
+    let created: redis::RedisResult<()> = redis.xgroup_create_mkstream(stream, GROUP, "0").await;
+    if let Err(e) = created
+        && e.code() != Some("BUSYGROUP")
+    {
+        return Err(e).context("creating the consumer group");
+    }
+    let options = StreamReadOptions::default().group(GROUP, "demo-1").count(100).block(500);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut consumed = Consumed::default();
+    while consumed.entries < expected {
+        if Instant::now() > deadline {
+            bail!("only {} of {expected} events arrived within 60s", consumed.entries);
+        }
+        let reply: Option<StreamReadReply> = redis
+            .xread_options(&[stream], &[">"], &options)
+            .await
+            .context("reading the stream")?;
+        for key in reply.map(|r| r.keys).unwrap_or_default() {
+            for entry in &key.ids {
+                handle(db, inbox, entry, &mut consumed).await?;
+                let _: i64 = redis.xack(stream, GROUP, &[&entry.id]).await?;
+            }
+        }
+    }
+    Ok(consumed)
+}
+
+/// One stream entry through the inbox: the shipment and the processed_events
+/// row commit together, so a redelivered entry ships nothing.
+async fn handle(db: &mut Client, inbox: &Inbox, entry: &StreamId, seen: &mut Consumed) -> anyhow::Result<()> {
+    let field = |name: &str| -> anyhow::Result<String> {
+        entry
+            .get::<String>(name)
+            .with_context(|| format!("stream entry {} has no {name}", entry.id))
+    };
+    let event_id: Uuid = field("event_id")?.parse().context("parsing event_id")?;
+    let event_type = field("event_type")?;
+    let payload: HashMap<String, serde_json::Value> = serde_json::from_str(&field("payload")?)?;
+    let order_id = payload.get("order_id").and_then(serde_json::Value::as_i64);
+    let tx = db.transaction().await?;
+    let outcome = inbox
+        .process(&tx, event_id, async |tx| -> anyhow::Result<()> {
+            if let ("OrderPaid", Some(order_id)) = (event_type.as_str(), order_id) {
+                tx.execute(
+                    &format!("INSERT INTO {SCHEMA}.shipments (order_id, event_id) VALUES ($1, $2)"),
+                    &[&order_id, &event_id],
+                )
+                .await?;
+            }
+            Ok(())
+        })
+        .await?;
+    tx.commit().await?;
+    seen.entries += 1;
+    match outcome {
+        Processed::New(()) => seen.processed += 1,
+        Processed::Duplicate => seen.duplicates += 1,
+    }
+    Ok(())
+}
+
+async fn cleanup(
+    db: &Client,
+    redis: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    shared_services: bool,
+) -> anyhow::Result<()> {
+    if shared_services {
+        db.batch_execute(&format!("DROP SCHEMA {SCHEMA} CASCADE"))
+            .await
+            .context("dropping the demo schema")?;
+    }
+    let _: i64 = redis.del(stream).await.context("deleting the demo stream")?;
+    println!("\ncleaned up (schema {SCHEMA} and stream {stream})");
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! One module per subcommand, and the few things they share: turning global
+//! flags into validated configs and a PostgreSQL connection.
+
+mod demo;
+mod dlq;
+mod migrate;
+mod relay;
+mod stats;
+
+use anyhow::Context;
+use tokio_postgres::{Client, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{Cli, Command, Global};
+use crate::exit::ConfigError;
+
+pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
+    let g = &cli.global;
+    match cli.command {
+        Command::Migrate(args) => migrate::run(g, args).await,
+        Command::Relay(args) => relay::run(g, args).await,
+        Command::Stats(args) => stats::run(g, args).await,
+        Command::Dlq(command) => dlq::run(g, command).await,
+        Command::Demo(args) => demo::run(g, args).await,
+    }
+}
+
+/// The outbox table named by `--schema`, `--table`, `--channel`.
+pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
+    Ok(outbox::Config::new(&g.schema, &g.table)?.with_channel(&g.channel)?)
+}
+
+/// `DATABASE_URL` parsed, with the connect timeout and an application name.
+pub(crate) fn pg_config(g: &Global) -> anyhow::Result<tokio_postgres::Config> {
+    let url = g.database_url.as_deref().ok_or_else(|| {
+        ConfigError("no database given: set DATABASE_URL or pass --database-url".to_owned())
+    })?;
+    parse_pg_url(url, g)
+}
+
+pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<tokio_postgres::Config> {
+    let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+        ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url)))
+    })?;
+    config.connect_timeout(g.connect_timeout);
+    if config.get_application_name().is_none() {
+        config.application_name("outbox");
+    }
+    Ok(config)
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// One connection for a short command; its driver runs in a task.
+pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
+    let (client, connection) = config
+        .connect(NoTls)
+        .await
+        .context("connecting to postgres")?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::warn!(%error, "postgres connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// A token cancelled by the first SIGINT or SIGTERM.
+pub(crate) fn shutdown_token() -> anyhow::Result<CancellationToken> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = CancellationToken::new();
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: finishing the batch in flight"),
+            _ = int.recv() => tracing::info!("SIGINT: finishing the batch in flight"),
+        }
+        cancel.cancel();
+    });
+    Ok(token)
+}

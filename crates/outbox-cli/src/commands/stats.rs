@@ -1,0 +1,74 @@
+//! `outbox stats`: what is waiting, what is dead, and how old the oldest is.
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::cli::{Global, StatsArgs};
+
+#[derive(Debug, Serialize)]
+struct TypeStats {
+    aggregate_type: String,
+    unpublished: i64,
+    dead_letters: i64,
+    oldest_unpublished: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Serialize)]
+struct Stats {
+    table: String,
+    unpublished: i64,
+    dead_letters: i64,
+    oldest_unpublished: Option<DateTime<Utc>>,
+    oldest_unpublished_age_seconds: Option<f64>,
+    by_aggregate_type: Vec<TypeStats>,
+}
+
+pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
+    let config = super::outbox_config(g)?;
+    let client = super::connect(&super::pg_config(g)?).await?;
+    outbox::check(&client, &config).await?;
+    let sql = outbox::sql::OutboxSql::new(&config);
+    let rows = client
+        .query(&sql.stats, &[&g.max_attempts])
+        .await
+        .context("reading outbox statistics")?;
+    let by_type: Vec<TypeStats> = rows
+        .iter()
+        .map(|r| TypeStats {
+            aggregate_type: r.get("aggregate_type"),
+            unpublished: r.get("pending"),
+            dead_letters: r.get("dead"),
+            oldest_unpublished: r.get("oldest_pending"),
+        })
+        .collect();
+    let oldest = by_type.iter().filter_map(|t| t.oldest_unpublished).min();
+    let stats = Stats {
+        table: config.display_name(),
+        unpublished: by_type.iter().map(|t| t.unpublished).sum(),
+        dead_letters: by_type.iter().map(|t| t.dead_letters).sum(),
+        oldest_unpublished: oldest,
+        oldest_unpublished_age_seconds: oldest
+            .map(|o| (Utc::now() - o).num_milliseconds() as f64 / 1000.0),
+        by_aggregate_type: by_type,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+        return Ok(());
+    }
+    println!("outbox {}", stats.table);
+    println!("  unpublished      {}", stats.unpublished);
+    println!("  dead letters     {}", stats.dead_letters);
+    match stats.oldest_unpublished_age_seconds {
+        Some(age) => println!("  oldest unpublished  {age:.1}s ago"),
+        None => println!("  oldest unpublished  -"),
+    }
+    if !stats.by_aggregate_type.is_empty() {
+        println!();
+        println!("  {:<24} {:>12} {:>12}", "aggregate_type", "unpublished", "dead");
+        for t in &stats.by_aggregate_type {
+            println!("  {:<24} {:>12} {:>12}", t.aggregate_type, t.unpublished, t.dead_letters);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,27 @@
+//! `outbox`: the command-line face of the transactional outbox.
+//!
+//! `main` only parses, sets up logging, runs a command and maps its error to
+//! an exit code: 0 success (including a drain after SIGINT/SIGTERM), 1 a
+//! runtime failure, 2 a usage or configuration error.
+
+mod cli;
+mod commands;
+mod exit;
+mod logging;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    logging::init(cli.global.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => return exit::report(&anyhow::Error::new(e).context("starting the tokio runtime")),
+    };
+    match runtime.block_on(commands::run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => exit::report(&e),
+    }
+}

@@ -1,0 +1,25 @@
+//! # outbox-relay
+//!
+//! The relay of the transactional outbox: it claims unpublished rows with
+//! `FOR UPDATE SKIP LOCKED`, hands them to a [`Sink`], and marks what the sink
+//! acknowledged, all in one transaction per batch (see [`relay`] for why that
+//! is at-least-once and never "marked but not sent").
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`relay`] | the loop: wait, claim, deliver, mark, commit |
+//! | `wake` | the session, LISTEN/NOTIFY and the fallback poll |
+//! | [`backoff`] | retry delays and the dead-letter limit |
+//! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
+//! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
+
+pub mod backoff;
+pub mod failpoint;
+pub mod relay;
+pub mod sink;
+mod wake;
+
+pub use backoff::Backoff;
+pub use failpoint::Failpoint;
+pub use relay::{Counters, Relay, RelayConfig, RelayError};
+pub use sink::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};

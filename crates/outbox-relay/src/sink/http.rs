@@ -1,0 +1,205 @@
+//! HTTP sink: one `POST` of a JSON object per event.
+//!
+//! Events of one aggregate are sent in id order, each only after the previous
+//! one was acknowledged; if one fails, the rest of that aggregate in the batch
+//! is held back (not sent, not counted as an attempt) so nothing overtakes
+//! it. Different aggregates are sent concurrently, up to `http_concurrency`.
+//!
+//! Status mapping: 2xx delivered; 408, 429, 5xx, a timeout or a connection
+//! error retryable (a `Retry-After` header sets the earliest next attempt);
+//! any other status permanent, because the receiver refused the event itself.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use outbox::OutboxRow;
+use reqwest::header::{HeaderMap, RETRY_AFTER};
+use reqwest::{Client, StatusCode};
+use serde_json::json;
+use url::Url;
+
+use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
+
+/// Delivers to an HTTP endpoint.
+pub struct HttpSink {
+    client: Client,
+    url: Url,
+    concurrency: usize,
+}
+
+impl HttpSink {
+    /// A sink posting to `url`.
+    pub fn new(url: Url, options: &SinkOptions) -> Result<Self, SinkError> {
+        let client = Client::builder()
+            .timeout(options.timeout)
+            .connect_timeout(options.timeout)
+            .user_agent(concat!("outbox/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| SinkError::InvalidUrl {
+                url: url.to_string(),
+                reason: format!("building the HTTP client: {e}"),
+            })?;
+        Ok(Self {
+            client,
+            url,
+            concurrency: options.http_concurrency.max(1),
+        })
+    }
+
+    async fn send(&self, row: &OutboxRow) -> Delivery {
+        let body = json!({
+            "event_id": row.event_id,
+            "aggregate_type": row.aggregate_type,
+            "aggregate_id": row.aggregate_id,
+            "event_type": row.event_type,
+            "payload": row.payload,
+            "headers": row.headers,
+            "outbox_id": row.id,
+            "created_at": row.created_at,
+        });
+        let response = self
+            .client
+            .post(self.url.clone())
+            .header("Idempotency-Key", row.event_id.to_string())
+            .json(&body)
+            .send()
+            .await;
+        let response = match response {
+            Ok(r) => r,
+            Err(e) if e.is_builder() => {
+                return Err(DeliveryError::permanent(format!("building the request: {e}")));
+            }
+            Err(e) => return Err(DeliveryError::retryable(error_chain(&e))),
+        };
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let message = format!("HTTP {status}");
+        if is_retryable(status) {
+            Err(DeliveryError::Retryable {
+                message,
+                retry_after: retry_after(response.headers()),
+            })
+        } else {
+            Err(DeliveryError::permanent(message))
+        }
+    }
+
+    /// Sends one aggregate's rows in order; after a failure the rest are held back.
+    async fn send_in_order(&self, batch: &[OutboxRow], group: Vec<usize>) -> Vec<(usize, Delivery)> {
+        let mut out = Vec::with_capacity(group.len());
+        let mut failed: Option<i64> = None;
+        for i in group {
+            let row = &batch[i];
+            let delivery = match failed {
+                Some(id) => Err(DeliveryError::HeldBack {
+                    message: format!("held back: earlier event {id} of aggregate failed"),
+                }),
+                None => self.send(row).await,
+            };
+            if delivery.is_err() && failed.is_none() {
+                failed = Some(row.id);
+            }
+            out.push((i, delivery));
+        }
+        out
+    }
+
+    async fn deliver_batch(&self, batch: &[OutboxRow]) -> Vec<Delivery> {
+        // Indices, not references: a stream of borrowed groups trips the
+        // compiler's higher-ranked lifetime inference.
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut index: HashMap<(&str, &str), usize> = HashMap::new();
+        for (i, row) in batch.iter().enumerate() {
+            let key = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
+            let g = *index.entry(key).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[g].push(i);
+        }
+        let mut results: Vec<Option<Delivery>> = vec![None; batch.len()];
+        let mut sent = futures::stream::iter(groups)
+            .map(|g| self.send_in_order(batch, g))
+            .buffer_unordered(self.concurrency);
+        while let Some(group) = sent.next().await {
+            for (i, d) in group {
+                results[i] = Some(d);
+            }
+        }
+        results
+            .into_iter()
+            .map(|d| d.unwrap_or_else(|| Err(DeliveryError::retryable("not sent"))))
+            .collect()
+    }
+}
+
+fn is_retryable(status: StatusCode) -> bool {
+    status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status.is_server_error()
+}
+
+/// `Retry-After` as delta-seconds or an HTTP date.
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+}
+
+/// reqwest's top-level message is often just "error sending request"; the
+/// cause (connection refused, timed out) is what an operator needs.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    message
+}
+
+impl Sink for HttpSink {
+    fn name(&self) -> &'static str {
+        "http"
+    }
+
+    fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
+        self.deliver_batch(batch).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use reqwest::header::HeaderValue;
+
+    use super::*;
+
+    #[test]
+    fn classifies_statuses() {
+        for s in [408, 429, 500, 502, 503] {
+            assert!(is_retryable(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+        for s in [400, 401, 403, 404, 409, 410, 422] {
+            assert!(!is_retryable(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+    }
+
+    #[test]
+    fn parses_retry_after() {
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static("7"));
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(7)));
+        h.insert(RETRY_AFTER, HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"));
+        assert_eq!(retry_after(&h), Some(Duration::ZERO));
+        h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(&h), None);
+    }
+}

@@ -1,0 +1,159 @@
+//! Where events go: the [`Sink`] trait, its per-row outcome and the URL
+//! scheme that picks a sink.
+//!
+//! A sink gets a claimed batch and answers one [`Delivery`] per row, in the
+//! batch's order. `Ok` means the broker or receiver acknowledged the event;
+//! only those rows are marked published. A sink never panics on a broker
+//! failure and never retries on its own: it reports, and the relay schedules
+//! the retry, so every retry is visible in the table (`attempts`,
+//! `last_error`, `next_attempt_at`).
+//!
+//! Adding a sink is one file implementing [`Sink`], one feature, and one arm
+//! in [`from_url`].
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use outbox::OutboxRow;
+
+#[cfg(feature = "http")]
+pub mod http;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+/// The outcome of delivering one row.
+pub type Delivery = Result<(), DeliveryError>;
+
+/// Why a row was not delivered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeliveryError {
+    /// Worth retrying later: connection errors, timeouts, 408, 429, 5xx.
+    #[error("{message}")]
+    Retryable {
+        /// What went wrong, for `last_error`.
+        message: String,
+        /// The earliest next attempt the receiver asked for (`Retry-After`).
+        retry_after: Option<Duration>,
+    },
+    /// The receiver refused the event; retrying will not help. The row
+    /// becomes a dead letter at once.
+    #[error("{message}")]
+    Permanent {
+        /// What went wrong, for `last_error`.
+        message: String,
+    },
+    /// Not sent because an earlier event of the same aggregate failed in this
+    /// batch; sending it would overtake that event. Does not count as an attempt.
+    #[error("{message}")]
+    HeldBack {
+        /// Which earlier event held it back.
+        message: String,
+    },
+}
+
+impl DeliveryError {
+    /// A retryable error with no `Retry-After`.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        Self::Retryable {
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// A permanent error.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self::Permanent {
+            message: message.into(),
+        }
+    }
+
+    /// Whether a later attempt may succeed.
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, Self::Permanent { .. })
+    }
+}
+
+/// A destination for events.
+pub trait Sink: Send + Sync {
+    /// A short name for logs, e.g. `redis`.
+    fn name(&self) -> &'static str;
+
+    /// Delivers `batch` and answers one [`Delivery`] per row, in order. Every
+    /// network call inside must have a timeout.
+    fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>>;
+}
+
+/// Settings shared by the sinks; each uses the ones that concern it.
+#[derive(Debug, Clone)]
+pub struct SinkOptions {
+    /// Redis stream name prefix; the stream is `<prefix>.<aggregate_type>`.
+    pub stream_prefix: String,
+    /// Timeout of one HTTP request, and of one Redis round trip.
+    pub timeout: Duration,
+    /// How many aggregates an HTTP batch sends to at once.
+    pub http_concurrency: usize,
+}
+
+impl Default for SinkOptions {
+    fn default() -> Self {
+        Self {
+            stream_prefix: "outbox.event".to_owned(),
+            timeout: Duration::from_secs(10),
+            http_concurrency: 16,
+        }
+    }
+}
+
+/// A sink URL that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SinkError {
+    /// Not a URL at all.
+    #[error("invalid sink URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The refused value.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// A scheme no compiled-in sink handles.
+    #[error("unknown sink scheme {scheme:?} in {url:?} (known: {known})")]
+    UnknownScheme {
+        /// The scheme.
+        scheme: String,
+        /// The whole value.
+        url: String,
+        /// The schemes this build knows.
+        known: &'static str,
+    },
+}
+
+/// The schemes this build handles, for messages.
+pub const KNOWN_SCHEMES: &str = "redis, rediss, http, https";
+
+/// Builds the sink a URL names. Builds no connection: an unreachable sink is
+/// a delivery failure later, never a startup crash.
+pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkError> {
+    let parsed = url::Url::parse(url).map_err(|e| SinkError::InvalidUrl {
+        url: url.to_owned(),
+        reason: e.to_string(),
+    })?;
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(SinkError::InvalidUrl {
+            url: url.to_owned(),
+            reason: "no host".to_owned(),
+        });
+    }
+    match parsed.scheme() {
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => Ok(Box::new(redis::RedisSink::new(url, options)?)),
+        #[cfg(feature = "http")]
+        "http" | "https" => Ok(Box::new(http::HttpSink::new(parsed, options)?)),
+        scheme => Err(SinkError::UnknownScheme {
+            scheme: scheme.to_owned(),
+            url: url.to_owned(),
+            known: KNOWN_SCHEMES,
+        }),
+    }
+}

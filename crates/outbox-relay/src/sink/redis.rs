@@ -1,0 +1,130 @@
+//! Redis Streams sink: `XADD <prefix>.<aggregate_type> * event_id … payload …`.
+//!
+//! A batch is one pipelined round trip, with per-command results so one bad
+//! stream (say, a key of the wrong type) fails only its own rows. An entry
+//! counts as delivered when Redis answered it with an entry id. The
+//! connection is made lazily and dropped on any connection-level failure, so
+//! a Redis that is down at startup, or restarts, only turns into retries.
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use outbox::OutboxRow;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, RedisResult};
+use tokio::sync::Mutex;
+
+use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
+
+/// Delivers to Redis Streams.
+pub struct RedisSink {
+    client: Client,
+    prefix: String,
+    timeout: Duration,
+    connection: Mutex<Option<MultiplexedConnection>>,
+}
+
+impl RedisSink {
+    /// A sink for `url` (`redis://host:port[/db]` or `rediss://`).
+    pub fn new(url: &str, options: &SinkOptions) -> Result<Self, SinkError> {
+        let client = Client::open(url).map_err(|e| SinkError::InvalidUrl {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            client,
+            prefix: options.stream_prefix.clone(),
+            timeout: options.timeout,
+            connection: Mutex::new(None),
+        })
+    }
+
+    /// The stream a row goes to.
+    pub fn stream_name(&self, row: &OutboxRow) -> String {
+        format!("{}.{}", self.prefix, row.aggregate_type)
+    }
+
+    async fn connection(&self) -> RedisResult<MultiplexedConnection> {
+        let mut slot = self.connection.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        let c = self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    async fn deliver_batch(&self, batch: &[OutboxRow]) -> Vec<Delivery> {
+        let all_failed = |message: String| -> Vec<Delivery> {
+            batch
+                .iter()
+                .map(|_| Err(DeliveryError::retryable(message.clone())))
+                .collect()
+        };
+        let mut conn = match self.connection().await {
+            Ok(c) => c,
+            Err(e) => return all_failed(format!("connecting to redis: {e}")),
+        };
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for row in batch {
+            let payload = row.payload.to_string();
+            let mut fields: Vec<(&str, String)> = vec![
+                ("event_id", row.event_id.to_string()),
+                ("aggregate_id", row.aggregate_id.clone()),
+                ("event_type", row.event_type.clone()),
+                ("payload", payload),
+                ("outbox_id", row.id.to_string()),
+            ];
+            if row.headers.as_object().is_some_and(|h| !h.is_empty()) {
+                fields.push(("headers", row.headers.to_string()));
+            }
+            pipe.xadd(self.stream_name(row), "*", &fields);
+        }
+        let answers: RedisResult<Vec<RedisResult<String>>> = pipe.query_async(&mut conn).await;
+        match answers {
+            Ok(answers) if answers.len() == batch.len() => answers
+                .into_iter()
+                .map(|a| a.map(drop).map_err(|e| classify(&e)))
+                .collect(),
+            Ok(answers) => all_failed(format!(
+                "redis answered {} of {} commands",
+                answers.len(),
+                batch.len()
+            )),
+            Err(e) => {
+                // The connection may be broken; make a new one next batch.
+                *self.connection.lock().await = None;
+                all_failed(format!("redis pipeline: {e}"))
+            }
+        }
+    }
+}
+
+/// A command error Redis itself returned. Only a wrong key type is known to be
+/// hopeless; anything else (OOM, LOADING, READONLY) is worth a retry.
+fn classify(e: &redis::RedisError) -> DeliveryError {
+    let message = format!("redis XADD: {e}");
+    if e.code() == Some("WRONGTYPE") {
+        DeliveryError::permanent(message)
+    } else {
+        DeliveryError::retryable(message)
+    }
+}
+
+impl Sink for RedisSink {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
+        self.deliver_batch(batch).boxed()
+    }
+}

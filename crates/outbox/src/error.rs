@@ -1,0 +1,98 @@
+//! The library's one error type.
+//!
+//! Callers branch on [`Error::is_config`] (a setting or the schema is wrong;
+//! retrying will not help) rather than on message text. Messages are lowercase
+//! and say what was being done, with the driver error kept as the source.
+
+/// Everything the writer, inbox and migrations can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A schema, table or channel name is not a plain SQL identifier.
+    #[error(
+        "invalid {what} value {name:?}: expected a lowercase SQL identifier ([a-z_][a-z0-9_]*, at most 63 bytes)"
+    )]
+    InvalidIdentifier {
+        /// The flag or setting the name came from.
+        what: &'static str,
+        /// The refused name.
+        name: String,
+    },
+    /// An event is missing a required field or is too large.
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
+    /// The outbox or inbox table has not been created yet.
+    #[error("{table} is not migrated (found schema version {found}, this binary needs {needed}); run `outbox migrate`")]
+    NotMigrated {
+        /// The qualified table name.
+        table: String,
+        /// The version found in the database (0 = none).
+        found: i32,
+        /// The version this binary needs.
+        needed: i32,
+    },
+    /// The database was migrated by a newer release than this one.
+    #[error("{table} has schema version {found}, newer than this binary knows ({known}); upgrade outbox")]
+    SchemaTooNew {
+        /// The qualified table name.
+        table: String,
+        /// The version found in the database.
+        found: i32,
+        /// The newest version this binary knows.
+        known: i32,
+    },
+    /// A migration that was already applied has different contents now.
+    #[error("migration {version} ({name}) of {table} was changed after it was applied (checksum mismatch)")]
+    MigrationChanged {
+        /// The qualified table name.
+        table: String,
+        /// The migration's number.
+        version: i32,
+        /// The migration's name.
+        name: String,
+    },
+    /// A statement failed in tokio-postgres.
+    #[cfg(feature = "tokio-postgres")]
+    #[error("{doing}")]
+    Postgres {
+        /// What was being done.
+        doing: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A statement failed in sqlx.
+    #[cfg(feature = "sqlx")]
+    #[error("{doing}")]
+    Sqlx {
+        /// What was being done.
+        doing: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+impl Error {
+    /// True when the error comes from configuration or schema state, which a
+    /// retry cannot fix (the CLI exits 2 for these).
+    pub fn is_config(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidIdentifier { .. }
+                | Error::NotMigrated { .. }
+                | Error::SchemaTooNew { .. }
+                | Error::MigrationChanged { .. }
+        )
+    }
+
+    #[cfg(feature = "tokio-postgres")]
+    pub(crate) fn pg(doing: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Error {
+        move |source| Error::Postgres { doing, source }
+    }
+
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn sqlx(doing: &'static str) -> impl FnOnce(sqlx::Error) -> Error {
+        move |source| Error::Sqlx { doing, source }
+    }
+}

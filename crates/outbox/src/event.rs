@@ -1,0 +1,138 @@
+//! The event as the writer builds it ([`Event`]) and as the relay claims it
+//! ([`OutboxRow`]).
+//!
+//! An event's identity is its `event_id`, chosen when the event is built (a
+//! random UUID unless the caller brings one), so the writer can return it
+//! without a round trip and every sink and inbox deduplicates on the same key.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use crate::Error;
+
+/// An event to be written into the outbox in the caller's transaction.
+///
+/// ```
+/// use outbox::Event;
+/// use serde_json::json;
+///
+/// let event = Event::new("orders", "42", "OrderCreated", json!({"order_id": 42}))
+///     .with_header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+/// assert_eq!(event.aggregate_type, "orders");
+/// assert_eq!(event.headers["traceparent"], "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// The idempotency key that consumers deduplicate on.
+    pub event_id: Uuid,
+    /// The kind of aggregate, e.g. `orders`; sinks derive stream and topic names from it.
+    pub aggregate_type: String,
+    /// The aggregate's id: the unit of ordering.
+    pub aggregate_id: String,
+    /// What happened, e.g. `OrderCreated`.
+    pub event_type: String,
+    /// The event body; keep it small (ids, change kind, key facts, schema version).
+    pub payload: Value,
+    /// Trace context and user metadata, carried to every sink.
+    pub headers: Map<String, Value>,
+}
+
+impl Event {
+    /// An event with a fresh random `event_id` and no headers.
+    pub fn new(
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: Value,
+    ) -> Self {
+        Self {
+            event_id: Uuid::new_v4(),
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: event_type.into(),
+            payload,
+            headers: Map::new(),
+        }
+    }
+
+    /// Uses the caller's `event_id`, e.g. one derived from an incoming request
+    /// so a retried request produces the same event.
+    pub fn with_event_id(mut self, event_id: Uuid) -> Self {
+        self.event_id = event_id;
+        self
+    }
+
+    /// Adds one header.
+    pub fn with_header(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.headers.insert(key.into(), value.into());
+        self
+    }
+
+    /// Replaces all headers.
+    pub fn with_headers(mut self, headers: Map<String, Value>) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Refuses events that no sink could route: sinks name streams, subjects
+    /// and topics after `aggregate_type`, and order by `aggregate_id`.
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        for (field, value) in [
+            ("aggregate_type", &self.aggregate_type),
+            ("aggregate_id", &self.aggregate_id),
+            ("event_type", &self.event_type),
+        ] {
+            if value.is_empty() {
+                return Err(Error::InvalidEvent(format!("{field} is empty")));
+            }
+            if value.contains('\0') {
+                return Err(Error::InvalidEvent(format!("{field} contains a NUL byte")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An unpublished row as the relay claims it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutboxRow {
+    /// The row's position in the outbox; delivery order follows it.
+    pub id: i64,
+    /// The idempotency key.
+    pub event_id: Uuid,
+    /// See [`Event::aggregate_type`].
+    pub aggregate_type: String,
+    /// See [`Event::aggregate_id`].
+    pub aggregate_id: String,
+    /// See [`Event::event_type`].
+    pub event_type: String,
+    /// See [`Event::payload`].
+    pub payload: Value,
+    /// See [`Event::headers`].
+    pub headers: Value,
+    /// When the writer inserted the row (`clock_timestamp()`).
+    pub created_at: DateTime<Utc>,
+    /// Failed deliveries so far.
+    pub attempts: i32,
+}
+
+#[cfg(feature = "tokio-postgres")]
+impl TryFrom<&tokio_postgres::Row> for OutboxRow {
+    type Error = tokio_postgres::Error;
+
+    fn try_from(row: &tokio_postgres::Row) -> Result<Self, Self::Error> {
+        Ok(Self {
+            id: row.try_get("id")?,
+            event_id: row.try_get("event_id")?,
+            aggregate_type: row.try_get("aggregate_type")?,
+            aggregate_id: row.try_get("aggregate_id")?,
+            event_type: row.try_get("event_type")?,
+            payload: row.try_get("payload")?,
+            headers: row.try_get("headers")?,
+            created_at: row.try_get("created_at")?,
+            attempts: row.try_get("attempts")?,
+        })
+    }
+}

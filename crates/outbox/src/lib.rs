@@ -1,0 +1,61 @@
+//! # outbox
+//!
+//! A transactional outbox for PostgreSQL. Writing a business row and sending a
+//! message touch two systems, and no order of the two survives a crash. The
+//! outbox pattern writes the event into a table in the *same transaction* as
+//! the business change; a separate relay (the `outbox relay` command, crate
+//! `outbox-relay`) delivers it afterwards and marks it published; consumers
+//! deduplicate on the event's id through an [`Inbox`].
+//!
+//! This crate is what applications add:
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`Event`], [`OutboxRow`] | the event as written and as claimed |
+//! | [`Outbox`] | the writer: `enqueue`, `enqueue_all` in your transaction |
+//! | [`Inbox`] | the idempotent consumer: record + side effect in one transaction |
+//! | [`migrate`], [`migrate_inbox`], [`check`] | versioned, embedded migrations |
+//! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
+//! | [`sql`] | every statement, named |
+//!
+//! | feature | default | gives |
+//! |---|---|---|
+//! | `tokio-postgres` | yes | writer, inbox and migrations on any `GenericClient` |
+//! | `sqlx` | no | writer and inbox on `&mut PgConnection` |
+//!
+//! ```no_run
+//! # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox::{Config, Event, Outbox};
+//! use serde_json::json;
+//!
+//! outbox::migrate(client, &Config::default()).await?; // idempotent
+//! let outbox = Outbox::default();
+//! let tx = client.transaction().await?;
+//! tx.execute("INSERT INTO orders (id) VALUES (42)", &[]).await?;
+//! outbox.enqueue(&tx, &Event::new("orders", "42", "OrderCreated", json!({"order_id": 42}))).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod error;
+mod event;
+mod ident;
+mod inbox;
+mod schema;
+pub mod sql;
+mod writer;
+
+pub use config::{Config, InboxConfig};
+pub use error::Error;
+pub use event::{Event, OutboxRow};
+pub use ident::Ident;
+pub use inbox::{Inbox, Processed, Record};
+#[cfg(feature = "tokio-postgres")]
+pub use schema::{check, check_inbox, migrate, migrate_inbox};
+pub use schema::{INBOX_VERSION, MigrationReport, OUTBOX_VERSION};
+#[cfg(feature = "tokio-postgres")]
+pub use writer::{enqueue, enqueue_all};
+pub use writer::Outbox;
+#[cfg(feature = "sqlx")]
+pub use writer::sqlx;

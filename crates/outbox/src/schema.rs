@@ -1,0 +1,293 @@
+//! Embedded, versioned migrations for the outbox and the inbox.
+//!
+//! Each table keeps its own ledger, `<table>_migrations` in the same schema,
+//! with one row per applied migration and its checksum. [`migrate`] takes a
+//! transaction-scoped advisory lock so concurrent runs serialise, refuses a
+//! ledger that is newer than this binary or whose checksums changed, and
+//! applies what is missing in one transaction: re-running is a no-op.
+//! [`check`] is what the relay runs at startup to refuse an unmigrated or too
+//! new database before it touches a row.
+//!
+//! Migrations are numbered files under `migrations/`, never edited once
+//! released. Their text names tables through `{placeholders}` filled with
+//! quoted [`Ident`](crate::Ident)s.
+
+use sha2::{Digest, Sha256};
+
+use crate::{Config, Error, Ident, InboxConfig};
+
+/// One numbered migration.
+#[derive(Debug)]
+struct Migration {
+    version: i32,
+    name: &'static str,
+    template: &'static str,
+}
+
+const OUTBOX_MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "create_outbox",
+    template: include_str!("../migrations/outbox/0001_create_outbox.sql"),
+}];
+
+const INBOX_MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "create_processed_events",
+    template: include_str!("../migrations/inbox/0001_create_processed_events.sql"),
+}];
+
+/// The outbox schema version this binary writes and expects.
+pub const OUTBOX_VERSION: i32 = 1;
+/// The inbox schema version this binary writes and expects.
+pub const INBOX_VERSION: i32 = 1;
+
+/// What one [`migrate`] or [`migrate_inbox`] call did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// `schema.table` that was migrated.
+    pub table: String,
+    /// Migrations applied by this call, as `(version, name)`; empty when the
+    /// schema was already current.
+    pub applied: Vec<(i32, &'static str)>,
+    /// The schema version after the call.
+    pub version: i32,
+}
+
+/// A table with its migrations and the values for their placeholders.
+struct Target {
+    schema: Ident,
+    table: Ident,
+    migrations: &'static [Migration],
+    vars: Vec<(&'static str, String)>,
+}
+
+impl Target {
+    fn outbox(config: &Config) -> Result<Self, Error> {
+        let t = &config.table;
+        let s = config.schema.quoted();
+        Ok(Self {
+            schema: config.schema.clone(),
+            table: t.clone(),
+            migrations: OUTBOX_MIGRATIONS,
+            vars: vec![
+                ("{table}", config.qualified()),
+                ("{unpublished_idx}", t.suffixed("--table", "_unpublished_idx")?.quoted()),
+                ("{notify_fn}", format!("{s}.{}", t.suffixed("--table", "_notify")?.quoted())),
+                ("{notify_trigger}", t.suffixed("--table", "_notify")?.quoted()),
+                // A string literal; identifiers cannot contain a quote.
+                ("{channel}", config.channel.as_str().to_owned()),
+            ],
+        })
+    }
+
+    fn inbox(config: &InboxConfig) -> Result<Self, Error> {
+        let t = &config.table;
+        Ok(Self {
+            schema: config.schema.clone(),
+            table: t.clone(),
+            migrations: INBOX_MIGRATIONS,
+            vars: vec![
+                ("{table}", config.qualified()),
+                ("{processed_at_idx}", t.suffixed("--inbox-table", "_processed_at_idx")?.quoted()),
+            ],
+        })
+    }
+
+    fn display_name(&self) -> String {
+        format!("{}.{}", self.schema, self.table)
+    }
+
+    fn ledger(&self) -> Result<String, Error> {
+        Ok(format!(
+            "{}.{}",
+            self.schema.quoted(),
+            self.table.suffixed("--table", "_migrations")?.quoted()
+        ))
+    }
+
+    fn render(&self, m: &Migration) -> String {
+        self.vars
+            .iter()
+            .fold(m.template.to_owned(), |sql, (k, v)| sql.replace(k, v))
+    }
+
+    fn latest(&self) -> i32 {
+        self.migrations.last().map_or(0, |m| m.version)
+    }
+}
+
+fn checksum(m: &Migration) -> String {
+    Sha256::digest(m.template.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[cfg(feature = "tokio-postgres")]
+mod pg {
+    use tokio_postgres::{Client, GenericClient};
+
+    use super::*;
+
+    /// Creates or upgrades the outbox table, its partial index and NOTIFY trigger.
+    ///
+    /// ```no_run
+    /// # async fn run(client: &mut tokio_postgres::Client) -> Result<(), outbox::Error> {
+    /// let report = outbox::migrate(client, &outbox::Config::default()).await?;
+    /// println!("{} is at version {}", report.table, report.version);
+    /// # Ok(()) }
+    /// ```
+    pub async fn migrate(client: &mut Client, config: &Config) -> Result<MigrationReport, Error> {
+        run(client, &Target::outbox(config)?).await
+    }
+
+    /// Creates or upgrades the consumer's processed-events table.
+    pub async fn migrate_inbox(
+        client: &mut Client,
+        config: &InboxConfig,
+    ) -> Result<MigrationReport, Error> {
+        run(client, &Target::inbox(config)?).await
+    }
+
+    /// Fails with [`Error::NotMigrated`] or [`Error::SchemaTooNew`] unless the
+    /// outbox table is at exactly this binary's version.
+    pub async fn check(client: &impl GenericClient, config: &Config) -> Result<(), Error> {
+        check_target(client, &Target::outbox(config)?).await
+    }
+
+    /// Like [`check`], for the inbox table.
+    pub async fn check_inbox(client: &impl GenericClient, config: &InboxConfig) -> Result<(), Error> {
+        check_target(client, &Target::inbox(config)?).await
+    }
+
+    async fn current_version(client: &impl GenericClient, target: &Target) -> Result<i32, Error> {
+        let ledger = target.ledger()?;
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&ledger])
+            .await
+            .map_err(Error::pg("looking up the migrations table"))?
+            .get(0);
+        if !exists {
+            return Ok(0);
+        }
+        let sql = format!("SELECT coalesce(max(version), 0) FROM {ledger}");
+        Ok(client
+            .query_one(&sql, &[])
+            .await
+            .map_err(Error::pg("reading the schema version"))?
+            .get(0))
+    }
+
+    async fn check_target(client: &impl GenericClient, target: &Target) -> Result<(), Error> {
+        let found = current_version(client, target).await?;
+        let known = target.latest();
+        if found > known {
+            return Err(Error::SchemaTooNew { table: target.display_name(), found, known });
+        }
+        if found < known {
+            return Err(Error::NotMigrated { table: target.display_name(), found, needed: known });
+        }
+        Ok(())
+    }
+
+    async fn run(client: &mut Client, target: &Target) -> Result<MigrationReport, Error> {
+        let ledger = target.ledger()?;
+        let tx = client
+            .transaction()
+            .await
+            .map_err(Error::pg("starting the migration transaction"))?;
+        // Serialises concurrent `outbox migrate` runs against the same table.
+        tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&ledger])
+            .await
+            .map_err(Error::pg("taking the migration lock"))?;
+        tx.batch_execute(&format!(
+            "CREATE SCHEMA IF NOT EXISTS {schema};
+             CREATE TABLE IF NOT EXISTS {ledger} (
+                 version    integer     PRIMARY KEY,
+                 name       text        NOT NULL,
+                 checksum   text        NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now()
+             );",
+            schema = target.schema.quoted()
+        ))
+        .await
+        .map_err(Error::pg("creating the migrations table"))?;
+
+        let applied = tx
+            .query(&format!("SELECT version, checksum FROM {ledger} ORDER BY version"), &[])
+            .await
+            .map_err(Error::pg("reading applied migrations"))?;
+        let mut version = 0;
+        for row in &applied {
+            let v: i32 = row.get(0);
+            let sum: String = row.get(1);
+            let Some(m) = target.migrations.iter().find(|m| m.version == v) else {
+                return Err(Error::SchemaTooNew {
+                    table: target.display_name(),
+                    found: v,
+                    known: target.latest(),
+                });
+            };
+            if checksum(m) != sum {
+                return Err(Error::MigrationChanged {
+                    table: target.display_name(),
+                    version: v,
+                    name: m.name.to_owned(),
+                });
+            }
+            version = version.max(v);
+        }
+
+        let mut report = MigrationReport {
+            table: target.display_name(),
+            applied: Vec::new(),
+            version,
+        };
+        for m in target.migrations.iter().filter(|m| m.version > version) {
+            tx.batch_execute(&target.render(m))
+                .await
+                .map_err(Error::pg("applying a migration"))?;
+            tx.execute(
+                &format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"),
+                &[&m.version, &m.name, &checksum(m)],
+            )
+            .await
+            .map_err(Error::pg("recording a migration"))?;
+            report.applied.push((m.version, m.name));
+            report.version = m.version;
+        }
+        tx.commit()
+            .await
+            .map_err(Error::pg("committing the migration"))?;
+        Ok(report)
+    }
+}
+
+#[cfg(feature = "tokio-postgres")]
+pub use pg::{check, check_inbox, migrate, migrate_inbox};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_placeholder() {
+        let target = Target::outbox(&Config::new("app", "events").unwrap()).unwrap();
+        for m in target.migrations {
+            let sql = target.render(m);
+            assert!(!sql.contains("{table}") && !sql.contains("_idx}"), "{sql}");
+            assert!(sql.contains("\"app\".\"events\""));
+            assert!(sql.contains("('outbox_new')"));
+        }
+        assert_eq!(target.latest(), OUTBOX_VERSION);
+        let inbox = Target::inbox(&InboxConfig::default()).unwrap();
+        assert_eq!(inbox.latest(), INBOX_VERSION);
+    }
+
+    #[test]
+    fn derived_names_are_validated() {
+        let long = "a".repeat(60);
+        let config = Config::new("public", &long).unwrap();
+        assert!(Target::outbox(&config).is_err());
+    }
+}

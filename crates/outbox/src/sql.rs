@@ -1,0 +1,147 @@
+//! Every statement the outbox runs, named, rendered once per table.
+//!
+//! Table names cannot be bind parameters, so each statement is a template
+//! whose `{t}` is replaced by the validated, quoted table name when a
+//! [`OutboxSql`] or [`InboxSql`] is built (at startup), never per call.
+//! Values are always bind parameters. Each statement notes the index it needs.
+
+use crate::{Config, InboxConfig};
+
+/// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
+const ROW_COLUMNS: &str =
+    "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
+
+/// `$1..$6`: one event. Returns nothing: the event_id is chosen by the writer.
+const INSERT_EVENT: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload, headers) \
+     VALUES ($1, $2, $3, $4, $5, $6)";
+
+/// Arrays of the same columns: a whole batch in one round trip. `ORDER BY
+/// ord` keeps ids in the caller's order, which is the delivery order.
+const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload, headers) \
+     SELECT e.event_id, e.aggregate_type, e.aggregate_id, e.event_type, e.payload, e.headers \
+       FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[]) \
+            WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
+      ORDER BY e.ord";
+
+/// `$1` max attempts, `$2` batch size. Walks the partial index
+/// `<table>_unpublished_idx (id) WHERE published_at IS NULL` in id order and
+/// skips rows another relay holds; the locks end with the transaction, so a
+/// crashed relay leaves nothing claimed.
+const CLAIM_BATCH: &str = "SELECT {cols} FROM {t} \
+      WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
+      ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
+
+/// `$1` ids the sink acknowledged. Primary key lookups.
+const MARK_PUBLISHED: &str =
+    "UPDATE {t} SET published_at = clock_timestamp() WHERE id = ANY($1::int8[]) AND published_at IS NULL";
+
+/// Parallel arrays: id, last_error, new attempts, delay in milliseconds until
+/// the next attempt. One statement for every failed row of a batch.
+const MARK_FAILED: &str = "UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
+            next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond' \
+       FROM unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
+      WHERE o.id = f.id AND o.published_at IS NULL";
+
+/// `$1` max attempts. Unpublished rows per aggregate type: pending, dead
+/// letters, oldest pending. Scans the partial index only.
+const STATS: &str = "SELECT aggregate_type, \
+            count(*) FILTER (WHERE attempts < $1) AS pending, \
+            count(*) FILTER (WHERE attempts >= $1) AS dead, \
+            min(created_at) FILTER (WHERE attempts < $1) AS oldest_pending \
+       FROM {t} WHERE published_at IS NULL GROUP BY aggregate_type ORDER BY aggregate_type";
+
+/// `$1` max attempts, `$2` limit. Dead letters oldest first.
+const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at \
+       FROM {t} WHERE published_at IS NULL AND attempts >= $1 ORDER BY id LIMIT $2";
+
+/// The dead-letter filter shared by requeue and its dry run: `$1` max
+/// attempts, `$2` ids or NULL, `$3` aggregate type or NULL, `$4` text the
+/// last error contains, or NULL.
+const DEAD_FILTER: &str = "published_at IS NULL AND attempts >= $1 \
+        AND ($2::int8[] IS NULL OR id = ANY($2::int8[])) \
+        AND ($3::text IS NULL OR aggregate_type = $3::text) \
+        AND ($4::text IS NULL OR strpos(last_error, $4::text) > 0)";
+
+/// Puts matching dead letters back in line; `last_error` stays for the record.
+const REQUEUE_DEAD: &str =
+    "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp() WHERE {dead}";
+
+/// What [`REQUEUE_DEAD`] would touch.
+const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";
+
+/// `$1` channel. Wakes relays after a requeue, which the insert trigger does not see.
+pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, '')";
+
+/// `$1` event_id. The inbox's whole trick: a conflict means "seen before".
+const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (event_id) DO NOTHING";
+
+/// The outbox statements for one table.
+#[derive(Debug, Clone)]
+#[allow(missing_docs)] // Each field is the constant of the same name above.
+pub struct OutboxSql {
+    pub insert_event: String,
+    pub insert_events: String,
+    pub claim_batch: String,
+    pub mark_published: String,
+    pub mark_failed: String,
+    pub stats: String,
+    pub list_dead: String,
+    pub requeue_dead: String,
+    pub count_dead: String,
+    pub notify: &'static str,
+}
+
+impl OutboxSql {
+    /// Renders every statement for `config`'s table.
+    pub fn new(config: &Config) -> Self {
+        let t = config.qualified();
+        let render = |template: &str| {
+            template
+                .replace("{dead}", DEAD_FILTER)
+                .replace("{cols}", ROW_COLUMNS)
+                .replace("{t}", &t)
+        };
+        Self {
+            insert_event: render(INSERT_EVENT),
+            insert_events: render(INSERT_EVENTS),
+            claim_batch: render(CLAIM_BATCH),
+            mark_published: render(MARK_PUBLISHED),
+            mark_failed: render(MARK_FAILED),
+            stats: render(STATS),
+            list_dead: render(LIST_DEAD),
+            requeue_dead: render(REQUEUE_DEAD),
+            count_dead: render(COUNT_DEAD),
+            notify: NOTIFY,
+        }
+    }
+}
+
+/// The inbox statements for one processed-events table.
+#[derive(Debug, Clone)]
+pub struct InboxSql {
+    /// See `INBOX_RECORD`.
+    pub record: String,
+}
+
+impl InboxSql {
+    /// Renders the statements for `config`'s table.
+    pub fn new(config: &InboxConfig) -> Self {
+        Self {
+            record: INBOX_RECORD.replace("{t}", &config.qualified()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_quoted_names_and_no_placeholders() {
+        let sql = OutboxSql::new(&Config::new("app", "events").unwrap());
+        for s in [&sql.claim_batch, &sql.requeue_dead, &sql.count_dead, &sql.insert_events] {
+            assert!(s.contains("\"app\".\"events\""), "{s}");
+            assert!(!s.contains('{'), "{s}");
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The writer: puts events into the outbox inside the caller's transaction.
+//!
+//! It never begins, commits or rolls back, and never talks to a sink: the
+//! event becomes visible to the relay exactly when the caller's business
+//! change commits, and vanishes with it on rollback. That is the whole answer
+//! to the dual-write problem.
+
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::sql::OutboxSql;
+use crate::{Config, Error, Event};
+
+/// A handle on one outbox table, holding its rendered statements.
+///
+/// Build it once (it renders SQL) and share it; it is cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    config: Config,
+    sql: OutboxSql,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new(Config::default())
+    }
+}
+
+/// Columns of a batch as arrays, the shape `INSERT_EVENTS` binds.
+struct Columns {
+    ids: Vec<Uuid>,
+    types: Vec<String>,
+    aggregates: Vec<String>,
+    event_types: Vec<String>,
+    payloads: Vec<Value>,
+    headers: Vec<Value>,
+}
+
+impl Columns {
+    fn of(events: &[Event]) -> Result<Self, Error> {
+        let mut c = Columns {
+            ids: Vec::with_capacity(events.len()),
+            types: Vec::with_capacity(events.len()),
+            aggregates: Vec::with_capacity(events.len()),
+            event_types: Vec::with_capacity(events.len()),
+            payloads: Vec::with_capacity(events.len()),
+            headers: Vec::with_capacity(events.len()),
+        };
+        for e in events {
+            e.validate()?;
+            c.ids.push(e.event_id);
+            c.types.push(e.aggregate_type.clone());
+            c.aggregates.push(e.aggregate_id.clone());
+            c.event_types.push(e.event_type.clone());
+            c.payloads.push(e.payload.clone());
+            c.headers.push(Value::Object(e.headers.clone()));
+        }
+        Ok(c)
+    }
+}
+
+impl Outbox {
+    /// A writer for `config`'s table.
+    pub fn new(config: Config) -> Self {
+        let sql = OutboxSql::new(&config);
+        Self { config, sql }
+    }
+
+    /// The table this writer inserts into.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The rendered statements, for the relay and operator commands.
+    pub fn sql(&self) -> &OutboxSql {
+        &self.sql
+    }
+}
+
+#[cfg(feature = "tokio-postgres")]
+mod pg {
+    use serde_json::Value;
+    use tokio_postgres::GenericClient;
+    use uuid::Uuid;
+
+    use super::{Columns, Outbox};
+    use crate::{Error, Event};
+
+    impl Outbox {
+        /// Inserts one event in `client`'s transaction and returns its `event_id`.
+        ///
+        /// ```no_run
+        /// # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+        /// use outbox::{Event, Outbox};
+        /// use serde_json::json;
+        ///
+        /// let outbox = Outbox::default();
+        /// let tx = client.transaction().await?;
+        /// tx.execute("INSERT INTO orders (id, total) VALUES ($1, $2)", &[&42_i64, &990_i64]).await?;
+        /// outbox
+        ///     .enqueue(&tx, &Event::new("orders", "42", "OrderCreated", json!({"order_id": 42})))
+        ///     .await?;
+        /// tx.commit().await?; // the order and its event become visible together
+        /// # Ok(()) }
+        /// ```
+        pub async fn enqueue<C: GenericClient>(&self, client: &C, event: &Event) -> Result<Uuid, Error> {
+            event.validate()?;
+            let headers = Value::Object(event.headers.clone());
+            client
+                .execute(
+                    &self.sql.insert_event,
+                    &[
+                        &event.event_id,
+                        &event.aggregate_type,
+                        &event.aggregate_id,
+                        &event.event_type,
+                        &event.payload,
+                        &headers,
+                    ],
+                )
+                .await
+                .map_err(Error::pg("inserting an event into the outbox"))?;
+            Ok(event.event_id)
+        }
+
+        /// Inserts many events in one round trip, in order, and returns their
+        /// `event_id`s.
+        pub async fn enqueue_all<C: GenericClient>(
+            &self,
+            client: &C,
+            events: &[Event],
+        ) -> Result<Vec<Uuid>, Error> {
+            if events.is_empty() {
+                return Ok(Vec::new());
+            }
+            let c = Columns::of(events)?;
+            client
+                .execute(
+                    &self.sql.insert_events,
+                    &[&c.ids, &c.types, &c.aggregates, &c.event_types, &c.payloads, &c.headers],
+                )
+                .await
+                .map_err(Error::pg("inserting events into the outbox"))?;
+            Ok(c.ids)
+        }
+    }
+
+    /// [`Outbox::enqueue`] on the default table `public.outbox`.
+    pub async fn enqueue<C: GenericClient>(client: &C, event: &Event) -> Result<Uuid, Error> {
+        Outbox::default().enqueue(client, event).await
+    }
+
+    /// [`Outbox::enqueue_all`] on the default table `public.outbox`.
+    pub async fn enqueue_all<C: GenericClient>(client: &C, events: &[Event]) -> Result<Vec<Uuid>, Error> {
+        Outbox::default().enqueue_all(client, events).await
+    }
+}
+
+#[cfg(feature = "tokio-postgres")]
+pub use pg::{enqueue, enqueue_all};
+
+/// The writer for sqlx, on any `&mut PgConnection` (a transaction derefs to one).
+#[cfg(feature = "sqlx")]
+pub mod sqlx {
+    use serde_json::Value;
+    use sqlx::PgConnection;
+    use uuid::Uuid;
+
+    use super::{Columns, Outbox};
+    use crate::{Error, Event};
+
+    impl Outbox {
+        /// Inserts one event through sqlx and returns its `event_id`.
+        ///
+        /// ```no_run
+        /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+        /// use outbox::{Event, Outbox};
+        /// use serde_json::json;
+        ///
+        /// let mut tx = pool.begin().await?;
+        /// sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind(42_i64).execute(&mut *tx).await?;
+        /// Outbox::default()
+        ///     .enqueue_sqlx(&mut tx, &Event::new("orders", "42", "OrderCreated", json!({"order_id": 42})))
+        ///     .await?;
+        /// tx.commit().await?;
+        /// # Ok(()) }
+        /// ```
+        pub async fn enqueue_sqlx(&self, conn: &mut PgConnection, event: &Event) -> Result<Uuid, Error> {
+            event.validate()?;
+            sqlx::query(&self.sql.insert_event)
+                .bind(event.event_id)
+                .bind(&event.aggregate_type)
+                .bind(&event.aggregate_id)
+                .bind(&event.event_type)
+                .bind(&event.payload)
+                .bind(Value::Object(event.headers.clone()))
+                .execute(conn)
+                .await
+                .map_err(Error::sqlx("inserting an event into the outbox"))?;
+            Ok(event.event_id)
+        }
+
+        /// Inserts many events through sqlx in one round trip.
+        pub async fn enqueue_all_sqlx(
+            &self,
+            conn: &mut PgConnection,
+            events: &[Event],
+        ) -> Result<Vec<Uuid>, Error> {
+            if events.is_empty() {
+                return Ok(Vec::new());
+            }
+            let c = Columns::of(events)?;
+            sqlx::query(&self.sql.insert_events)
+                .bind(&c.ids)
+                .bind(&c.types)
+                .bind(&c.aggregates)
+                .bind(&c.event_types)
+                .bind(&c.payloads)
+                .bind(&c.headers)
+                .execute(conn)
+                .await
+                .map_err(Error::sqlx("inserting events into the outbox"))?;
+            Ok(c.ids)
+        }
+    }
+
+    /// [`Outbox::enqueue_sqlx`] on the default table `public.outbox`.
+    pub async fn enqueue(conn: &mut PgConnection, event: &Event) -> Result<Uuid, Error> {
+        Outbox::default().enqueue_sqlx(conn, event).await
+    }
+
+    /// [`Outbox::enqueue_all_sqlx`] on the default table `public.outbox`.
+    pub async fn enqueue_all(conn: &mut PgConnection, events: &[Event]) -> Result<Vec<Uuid>, Error> {
+        Outbox::default().enqueue_all_sqlx(conn, events).await
+    }
+}
