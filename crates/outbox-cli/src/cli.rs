@@ -49,7 +49,13 @@ pub(crate) struct Global {
           value_parser = humantime::parse_duration, global = true)]
     pub(crate) connect_timeout: Duration,
     /// Log format.
-    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value = "human", global = true)]
+    #[arg(
+        long,
+        env = "OUTBOX_LOG_FORMAT",
+        value_enum,
+        default_value = "human",
+        global = true
+    )]
     pub(crate) log_format: LogFormat,
 }
 

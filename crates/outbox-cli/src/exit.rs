@@ -22,8 +22,12 @@ fn is_config(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
         cause.is::<ConfigError>()
             || cause.is::<SinkError>()
-            || cause.downcast_ref::<outbox::Error>().is_some_and(outbox::Error::is_config)
-            || cause.downcast_ref::<RelayError>().is_some_and(RelayError::is_config)
+            || cause
+                .downcast_ref::<outbox::Error>()
+                .is_some_and(outbox::Error::is_config)
+            || cause
+                .downcast_ref::<RelayError>()
+                .is_some_and(RelayError::is_config)
     })
 }
 
@@ -33,5 +37,9 @@ pub(crate) fn report(e: &anyhow::Error) -> ExitCode {
     for cause in e.chain().skip(1) {
         eprintln!("caused by: {cause}");
     }
-    if is_config(e) { ExitCode::from(2) } else { ExitCode::from(1) }
+    if is_config(e) {
+        ExitCode::from(2)
+    } else {
+        ExitCode::from(1)
+    }
 }

@@ -72,7 +72,10 @@ mod tests {
         let b = Backoff::default();
         for _ in 0..1000 {
             let d = b.delay(2);
-            assert!(d >= Duration::from_millis(400) && d < Duration::from_millis(440), "{d:?}");
+            assert!(
+                d >= Duration::from_millis(400) && d < Duration::from_millis(440),
+                "{d:?}"
+            );
         }
     }
 }

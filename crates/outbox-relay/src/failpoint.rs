@@ -33,7 +33,10 @@ impl FromStr for Failpoint {
 impl Failpoint {
     /// Logs and never returns.
     pub(crate) async fn park(self, rows: usize) {
-        tracing::warn!(rows, "failpoint pause-after-deliver reached; parked before marking");
+        tracing::warn!(
+            rows,
+            "failpoint pause-after-deliver reached; parked before marking"
+        );
         std::future::pending::<()>().await;
     }
 }

@@ -126,6 +126,8 @@ struct Failures {
     errors: Vec<String>,
     attempts: Vec<i32>,
     delay_ms: Vec<f64>,
+    /// The shortest retry delay among rows that are not dead letters.
+    soonest: Option<Duration>,
 }
 
 /// The relay. Build with [`Relay::new`], run with [`Relay::run`].
@@ -230,7 +232,9 @@ impl Relay {
     async fn open_session(&self) -> Result<Session, SessionError> {
         let channel = self.config.notify.then_some(&self.config.outbox.channel);
         let (client, wakeups) = wake::connect(&self.pg, channel).await?;
-        outbox::check(&client, &self.config.outbox).await.map_err(SessionError::Schema)?;
+        outbox::check(&client, &self.config.outbox)
+            .await
+            .map_err(SessionError::Schema)?;
         Ok(Session {
             claim: client.prepare(&self.sql.claim_batch).await?,
             mark_published: client.prepare(&self.sql.mark_published).await?,
@@ -313,14 +317,27 @@ impl Relay {
         if !failures.ids.is_empty() {
             tx.execute(
                 &s.mark_failed,
-                &[&failures.ids, &failures.errors, &failures.attempts, &failures.delay_ms],
+                &[
+                    &failures.ids,
+                    &failures.errors,
+                    &failures.attempts,
+                    &failures.delay_ms,
+                ],
             )
             .await?;
         }
         tx.commit().await?;
+        if let Some(soonest) = failures.soonest {
+            // Measured from after the commit, so the wake-up is never before
+            // the time PostgreSQL recorded.
+            let at = Instant::now() + soonest;
+            self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
+        }
 
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters.delivered.fetch_add(published.len() as u64, Ordering::Relaxed);
+        self.counters
+            .delivered
+            .fetch_add(published.len() as u64, Ordering::Relaxed);
         debug!(
             claimed = rows.len(),
             delivered = published.len(),
@@ -333,7 +350,7 @@ impl Relay {
 
     /// Splits a batch's outcomes into rows to mark published and failures to
     /// record, computing each failure's attempts and retry delay.
-    fn plan(&mut self, rows: &[OutboxRow], deliveries: Vec<Delivery>) -> (Vec<i64>, Failures) {
+    fn plan(&self, rows: &[OutboxRow], deliveries: Vec<Delivery>) -> (Vec<i64>, Failures) {
         let backoff = self.config.backoff;
         let mut published = Vec::with_capacity(rows.len());
         let mut failures = Failures::default();
@@ -351,7 +368,12 @@ impl Relay {
                 }
                 Err(DeliveryError::Retryable { message, retry_after }) => {
                     let attempts = row.attempts.saturating_add(1);
-                    let delay = backoff.delay(attempts).max(retry_after.unwrap_or_default());
+                    // Never due before an earlier failed row of the same
+                    // aggregate in this batch, whatever the jitter drew.
+                    let delay = backoff
+                        .delay(attempts)
+                        .max(retry_after.unwrap_or_default())
+                        .max(blocked.get(&key).copied().unwrap_or_default());
                     (message, attempts, delay)
                 }
                 Err(DeliveryError::Permanent { message }) => {
@@ -370,8 +392,7 @@ impl Relay {
                 dead += 1;
                 warn!(id = row.id, event_id = %row.event_id, attempts, error = %message, "dead letter");
             } else {
-                let at = Instant::now() + delay;
-                self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
+                failures.soonest = Some(failures.soonest.map_or(delay, |s| s.min(delay)));
             }
             first_error.get_or_insert_with(|| message.clone());
             failures.push(row.id, message, attempts, delay);

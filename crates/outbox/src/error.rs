@@ -22,7 +22,9 @@ pub enum Error {
     #[error("invalid event: {0}")]
     InvalidEvent(String),
     /// The outbox or inbox table has not been created yet.
-    #[error("{table} is not migrated (found schema version {found}, this binary needs {needed}); run `outbox migrate`")]
+    #[error(
+        "{table} is not migrated (found schema version {found}, this binary needs {needed}); run `outbox migrate`"
+    )]
     NotMigrated {
         /// The qualified table name.
         table: String,

@@ -72,11 +72,17 @@ mod pg {
                 .execute(&self.sql.record, &[&event_id])
                 .await
                 .map_err(Error::pg("recording an event in the inbox"))?;
-            Ok(if inserted == 1 { Record::New } else { Record::Duplicate })
+            Ok(if inserted == 1 {
+                Record::New
+            } else {
+                Record::Duplicate
+            })
         }
 
         /// Runs `effect` once per `event_id`, in `client`'s transaction; the
-        /// caller commits. A duplicate is `Ok(Processed::Duplicate)`.
+        /// caller commits. A duplicate is `Ok(Processed::Duplicate)`. The
+        /// effect's error type must absorb [`Error`] (anyhow, `Box<dyn Error>`
+        /// or your own enum with a `From` impl).
         ///
         /// ```no_run
         /// # async fn run(client: &mut tokio_postgres::Client, event_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
@@ -85,8 +91,8 @@ mod pg {
         /// let inbox = Inbox::default();
         /// let tx = client.transaction().await?;
         /// let outcome = inbox
-        ///     .process(&tx, event_id, async |tx| {
-        ///         tx.execute("INSERT INTO shipments (order_id) VALUES (42)", &[]).await
+        ///     .process(&tx, event_id, async |tx| -> Result<u64, Box<dyn std::error::Error>> {
+        ///         Ok(tx.execute("INSERT INTO shipments (order_id) VALUES (42)", &[]).await?)
         ///     })
         ///     .await?;
         /// tx.commit().await?;
@@ -95,7 +101,12 @@ mod pg {
         /// }
         /// # Ok(()) }
         /// ```
-        pub async fn process<C, T, E, F>(&self, client: &C, event_id: Uuid, effect: F) -> Result<Processed<T>, E>
+        pub async fn process<C, T, E, F>(
+            &self,
+            client: &C,
+            event_id: Uuid,
+            effect: F,
+        ) -> Result<Processed<T>, E>
         where
             C: GenericClient,
             F: AsyncFnOnce(&C) -> Result<T, E>,
@@ -123,7 +134,11 @@ mod sqlx_driver {
                 .execute(conn)
                 .await
                 .map_err(Error::sqlx("recording an event in the inbox"))?;
-            Ok(if done.rows_affected() == 1 { Record::New } else { Record::Duplicate })
+            Ok(if done.rows_affected() == 1 {
+                Record::New
+            } else {
+                Record::Duplicate
+            })
         }
 
         /// [`Inbox::process`] through sqlx: `effect` gets the same connection.

@@ -51,11 +51,11 @@ pub use error::Error;
 pub use event::{Event, OutboxRow};
 pub use ident::Ident;
 pub use inbox::{Inbox, Processed, Record};
-#[cfg(feature = "tokio-postgres")]
-pub use schema::{check, check_inbox, migrate, migrate_inbox};
 pub use schema::{INBOX_VERSION, MigrationReport, OUTBOX_VERSION};
 #[cfg(feature = "tokio-postgres")]
-pub use writer::{enqueue, enqueue_all};
+pub use schema::{check, check_inbox, migrate, migrate_inbox};
 pub use writer::Outbox;
 #[cfg(feature = "sqlx")]
 pub use writer::sqlx;
+#[cfg(feature = "tokio-postgres")]
+pub use writer::{enqueue, enqueue_all};

@@ -71,8 +71,14 @@ impl Target {
             migrations: OUTBOX_MIGRATIONS,
             vars: vec![
                 ("{table}", config.qualified()),
-                ("{unpublished_idx}", t.suffixed("--table", "_unpublished_idx")?.quoted()),
-                ("{notify_fn}", format!("{s}.{}", t.suffixed("--table", "_notify")?.quoted())),
+                (
+                    "{unpublished_idx}",
+                    t.suffixed("--table", "_unpublished_idx")?.quoted(),
+                ),
+                (
+                    "{notify_fn}",
+                    format!("{s}.{}", t.suffixed("--table", "_notify")?.quoted()),
+                ),
                 ("{notify_trigger}", t.suffixed("--table", "_notify")?.quoted()),
                 // A string literal; identifiers cannot contain a quote.
                 ("{channel}", config.channel.as_str().to_owned()),
@@ -88,7 +94,10 @@ impl Target {
             migrations: INBOX_MIGRATIONS,
             vars: vec![
                 ("{table}", config.qualified()),
-                ("{processed_at_idx}", t.suffixed("--inbox-table", "_processed_at_idx")?.quoted()),
+                (
+                    "{processed_at_idx}",
+                    t.suffixed("--inbox-table", "_processed_at_idx")?.quoted(),
+                ),
             ],
         })
     }
@@ -142,10 +151,7 @@ mod pg {
     }
 
     /// Creates or upgrades the consumer's processed-events table.
-    pub async fn migrate_inbox(
-        client: &mut Client,
-        config: &InboxConfig,
-    ) -> Result<MigrationReport, Error> {
+    pub async fn migrate_inbox(client: &mut Client, config: &InboxConfig) -> Result<MigrationReport, Error> {
         run(client, &Target::inbox(config)?).await
     }
 
@@ -182,10 +188,18 @@ mod pg {
         let found = current_version(client, target).await?;
         let known = target.latest();
         if found > known {
-            return Err(Error::SchemaTooNew { table: target.display_name(), found, known });
+            return Err(Error::SchemaTooNew {
+                table: target.display_name(),
+                found,
+                known,
+            });
         }
         if found < known {
-            return Err(Error::NotMigrated { table: target.display_name(), found, needed: known });
+            return Err(Error::NotMigrated {
+                table: target.display_name(),
+                found,
+                needed: known,
+            });
         }
         Ok(())
     }
@@ -214,7 +228,10 @@ mod pg {
         .map_err(Error::pg("creating the migrations table"))?;
 
         let applied = tx
-            .query(&format!("SELECT version, checksum FROM {ledger} ORDER BY version"), &[])
+            .query(
+                &format!("SELECT version, checksum FROM {ledger} ORDER BY version"),
+                &[],
+            )
             .await
             .map_err(Error::pg("reading applied migrations"))?;
         let mut version = 0;
@@ -256,9 +273,7 @@ mod pg {
             report.applied.push((m.version, m.name));
             report.version = m.version;
         }
-        tx.commit()
-            .await
-            .map_err(Error::pg("committing the migration"))?;
+        tx.commit().await.map_err(Error::pg("committing the migration"))?;
         Ok(report)
     }
 }

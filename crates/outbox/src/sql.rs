@@ -36,10 +36,13 @@ const MARK_PUBLISHED: &str =
     "UPDATE {t} SET published_at = clock_timestamp() WHERE id = ANY($1::int8[]) AND published_at IS NULL";
 
 /// Parallel arrays: id, last_error, new attempts, delay in milliseconds until
-/// the next attempt. One statement for every failed row of a batch.
-const MARK_FAILED: &str = "UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
-            next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond' \
-       FROM unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
+/// the next attempt. One statement for every failed row of a batch. The
+/// clock is read once (the CTE) so rows given equal delays come due at the
+/// same instant and keep their id order.
+const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
+     UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
+            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond' \
+       FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
       WHERE o.id = f.id AND o.published_at IS NULL";
 
 /// `$1` max attempts. Unpublished rows per aggregate type: pending, dead
@@ -63,8 +66,7 @@ const DEAD_FILTER: &str = "published_at IS NULL AND attempts >= $1 \
         AND ($4::text IS NULL OR strpos(last_error, $4::text) > 0)";
 
 /// Puts matching dead letters back in line; `last_error` stays for the record.
-const REQUEUE_DEAD: &str =
-    "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp() WHERE {dead}";
+const REQUEUE_DEAD: &str = "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp() WHERE {dead}";
 
 /// What [`REQUEUE_DEAD`] would touch.
 const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";
@@ -139,7 +141,12 @@ mod tests {
     #[test]
     fn renders_quoted_names_and_no_placeholders() {
         let sql = OutboxSql::new(&Config::new("app", "events").unwrap());
-        for s in [&sql.claim_batch, &sql.requeue_dead, &sql.count_dead, &sql.insert_events] {
+        for s in [
+            &sql.claim_batch,
+            &sql.requeue_dead,
+            &sql.count_dead,
+            &sql.insert_events,
+        ] {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             assert!(!s.contains('{'), "{s}");
         }

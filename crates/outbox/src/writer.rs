@@ -137,7 +137,14 @@ mod pg {
             client
                 .execute(
                     &self.sql.insert_events,
-                    &[&c.ids, &c.types, &c.aggregates, &c.event_types, &c.payloads, &c.headers],
+                    &[
+                        &c.ids,
+                        &c.types,
+                        &c.aggregates,
+                        &c.event_types,
+                        &c.payloads,
+                        &c.headers,
+                    ],
                 )
                 .await
                 .map_err(Error::pg("inserting events into the outbox"))?;

@@ -53,7 +53,9 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
         }
         None => {
             println!("starting a throwaway PostgreSQL cluster…");
-            let pg = Postgres::start().await.context("starting a throwaway PostgreSQL")?;
+            let pg = Postgres::start()
+                .await
+                .context("starting a throwaway PostgreSQL")?;
             println!("  PostgreSQL on 127.0.0.1:{}", pg.port());
             let url = pg.url("postgres");
             _postgres = Some(pg);
@@ -71,7 +73,9 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
         }
         None => {
             println!("starting a throwaway redis-server…");
-            let redis = Redis::start().await.context("starting a throwaway redis-server")?;
+            let redis = Redis::start()
+                .await
+                .context("starting a throwaway redis-server")?;
             println!("  Redis on 127.0.0.1:{}", redis.port());
             let url = redis.url();
             _redis = Some(redis);
@@ -85,11 +89,20 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     let inbox_config = InboxConfig::new(SCHEMA, "processed_events")?;
     prepare_schema(&mut db, &outbox_config, &inbox_config).await?;
 
-    println!("\n1. writer: placing {} orders (order row + events in one transaction)", args.orders);
-    let (committed, rolled_back) = place_orders(&mut db, &Outbox::new(outbox_config.clone()), args.orders).await?;
-    println!("   {committed} committed, {rolled_back} rolled back (payment declined: no order, no event left behind)");
+    println!(
+        "\n1. writer: placing {} orders (order row + events in one transaction)",
+        args.orders
+    );
+    let (committed, rolled_back) =
+        place_orders(&mut db, &Outbox::new(outbox_config.clone()), args.orders).await?;
+    println!(
+        "   {committed} committed, {rolled_back} rolled back (payment declined: no order, no event left behind)"
+    );
     let written: i64 = db
-        .query_one(&format!("SELECT count(*) FROM {}", outbox_config.qualified()), &[])
+        .query_one(
+            &format!("SELECT count(*) FROM {}", outbox_config.qualified()),
+            &[],
+        )
         .await?
         .get(0);
     println!("   outbox rows: {written}");
@@ -162,11 +175,20 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     println!("\nsummary");
     println!("  orders committed          {orders}");
     println!("  events written            {written}");
-    println!("  events published          {published} (relay delivered {})", counters.delivered.load(Ordering::Relaxed));
-    println!("  stream entries consumed   {}", consumed.entries + replayed.entries);
+    println!(
+        "  events published          {published} (relay delivered {})",
+        counters.delivered.load(Ordering::Relaxed)
+    );
+    println!(
+        "  stream entries consumed   {}",
+        consumed.entries + replayed.entries
+    );
     println!("  processed_events rows     {processed}");
     println!("  shipments                 {shipments} for {distinct_shipped} orders ({paid} paid)");
-    println!("  took                      {:.2}s", started.elapsed().as_secs_f64());
+    println!(
+        "  took                      {:.2}s",
+        started.elapsed().as_secs_f64()
+    );
 
     cleanup(&db, &mut redis, &stream, g.database_url.is_some()).await?;
 
@@ -210,9 +232,19 @@ async fn place_orders(db: &mut Client, outbox: &Outbox, n: u32) -> anyhow::Resul
             .await?
             .get(0);
         let aggregate = id.to_string();
-        let mut events = vec![Event::new("orders", &aggregate, "OrderPlaced", json!({"order_id": id, "total_cents": total}))];
+        let mut events = vec![Event::new(
+            "orders",
+            &aggregate,
+            "OrderPlaced",
+            json!({"order_id": id, "total_cents": total}),
+        )];
         if paid {
-            events.push(Event::new("orders", &aggregate, "OrderPaid", json!({"order_id": id})));
+            events.push(Event::new(
+                "orders",
+                &aggregate,
+                "OrderPaid",
+                json!({"order_id": id}),
+            ));
         }
         outbox.enqueue_all(&tx, &events).await?;
         if i % 7 == 3 {
@@ -239,12 +271,18 @@ async fn consume(
     {
         return Err(e).context("creating the consumer group");
     }
-    let options = StreamReadOptions::default().group(GROUP, "demo-1").count(100).block(500);
+    let options = StreamReadOptions::default()
+        .group(GROUP, "demo-1")
+        .count(100)
+        .block(500);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut consumed = Consumed::default();
     while consumed.entries < expected {
         if Instant::now() > deadline {
-            bail!("only {} of {expected} events arrived within 60s", consumed.entries);
+            bail!(
+                "only {} of {expected} events arrived within 60s",
+                consumed.entries
+            );
         }
         let reply: Option<StreamReadReply> = redis
             .xread_options(&[stream], &[">"], &options)

@@ -20,7 +20,10 @@ pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
             .with_context(|| format!("migrating the outbox {}", config.display_name()))?
     };
     if report.applied.is_empty() {
-        println!("{} is up to date (schema version {})", report.table, report.version);
+        println!(
+            "{} is up to date (schema version {})",
+            report.table, report.version
+        );
     } else {
         for (version, name) in &report.applied {
             println!("{}: applied {version:04}_{name}", report.table);

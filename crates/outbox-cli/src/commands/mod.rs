@@ -39,9 +39,9 @@ pub(crate) fn pg_config(g: &Global) -> anyhow::Result<tokio_postgres::Config> {
 }
 
 pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<tokio_postgres::Config> {
-    let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
-        ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url)))
-    })?;
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url))))?;
     config.connect_timeout(g.connect_timeout);
     if config.get_application_name().is_none() {
         config.application_name("outbox");
@@ -62,10 +62,7 @@ fn redact(url: &str) -> String {
 
 /// One connection for a short command; its driver runs in a task.
 pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
-    let (client, connection) = config
-        .connect(NoTls)
-        .await
-        .context("connecting to postgres")?;
+    let (client, connection) = config.connect(NoTls).await.context("connecting to postgres")?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::warn!(%error, "postgres connection closed");

@@ -48,8 +48,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         unpublished: by_type.iter().map(|t| t.unpublished).sum(),
         dead_letters: by_type.iter().map(|t| t.dead_letters).sum(),
         oldest_unpublished: oldest,
-        oldest_unpublished_age_seconds: oldest
-            .map(|o| (Utc::now() - o).num_milliseconds() as f64 / 1000.0),
+        oldest_unpublished_age_seconds: oldest.map(|o| (Utc::now() - o).num_milliseconds() as f64 / 1000.0),
         by_aggregate_type: by_type,
     };
     if args.json {
@@ -67,7 +66,10 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         println!();
         println!("  {:<24} {:>12} {:>12}", "aggregate_type", "unpublished", "dead");
         for t in &stats.by_aggregate_type {
-            println!("  {:<24} {:>12} {:>12}", t.aggregate_type, t.unpublished, t.dead_letters);
+            println!(
+                "  {:<24} {:>12} {:>12}",
+                t.aggregate_type, t.unpublished, t.dead_letters
+            );
         }
     }
     Ok(())

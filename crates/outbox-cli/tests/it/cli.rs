@@ -1,0 +1,162 @@
+//! The CLI's contract: exit codes and messages for bad input, migrate, demo.
+
+use outbox_testkit::{Postgres, free_port};
+
+use crate::support::{Db, run_cli, text};
+
+/// Runs `args` and asserts exit code 2 with `needle` in the message.
+async fn expect_config_error(args: &[&str], envs: &[(&str, &str)], needle: &str) {
+    let out = run_cli(args, envs).await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: expected {needle:?} in {stderr}"
+    );
+}
+
+#[tokio::test]
+async fn configuration_errors_exit_2_naming_the_value() {
+    let db = Db::start().await;
+    let url = db.url.as_str();
+    let env = [("DATABASE_URL", url)];
+    expect_config_error(&["relay", "--sink", "ftp://host/x"], &env, "\"ftp\"").await;
+    expect_config_error(&["relay", "--sink", "not a url"], &env, "not a url").await;
+    expect_config_error(&["relay", "--sink", "redis://"], &env, "redis://").await;
+    expect_config_error(
+        &["relay", "--sink", "redis://x", "--table", "outbox; drop table x"],
+        &env,
+        "outbox; drop table x",
+    )
+    .await;
+    expect_config_error(
+        &["relay", "--sink", "redis://x", "--poll-interval", "5 parsecs"],
+        &env,
+        "5 parsecs",
+    )
+    .await;
+    expect_config_error(
+        &["relay", "--sink", "redis://x", "--batch-size", "0"],
+        &env,
+        "batch-size",
+    )
+    .await;
+    expect_config_error(&["relay", "--sink", "redis://x"], &[], "DATABASE_URL").await;
+    expect_config_error(
+        &["relay", "--sink", "redis://x"],
+        &[("DATABASE_URL", "postgres://u@h:notaport/db")],
+        "notaport",
+    )
+    .await;
+    expect_config_error(
+        &["relay", "--sink", "redis://x"],
+        &[("DATABASE_URL", url), ("OUTBOX_BATCH_SIZE", "lots")],
+        "lots",
+    )
+    .await;
+    expect_config_error(&["migrate", "--schema", "Bad-Name"], &env, "Bad-Name").await;
+    expect_config_error(&["dlq", "retry"], &env, "--all").await;
+    // The table exists untouched after all that.
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+#[tokio::test]
+async fn schema_not_migrated_or_too_new_exits_2() {
+    let mut db = Db::start().await;
+    let fresh = db.pg.fresh_database().await.unwrap();
+    expect_config_error(
+        &["relay", "--sink", "redis://127.0.0.1:1"],
+        &[("DATABASE_URL", &fresh)],
+        "outbox migrate",
+    )
+    .await;
+    expect_config_error(&["stats"], &[("DATABASE_URL", &fresh)], "outbox migrate").await;
+
+    db.client
+        .execute(
+            "INSERT INTO outbox_migrations (version, name, checksum) VALUES (2, 'future', 'x')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    expect_config_error(
+        &["relay", "--sink", "redis://127.0.0.1:1"],
+        &env,
+        "newer than this binary",
+    )
+    .await;
+    expect_config_error(&["migrate"], &env, "newer than this binary").await;
+    db.reconnect().await;
+}
+
+#[tokio::test]
+async fn unreachable_postgres_exits_1_after_the_connect_timeout() {
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let out = run_cli(
+        &[
+            "relay",
+            "--sink",
+            "redis://127.0.0.1:1",
+            "--connect-timeout",
+            "1s",
+        ],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("connecting to postgres"), "{stderr}");
+}
+
+#[tokio::test]
+async fn migrate_creates_outbox_and_inbox_idempotently() {
+    let pg = Postgres::start().await.unwrap();
+    let url = pg.fresh_database().await.unwrap();
+    let env = [("DATABASE_URL", url.as_str())];
+    let first = run_cli(&["migrate", "--schema", "app", "--table", "events"], &env).await;
+    assert_eq!(first.status.code(), Some(0), "{}", text(&first.stderr));
+    assert!(text(&first.stdout).contains("app.events: applied 0001_create_outbox"));
+    let again = run_cli(&["migrate", "--schema", "app", "--table", "events"], &env).await;
+    assert!(
+        text(&again.stdout).contains("app.events is up to date"),
+        "{}",
+        text(&again.stdout)
+    );
+    let inbox = run_cli(&["migrate", "--inbox", "--inbox-schema", "consumer"], &env).await;
+    assert_eq!(inbox.status.code(), Some(0), "{}", text(&inbox.stderr));
+
+    let client = crate::support::connect(&url).await;
+    for table in ["app.events", "consumer.processed_events", "app.events_migrations"] {
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(exists, "{table}");
+    }
+    let trigger: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger WHERE tgname = 'events_notify'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(trigger, 1);
+}
+
+#[tokio::test]
+async fn demo_runs_end_to_end_on_throwaway_services() {
+    let out = run_cli(&["demo", "--orders", "30"], &[]).await;
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("every paid order shipped exactly once"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("5 replayed, 0 processed again, 5 answered as duplicates"),
+        "{stdout}"
+    );
+}

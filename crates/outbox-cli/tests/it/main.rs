@@ -1,0 +1,10 @@
+//! Integration tests of the `outbox` library, relay and CLI against real
+//! PostgreSQL, Redis and HTTP receivers started by the testkit. One binary
+//! for the whole crate to save link time.
+
+mod cli;
+mod crash;
+mod relay;
+mod retry;
+mod support;
+mod writer;

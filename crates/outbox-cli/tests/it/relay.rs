@@ -1,0 +1,193 @@
+//! The relay against real PostgreSQL and Redis: volume, wake-ups, the
+//! watermark pitfall, and both services going away.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox::{Event, Outbox};
+use outbox_testkit::Redis;
+use serde_json::json;
+
+use crate::support::{Db, LONG, connect, order_violations, read_stream, start_relay, stop_relay, wait_until};
+
+#[tokio::test]
+async fn drains_10000_events_to_redis_exactly_once_in_aggregate_order() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    db.insert_events(10_000, 20).await;
+    assert_eq!(db.unpublished().await, 10_000);
+
+    let relay = start_relay(&db.url, &redis.url(), &[], &[]).await;
+    wait_until("all 10,000 events published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    stop_relay(relay).await;
+
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    assert_eq!(events.len(), 10_000, "no duplicates without a crash");
+    assert_eq!(distinct.len(), 10_000);
+    assert_eq!(order_violations(&events), 0);
+    let aggregates: HashSet<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
+    assert_eq!(aggregates.len(), 500);
+}
+
+#[tokio::test]
+async fn notify_wakes_the_relay_long_before_the_fallback_poll() {
+    let db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    let relay = start_relay(&db.url, &redis.url(), &["--poll-interval", "60s"], &[]).await;
+    // The relay polled once when it became ready; from now on only a NOTIFY
+    // can wake it within the 60 s fallback.
+    wait_until("the startup claim", LONG, || async {
+        relay.count_lines("batch committed") == 0
+    })
+    .await;
+    outbox::enqueue(&db.client, &Event::new("orders", "1", "OrderCreated", json!({})))
+        .await
+        .unwrap();
+    wait_until(
+        "the event published by a NOTIFY wake-up",
+        Duration::from_secs(20),
+        || async { db.unpublished().await == 0 },
+    )
+    .await;
+    assert_eq!(read_stream(&redis.url(), "outbox.event.orders").await.len(), 1);
+    stop_relay(relay).await;
+}
+
+#[tokio::test]
+async fn watermark_lower_id_committed_later_is_still_delivered() {
+    let db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    let relay = start_relay(&db.url, &redis.url(), &["--poll-interval", "100ms"], &[]).await;
+    let outbox = Outbox::default();
+
+    // Session A takes the lower id but commits last.
+    let mut a = connect(&db.url).await;
+    let mut b = connect(&db.url).await;
+    let tx_a = a.transaction().await.unwrap();
+    outbox
+        .enqueue(&tx_a, &Event::new("orders", "a", "A", json!({})))
+        .await
+        .unwrap();
+    let tx_b = b.transaction().await.unwrap();
+    outbox
+        .enqueue(&tx_b, &Event::new("orders", "b", "B", json!({})))
+        .await
+        .unwrap();
+    tx_b.commit().await.unwrap();
+
+    wait_until("B delivered", LONG, || async {
+        read_stream(&redis.url(), "outbox.event.orders").await.len() == 1
+    })
+    .await;
+    let seen = read_stream(&redis.url(), "outbox.event.orders").await;
+    let last_seen = seen[0].outbox_id;
+    tx_a.commit().await.unwrap();
+    let a_id: i64 = db
+        .client
+        .query_one("SELECT id FROM outbox WHERE event_type = 'A'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(a_id < last_seen, "A holds the lower id ({a_id} < {last_seen})");
+
+    // The naive watermark relay would now ask for id > last_seen and find nothing.
+    let naive = db
+        .count(&format!("SELECT count(*) FROM outbox WHERE id > {last_seen}"))
+        .await;
+    assert_eq!(naive, 0, "a watermark relay loses A");
+
+    wait_until("A delivered too", LONG, || async { db.unpublished().await == 0 }).await;
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    assert_eq!(events.len(), 2);
+    assert_eq!(events[1].outbox_id, a_id);
+    stop_relay(relay).await;
+}
+
+#[tokio::test]
+async fn postgres_restart_mid_stream_loses_nothing() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    db.insert_events(3_000, 3).await;
+    let relay = start_relay(&db.url, &redis.url(), &["--batch-size", "50"], &[]).await;
+    wait_until("the relay under way", LONG, || async {
+        read_stream(&redis.url(), "outbox.event.orders").await.len() >= 500
+    })
+    .await;
+
+    db.pg.kill().unwrap();
+    db.pg.restart().await.unwrap();
+    db.reconnect().await;
+    relay.wait_for_line("relay reconnected", LONG).await.unwrap();
+    db.insert_events(1_000, 1).await;
+
+    wait_until("everything published after the restart", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    assert_eq!(distinct.len(), 4_000, "nothing lost");
+    // kill -9 interrupts at most the one batch in flight.
+    assert!(
+        events.len() - distinct.len() <= 50,
+        "{} duplicates",
+        events.len() - distinct.len()
+    );
+    stop_relay(relay).await;
+}
+
+#[tokio::test]
+async fn redis_down_becomes_retries_and_nothing_is_lost() {
+    let mut db = Db::start().await;
+    let mut redis = Redis::start().await.unwrap();
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &[
+            "--backoff-base",
+            "100ms",
+            "--backoff-max",
+            "1s",
+            "--max-attempts",
+            "1000",
+            "--http-timeout",
+            "2s",
+        ],
+        &[],
+    )
+    .await;
+
+    redis.stop().await.unwrap();
+    db.insert_events(500, 5).await;
+    // 10 attempts at 100 ms doubling, capped at 1 s: Redis stays down ~10 s.
+    wait_until("every row failed 10 times while Redis is down", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE attempts >= 10").await == 500
+    })
+    .await;
+    assert_eq!(
+        db.unpublished().await,
+        500,
+        "nothing marked while the sink is down"
+    );
+    let error: String = db
+        .client
+        .query_one("SELECT last_error FROM outbox LIMIT 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(error.contains("redis"), "{error}");
+
+    redis.restart().await.unwrap();
+    wait_until("everything published once Redis is back", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    assert_eq!(distinct.len(), 500);
+    stop_relay(relay).await;
+}

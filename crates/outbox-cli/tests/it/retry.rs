@@ -1,0 +1,190 @@
+//! Failing receivers: backoff schedule, dead letters, requeue, permanent errors.
+
+use std::time::Duration;
+
+use outbox::{Event, Outbox};
+use outbox_testkit::{Receiver, Respond};
+use serde_json::json;
+
+use crate::support::{Db, LONG, run_cli, start_relay, stop_relay, text, wait_until};
+
+#[tokio::test]
+async fn receiver_failing_three_times_is_retried_with_backoff() {
+    let mut db = Db::start().await;
+    let receiver = Receiver::start(Respond::FailFirst {
+        times: 3,
+        status: 500,
+    })
+    .await
+    .unwrap();
+    // One aggregate, two events: the second waits behind the first.
+    let tx = db.client.transaction().await.unwrap();
+    Outbox::default()
+        .enqueue_all(
+            &tx,
+            &[
+                Event::new("orders", "1", "OrderCreated", json!({"n": 1})),
+                Event::new("orders", "1", "OrderPaid", json!({"n": 2})),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
+    wait_until("both events published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    stop_relay(relay).await;
+
+    // Requests: event 1 fails three times (500), then event 1 and event 2
+    // succeed; event 2 is never sent before event 1 got through.
+    let received = receiver.received();
+    let seq: Vec<(i64, u16)> = received
+        .iter()
+        .map(|r| (r.body["payload"]["n"].as_i64().unwrap(), r.status))
+        .collect();
+    assert_eq!(seq, [(1, 500), (1, 500), (1, 500), (1, 200), (2, 200)]);
+    // Backoff 200 ms, 400 ms, 800 ms (plus up to 10% jitter, never less).
+    for (i, nominal) in [200u64, 400, 800].into_iter().enumerate() {
+        let gap = received[i + 1].at - received[i].at;
+        assert!(
+            gap >= Duration::from_millis(nominal),
+            "gap {i} was {gap:?}, nominal {nominal} ms"
+        );
+    }
+    let attempts: Vec<i32> = db
+        .client
+        .query("SELECT attempts FROM outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(attempts, [3, 0], "held-back rows do not spend attempts");
+}
+
+#[tokio::test]
+async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
+    let mut db = Db::start().await;
+    let receiver = Receiver::start(Respond::Status(503)).await.unwrap();
+    db.insert_events(3, 1).await;
+    let relay = start_relay(
+        &db.url,
+        &receiver.url(),
+        &["--max-attempts", "3", "--backoff-base", "20ms"],
+        &[],
+    )
+    .await;
+    wait_until("3 dead letters", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts >= 3")
+            .await
+            == 3
+    })
+    .await;
+    assert_eq!(receiver.count(), 9, "3 attempts each, then no more");
+
+    let url = db.url.clone();
+    let env = [("DATABASE_URL", url.as_str())];
+    let list = run_cli(&["dlq", "list", "--json", "--max-attempts", "3"], &env).await;
+    assert_eq!(list.status.code(), Some(0), "{}", text(&list.stderr));
+    let dead: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(dead.len(), 3);
+    assert!(
+        dead.iter()
+            .all(|d| d["attempts"] == 3 && d["last_error"] == "HTTP 503 Service Unavailable"),
+        "{dead:?}"
+    );
+
+    let stats = run_cli(&["stats", "--json", "--max-attempts", "3"], &env).await;
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(
+        (stats["dead_letters"].as_i64(), stats["unpublished"].as_i64()),
+        (Some(3), Some(0))
+    );
+
+    // Dead letters stay dead while nothing is done about them.
+    receiver.set_respond(Respond::Ok);
+    let dry = run_cli(
+        &["dlq", "retry", "--all", "--dry-run", "--max-attempts", "3"],
+        &env,
+    )
+    .await;
+    assert!(
+        text(&dry.stdout).contains("would requeue 3"),
+        "{}",
+        text(&dry.stdout)
+    );
+    assert_eq!(receiver.count(), 9);
+
+    let retry = run_cli(&["dlq", "retry", "--all", "--max-attempts", "3"], &env).await;
+    assert!(
+        text(&retry.stdout).contains("requeued 3"),
+        "{}",
+        text(&retry.stdout)
+    );
+    wait_until("requeued events delivered", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    assert_eq!(receiver.count(), 12);
+    stop_relay(relay).await;
+}
+
+#[tokio::test]
+async fn permanent_refusal_dead_letters_at_once_and_retry_filters_select() {
+    let mut db = Db::start().await;
+    let receiver = Receiver::start(Respond::Status(422)).await.unwrap();
+    let tx = db.client.transaction().await.unwrap();
+    Outbox::default()
+        .enqueue_all(
+            &tx,
+            &[
+                Event::new("orders", "1", "A", json!({})),
+                Event::new("payments", "2", "B", json!({})),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
+    wait_until("both dead", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE attempts >= 5").await == 2
+    })
+    .await;
+    assert_eq!(receiver.count(), 2, "a 4xx is not retried");
+    let error: String = db
+        .client
+        .query_one("SELECT last_error FROM outbox LIMIT 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(error, "permanent: HTTP 422 Unprocessable Entity");
+
+    receiver.set_respond(Respond::Ok);
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let none = run_cli(&["dlq", "retry", "--error-contains", "HTTP 500"], &env).await;
+    assert!(
+        text(&none.stdout).contains("requeued 0"),
+        "{}",
+        text(&none.stdout)
+    );
+    let one = run_cli(&["dlq", "retry", "--aggregate-type", "payments"], &env).await;
+    assert!(text(&one.stdout).contains("requeued 1"), "{}", text(&one.stdout));
+    wait_until("the payments event delivered", LONG, || async {
+        db.unpublished().await == 1
+    })
+    .await;
+    let left: String = db
+        .client
+        .query_one(
+            "SELECT aggregate_type FROM outbox WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, "orders");
+    stop_relay(relay).await;
+}

@@ -1,0 +1,191 @@
+//! Shared test plumbing: a migrated database, the `outbox` binary, waiting on
+//! state with a timeout.
+
+use std::future::Future;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use outbox::{Config, Event, Outbox};
+use outbox_testkit::{Postgres, Spawned};
+use serde_json::json;
+use tokio_postgres::Client;
+
+pub const LONG: Duration = Duration::from_secs(60);
+
+/// A throwaway cluster with a fresh, migrated database.
+pub struct Db {
+    pub pg: Postgres,
+    pub url: String,
+    pub client: Client,
+}
+
+impl Db {
+    pub async fn start() -> Db {
+        let pg = Postgres::start().await.expect("start postgres");
+        let url = pg.fresh_database().await.expect("create database");
+        let mut client = connect(&url).await;
+        outbox::migrate(&mut client, &Config::default())
+            .await
+            .expect("migrate");
+        Db { pg, url, client }
+    }
+
+    /// Reconnects after the server was restarted.
+    pub async fn reconnect(&mut self) {
+        self.client = connect(&self.url).await;
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        self.client.query_one(sql, &[]).await.expect(sql).get(0)
+    }
+
+    pub async fn unpublished(&self) -> i64 {
+        self.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await
+    }
+
+    /// Inserts `n` events, `per_aggregate` per aggregate, aggregates interleaved.
+    pub async fn insert_events(&mut self, n: usize, per_aggregate: usize) {
+        let aggregates = n.div_ceil(per_aggregate);
+        let events: Vec<Event> = (0..n)
+            .map(|i| {
+                let agg = i % aggregates;
+                let seq = i / aggregates;
+                Event::new(
+                    "orders",
+                    format!("order-{agg}"),
+                    format!("Step{seq}"),
+                    json!({"agg": agg, "seq": seq}),
+                )
+            })
+            .collect();
+        let outbox = Outbox::default();
+        for chunk in events.chunks(1000) {
+            let tx = self.client.transaction().await.unwrap();
+            outbox.enqueue_all(&tx, chunk).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+}
+
+pub async fn connect(url: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client
+}
+
+/// The `outbox` binary with a clean environment (no inherited OUTBOX_* or
+/// DATABASE_URL).
+pub fn outbox_cmd() -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("OUTBOX_") || key == "DATABASE_URL" || key == "RUST_LOG" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("RUST_LOG", "info,outbox_relay=debug");
+    cmd.kill_on_drop(true);
+    cmd
+}
+
+/// Runs the CLI to completion.
+pub async fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> Output {
+    let mut cmd = outbox_cmd();
+    cmd.args(args).envs(envs.iter().copied());
+    tokio::time::timeout(LONG, cmd.output())
+        .await
+        .expect("outbox command timed out")
+        .expect("run outbox")
+}
+
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Starts `outbox relay` and waits for "relay ready".
+pub async fn start_relay(url: &str, sink: &str, extra: &[&str], envs: &[(&str, &str)]) -> Spawned {
+    let mut cmd = outbox_cmd();
+    cmd.arg("relay")
+        .arg("--sink")
+        .arg(sink)
+        .args(extra)
+        .env("DATABASE_URL", url);
+    cmd.envs(envs.iter().copied());
+    let relay = Spawned::spawn(cmd).expect("spawn relay");
+    relay
+        .wait_for_line("relay ready", LONG)
+        .await
+        .expect("relay ready");
+    relay
+}
+
+/// Polls `check` every 20 ms until it is true; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Stops a relay with SIGTERM and asserts the documented exit code 0.
+pub async fn stop_relay(mut relay: Spawned) {
+    relay.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = relay.wait(LONG).await.unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "relay exit status; lines: {:#?}",
+        relay.lines()
+    );
+    assert_eq!(relay.count_lines("relay stopped"), 1);
+}
+
+/// One entry of an `outbox.event.*` stream.
+#[derive(Debug, Clone)]
+pub struct StreamEvent {
+    pub event_id: String,
+    pub aggregate_id: String,
+    pub outbox_id: i64,
+}
+
+/// Every entry of `stream`, in stream order.
+pub async fn read_stream(redis_url: &str, stream: &str) -> Vec<StreamEvent> {
+    use redis::AsyncCommands;
+    let client = redis::Client::open(redis_url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let reply: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.unwrap();
+    reply
+        .ids
+        .iter()
+        .map(|e| StreamEvent {
+            event_id: e.get("event_id").unwrap(),
+            aggregate_id: e.get("aggregate_id").unwrap(),
+            outbox_id: e.get::<String>("outbox_id").unwrap().parse().unwrap(),
+        })
+        .collect()
+}
+
+/// Counts per-aggregate order violations: an entry whose outbox id is lower
+/// than one already seen for the same aggregate.
+pub fn order_violations(events: &[StreamEvent]) -> usize {
+    let mut last: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    let mut violations = 0;
+    for e in events {
+        let prev = last.entry(&e.aggregate_id).or_insert(i64::MIN);
+        if e.outbox_id < *prev {
+            violations += 1;
+        }
+        *prev = (*prev).max(e.outbox_id);
+    }
+    violations
+}

@@ -1,0 +1,296 @@
+//! The writer and the inbox, through both drivers, and the schema checks.
+
+use outbox::{Config, Event, Inbox, InboxConfig, Outbox, Processed, Record};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::support::{Db, connect};
+
+const ORDERS: &str = "CREATE TABLE orders (id bigint PRIMARY KEY, total bigint NOT NULL)";
+
+#[tokio::test]
+async fn rollback_leaves_no_order_and_no_event() {
+    let mut db = Db::start().await;
+    db.client.batch_execute(ORDERS).await.unwrap();
+    let outbox = Outbox::default();
+
+    let tx = db.client.transaction().await.unwrap();
+    tx.execute("INSERT INTO orders VALUES (1, 100)", &[])
+        .await
+        .unwrap();
+    outbox
+        .enqueue(&tx, &Event::new("orders", "1", "OrderCreated", json!({"id": 1})))
+        .await
+        .unwrap();
+    // Inside the transaction both rows exist: the rollback is what removes them.
+    assert_eq!(
+        tx.query_one("SELECT count(*) FROM outbox", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0),
+        1
+    );
+    tx.rollback().await.unwrap();
+
+    assert_eq!(db.count("SELECT count(*) FROM orders").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+#[tokio::test]
+async fn writer_killed_before_commit_leaves_nothing() {
+    let db = Db::start().await;
+    db.client.batch_execute(ORDERS).await.unwrap();
+
+    // A writer session that dies mid-transaction: the server kills its
+    // backend, as it would after a crash of the application process.
+    let writer = connect(&db.url).await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    writer
+        .execute("INSERT INTO orders VALUES (1, 100)", &[])
+        .await
+        .unwrap();
+    outbox::enqueue(&writer, &Event::new("orders", "1", "OrderCreated", json!({})))
+        .await
+        .unwrap();
+    let pid: i32 = writer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let killed: bool = db
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(killed);
+    assert!(
+        writer.batch_execute("COMMIT").await.is_err(),
+        "the killed session cannot commit"
+    );
+
+    assert_eq!(db.count("SELECT count(*) FROM orders").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+#[tokio::test]
+async fn enqueue_writes_every_column_and_enqueue_all_keeps_order() {
+    let mut db = Db::start().await;
+    let outbox = Outbox::default();
+    let own_id = Uuid::new_v4();
+    let tx = db.client.transaction().await.unwrap();
+    let event = Event::new("orders", "7", "OrderCreated", json!({"total": 5}))
+        .with_event_id(own_id)
+        .with_header("traceparent", "00-abc-def-01");
+    assert_eq!(outbox.enqueue(&tx, &event).await.unwrap(), own_id);
+    let batch: Vec<Event> = (0..50)
+        .map(|i| Event::new("orders", "8", format!("E{i}"), json!(i)))
+        .collect();
+    let ids = outbox.enqueue_all(&tx, &batch).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let row = db
+        .client
+        .query_one("SELECT * FROM outbox WHERE event_id = $1", &[&own_id])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>("aggregate_type"), "orders");
+    assert_eq!(row.get::<_, String>("aggregate_id"), "7");
+    assert_eq!(row.get::<_, serde_json::Value>("payload"), json!({"total": 5}));
+    assert_eq!(
+        row.get::<_, serde_json::Value>("headers"),
+        json!({"traceparent": "00-abc-def-01"})
+    );
+    assert_eq!(row.get::<_, i32>("attempts"), 0);
+    assert!(
+        row.get::<_, Option<chrono::DateTime<chrono::Utc>>>("published_at")
+            .is_none()
+    );
+
+    let stored: Vec<Uuid> = db
+        .client
+        .query(
+            "SELECT event_id FROM outbox WHERE aggregate_id = '8' ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(stored, ids, "enqueue_all keeps the caller's order");
+}
+
+#[tokio::test]
+async fn invalid_events_are_refused_before_the_database() {
+    let db = Db::start().await;
+    let err = outbox::enqueue(&db.client, &Event::new("", "1", "X", json!({})))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("aggregate_type is empty"), "{err}");
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+#[tokio::test]
+async fn inbox_runs_the_side_effect_once_per_event() {
+    let mut db = Db::start().await;
+    let inbox = Inbox::new(InboxConfig::new("consumer", "processed_events").unwrap());
+    outbox::migrate_inbox(&mut db.client, inbox.config())
+        .await
+        .unwrap();
+    db.client
+        .batch_execute("CREATE TABLE shipments (order_id bigint NOT NULL)")
+        .await
+        .unwrap();
+
+    let event_id = Uuid::new_v4();
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        let tx = db.client.transaction().await.unwrap();
+        let outcome = inbox
+            .process(&tx, event_id, async |tx| {
+                tx.execute("INSERT INTO shipments VALUES (42)", &[])
+                    .await
+                    .map_err(anyhow::Error::from)
+            })
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        outcomes.push(outcome);
+    }
+    assert_eq!(
+        outcomes,
+        [Processed::New(1), Processed::Duplicate, Processed::Duplicate]
+    );
+    assert_eq!(db.count("SELECT count(*) FROM shipments").await, 1);
+
+    // A side effect that fails rolls back the record too: the retry runs it.
+    let other = Uuid::new_v4();
+    let tx = db.client.transaction().await.unwrap();
+    assert_eq!(inbox.record(&tx, other).await.unwrap(), Record::New);
+    tx.rollback().await.unwrap();
+    let tx = db.client.transaction().await.unwrap();
+    assert_eq!(inbox.record(&tx, other).await.unwrap(), Record::New);
+    tx.commit().await.unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM consumer.processed_events").await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn sqlx_writer_and_inbox() {
+    let db = Db::start().await;
+    let mut conn: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
+    let inbox = Inbox::default();
+    let mut client = connect(&db.url).await;
+    outbox::migrate_inbox(&mut client, inbox.config()).await.unwrap();
+
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    let id = outbox::sqlx::enqueue(&mut tx, &Event::new("orders", "1", "A", json!({})))
+        .await
+        .unwrap();
+    let ids = outbox::sqlx::enqueue_all(
+        &mut tx,
+        &[
+            Event::new("orders", "1", "B", json!({})),
+            Event::new("orders", "1", "C", json!({})),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let types: Vec<String> = db
+        .client
+        .query("SELECT event_type FROM outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(types, ["A", "B", "C"]);
+    assert_eq!(ids.len(), 2);
+
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    let first = inbox
+        .process_sqlx(&mut tx, id, async |_conn| Ok::<_, outbox::Error>("shipped"))
+        .await
+        .unwrap();
+    let second = inbox
+        .process_sqlx(&mut tx, id, async |_conn| Ok::<_, outbox::Error>("shipped"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!((first, second), (Processed::New("shipped"), Processed::Duplicate));
+
+    // Rolled back through sqlx: nothing stays.
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    outbox::sqlx::enqueue(&mut tx, &Event::new("orders", "2", "D", json!({})))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 3);
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
+    let mut db = Db::start().await;
+    let config = Config::default();
+    let again = outbox::migrate(&mut db.client, &config).await.unwrap();
+    assert!(again.applied.is_empty());
+    assert_eq!(again.version, outbox::OUTBOX_VERSION);
+    outbox::check(&db.client, &config).await.unwrap();
+
+    let other = Config::new("app", "events").unwrap();
+    let err = outbox::check(&db.client, &other).await.unwrap_err();
+    assert!(
+        matches!(err, outbox::Error::NotMigrated { found: 0, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("outbox migrate"));
+
+    db.client
+        .execute(
+            "INSERT INTO outbox_migrations (version, name, checksum) VALUES (99, 'future', 'x')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let err = outbox::migrate(&mut db.client, &config).await.unwrap_err();
+    assert!(
+        matches!(err, outbox::Error::SchemaTooNew { found: 99, .. }),
+        "{err}"
+    );
+    assert!(outbox::check(&db.client, &config).await.unwrap_err().is_config());
+}
+
+#[tokio::test]
+async fn claim_uses_the_partial_index() {
+    let db = Db::start().await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'orders', g::text, 'E', '{}', now() FROM generate_series(1, 200000) g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'orders', g::text, 'E', '{}' FROM generate_series(1, 50) g;
+             ANALYZE outbox;",
+        )
+        .await
+        .unwrap();
+    let sql = outbox::sql::OutboxSql::new(&Config::default());
+    let explain = format!(
+        "EXPLAIN {}",
+        sql.claim_batch.replace("$1", "5").replace("$2", "100")
+    );
+    let plan: Vec<String> = db
+        .client
+        .query(&explain, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let plan = plan.join("\n");
+    assert!(plan.contains("Index Scan using outbox_unpublished_idx"), "{plan}");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+}

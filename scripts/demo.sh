@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Quick start, command 1: the outbox end to end. Without DATABASE_URL it starts
+# a throwaway PostgreSQL and redis-server; with DATABASE_URL (and optionally
+# OUTBOX_SINK=redis://…) it uses those. Extra arguments go to `outbox demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/deps.sh
+ensure_deps
+exec cargo run --quiet --release -p outbox-cli -- demo "$@"

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Quick start, command 2: the whole test suite against real PostgreSQL, Redis
+# and HTTP receivers that the tests start themselves. `.ci/run` runs this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/deps.sh
+ensure_deps
+# Doc examples first (they compile every public example), then every test.
+cargo test --workspace --doc --quiet
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --workspace --no-fail-fast "$@"
+else
+    echo "cargo-nextest not found (cargo install cargo-nextest); using cargo test" >&2
+    cargo test --workspace --no-fail-fast "$@" -- --test-threads 4
+fi
