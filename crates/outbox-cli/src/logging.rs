@@ -1,5 +1,5 @@
 //! Logging setup: human-readable lines by default, JSON with `--log-format json`.
-//! `RUST_LOG` overrides the default filter (`info`).
+//! `RUST_LOG` overrides the default filter.
 
 use tracing_subscriber::EnvFilter;
 
@@ -12,9 +12,8 @@ pub(crate) enum LogFormat {
     Json,
 }
 
-pub(crate) fn init(format: LogFormat) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,tokio_postgres=warn"));
+pub(crate) fn init(format: LogFormat, default_filter: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

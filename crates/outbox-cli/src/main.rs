@@ -15,7 +15,12 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    logging::init(cli.global.log_format);
+    // The demo prints its own story; relay info lines would interleave with it.
+    let default_filter = match cli.command {
+        cli::Command::Demo(_) => "warn",
+        _ => "info,tokio_postgres=warn",
+    };
+    logging::init(cli.global.log_format, default_filter);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => return exit::report(&anyhow::Error::new(e).context("starting the tokio runtime")),

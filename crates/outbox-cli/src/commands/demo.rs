@@ -140,11 +140,11 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     );
 
     println!("\n4. at-least-once: replaying the first 5 stream entries to the consumer");
-    let replay: Vec<StreamId> = redis
-        .xrange_count::<_, _, _, redis::streams::StreamRangeReply>(&stream, "-", "+", 5)
+    let replay: redis::streams::StreamRangeReply = redis
+        .xrange_count(&stream, "-", "+", 5)
         .await
-        .context("reading the stream for the replay")?
-        .ids;
+        .context("reading the stream for the replay")?;
+    let replay: Vec<StreamId> = replay.ids;
     let mut replayed = Consumed::default();
     for entry in &replay {
         handle(&mut db, &inbox, entry, &mut replayed).await?;

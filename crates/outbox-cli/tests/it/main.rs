@@ -2,6 +2,8 @@
 //! PostgreSQL, Redis and HTTP receivers started by the testkit. One binary
 //! for the whole crate to save link time.
 
+#![allow(unreachable_pub, missing_docs)]
+
 mod cli;
 mod crash;
 mod relay;
