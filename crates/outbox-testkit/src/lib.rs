@@ -1,14 +1,61 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! # outbox-testkit
+//!
+//! Throwaway real services for the outbox's tests, the `outbox demo`
+//! command and the lab: nothing is mocked, everything is started fresh on
+//! 127.0.0.1 and a free port, and vanishes when its value is dropped.
+//!
+//! | item | owns |
+//! |---|---|
+//! | [`Postgres`] | a PostgreSQL cluster: start, fresh databases, stop, crash, restart |
+//! | [`Redis`] | a redis-server without persistence: start, stop, restart |
+//! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
+//! | [`Spawned`] | a child process with captured output lines |
+//! | [`free_port`] | a port nobody listens on |
+//! | [`Error`] | what went wrong, and what was being done |
+//!
+//! It depends on no test framework, so production binaries (the demo) can
+//! use it. Everything is async on tokio and must run inside a runtime.
+//!
+//! Environment:
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `OUTBOX_PG_BIN` | directory holding `initdb` and `postgres` |
+//! | `OUTBOX_TESTKIT_TMPDIR` | where clusters and the initdb template go (default: `TMPDIR`, else `/dev/shm` when it has 1 GiB free, else `/tmp`) |
+//! | `OUTBOX_TESTKIT_ECHO` | echo [`Spawned`] output to stderr |
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), outbox_testkit::Error> {
+//! use outbox_testkit::Postgres;
+//!
+//! let mut pg = Postgres::start().await?;
+//! let url = pg.fresh_database().await?;
+//! pg.kill()?; // a crash
+//! pg.restart().await?; // crash recovery; same port, same data
+//! # let _ = url; Ok(()) }
+//! ```
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod error;
+mod postgres;
+mod receiver;
+mod redis;
+mod spawned;
+mod support;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
+pub use error::Error;
+pub use postgres::Postgres;
+pub use receiver::{Received, Receiver, Respond};
+pub use redis::Redis;
+pub use spawned::Spawned;
+
+/// A TCP port on 127.0.0.1 that nobody listens on right now: binds port 0,
+/// reads the port the kernel chose, and releases it. Someone else may take
+/// it before you bind it.
+///
+/// # Panics
+///
+/// If binding 127.0.0.1:0 fails, which means the machine has no usable
+/// loopback interface.
+pub fn free_port() -> u16 {
+    support::try_free_port().expect("binding 127.0.0.1:0 works on any machine with a loopback interface")
 }

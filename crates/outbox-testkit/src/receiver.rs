@@ -1,0 +1,273 @@
+//! A scripted HTTP endpoint: records every POST it gets and answers with the
+//! status the test chose, so delivery, retries and backoff can be observed.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::Error;
+use crate::support::lock;
+
+/// How long [`Receiver::shutdown`] lets open connections finish.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How the [`Receiver`] answers POSTs. Whatever is scripted, every request is
+/// recorded with the status it actually got.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Respond {
+    /// Always 200.
+    Ok,
+    /// Always this status.
+    Status(u16),
+    /// The first `times` requests get `status`, later ones 200.
+    FailFirst {
+        /// How many requests fail.
+        times: usize,
+        /// The status they get.
+        status: u16,
+    },
+    /// One status per request in order, then 200.
+    Sequence(Vec<u16>),
+}
+
+impl Respond {
+    /// The status for the request with this 0-based index since the script
+    /// was set.
+    fn status_for(&self, index: usize) -> u16 {
+        match self {
+            Respond::Ok => 200,
+            Respond::Status(status) => *status,
+            Respond::FailFirst { times, status } if index < *times => *status,
+            Respond::FailFirst { .. } => 200,
+            Respond::Sequence(statuses) => statuses.get(index).copied().unwrap_or(200),
+        }
+    }
+}
+
+/// One POST the [`Receiver`] got.
+#[derive(Clone, Debug)]
+pub struct Received {
+    /// When it arrived.
+    pub at: Instant,
+    /// The request path, e.g. `/events`.
+    pub path: String,
+    /// The request headers, names lowercase, in arrival order.
+    pub headers: Vec<(String, String)>,
+    /// The body parsed as JSON; `Null` if it was not JSON.
+    pub body: serde_json::Value,
+    /// The status we answered.
+    pub status: u16,
+}
+
+impl Received {
+    /// The first value of header `name` (give it lowercase).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A real HTTP server (axum) on 127.0.0.1 and a free port that records every
+/// POST to any path and answers as scripted with [`Respond`]. Other methods
+/// get 405 and are not recorded.
+///
+/// Dropping it stops accepting connections; [`shutdown`](Self::shutdown)
+/// also waits for open ones to finish.
+#[derive(Debug)]
+pub struct Receiver {
+    addr: SocketAddr,
+    state: Arc<Shared>,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    log: Mutex<Vec<Received>>,
+    script: Mutex<Script>,
+    retry_after: Mutex<Option<u64>>,
+    /// How many requests are in `log`; waiters watch it.
+    count: watch::Sender<usize>,
+}
+
+#[derive(Debug)]
+struct Script {
+    respond: Respond,
+    /// Requests answered since `respond` was set.
+    answered: usize,
+}
+
+impl Receiver {
+    /// Starts the server and returns once it is listening.
+    pub async fn start(respond: Respond) -> Result<Receiver, Error> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+            .await
+            .map_err(Error::io("binding the HTTP receiver to 127.0.0.1"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(Error::io("reading the HTTP receiver's address"))?;
+        let state = Arc::new(Shared {
+            log: Mutex::new(Vec::new()),
+            script: Mutex::new(Script { respond, answered: 0 }),
+            retry_after: Mutex::new(None),
+            count: watch::Sender::new(0),
+        });
+        let app = Router::new()
+            .fallback(record)
+            // Batches of events can be large; a 413 from a limit would be an
+            // unrecorded answer nobody scripted.
+            .layer(DefaultBodyLimit::disable())
+            .with_state(Arc::clone(&state));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let shutdown = async {
+                // A dropped sender (the Receiver was dropped) also stops it.
+                let _ = stopped.await;
+            };
+            if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                tracing::warn!(error = %e, "testkit HTTP receiver failed");
+            }
+        });
+        Ok(Receiver {
+            addr,
+            state,
+            stop: Some(stop),
+            server: Some(server),
+        })
+    }
+
+    /// `http://127.0.0.1:<port>/events` (any path is accepted).
+    pub fn url(&self) -> String {
+        format!("http://{}/events", self.addr)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// Replaces the script; `FailFirst` and `Sequence` count from the next
+    /// request.
+    pub fn set_respond(&self, respond: Respond) {
+        *lock(&self.state.script) = Script { respond, answered: 0 };
+    }
+
+    /// Adds `Retry-After: <secs>` to every non-2xx answer from now on
+    /// (`None` removes it).
+    pub fn set_retry_after(&self, secs: Option<u64>) {
+        *lock(&self.state.retry_after) = secs;
+    }
+
+    /// Every POST so far, in arrival order.
+    pub fn received(&self) -> Vec<Received> {
+        lock(&self.state.log).clone()
+    }
+
+    /// How many POSTs arrived so far.
+    pub fn count(&self) -> usize {
+        lock(&self.state.log).len()
+    }
+
+    /// Waits until at least `n` POSTs have arrived and returns all of them
+    /// (possibly more than `n`).
+    pub async fn wait_for_count(&self, n: usize, timeout: Duration) -> Result<Vec<Received>, Error> {
+        let mut count = self.state.count.subscribe();
+        // The sender lives in `self.state`, so the channel cannot close
+        // while we borrow `self`.
+        let arrived = tokio::time::timeout(timeout, count.wait_for(|&c| c >= n)).await;
+        match arrived {
+            Ok(_) => Ok(self.received()),
+            Err(_) => Err(Error::Timeout {
+                waiting_for: format!("{n} requests at {}", self.url()),
+                timeout,
+                detail: format!("{} arrived", self.count()),
+            }),
+        }
+    }
+
+    /// Stops accepting, lets open connections finish (up to 5 s) and
+    /// returns when the server is gone.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(mut server) = self.server.take() {
+            if tokio::time::timeout(SHUTDOWN_TIMEOUT, &mut server).await.is_err() {
+                server.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        // Dropping `stop` starts a graceful shutdown of the server task; we
+        // cannot wait for it here.
+        self.stop.take();
+    }
+}
+
+async fn record(
+    State(state): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if method != Method::POST {
+        return StatusCode::METHOD_NOT_ALLOWED.into_response();
+    }
+    let at = Instant::now();
+    let wanted = {
+        let mut script = lock(&state.script);
+        let wanted = script.respond.status_for(script.answered);
+        script.answered += 1;
+        wanted
+    };
+    // An invalid scripted status cannot be sent; record what we did send.
+    let status = StatusCode::from_u16(wanted).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let retry_after = if status.is_success() {
+        None
+    } else {
+        *lock(&state.retry_after)
+    };
+    let received = Received {
+        at,
+        path: uri.path().to_owned(),
+        headers: headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_ascii_lowercase(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+        body: serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+        status: status.as_u16(),
+    };
+    {
+        // Recorded before answering: once the client has its response the
+        // request is visible to the test.
+        let mut log = lock(&state.log);
+        log.push(received);
+        state.count.send_replace(log.len());
+    }
+    let mut response = status.into_response();
+    if let Some(secs) = retry_after {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}

@@ -1,0 +1,266 @@
+//! A throwaway redis-server: one child process on a free port, no
+//! persistence, spoken to with raw RESP so no Redis client is needed.
+
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tempfile::TempDir;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use crate::Error;
+use crate::support::{self, POLL};
+
+/// How long a start or restart may take.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long SIGTERM may take before SIGKILL.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the port may keep accepting after the server was reaped.
+const PORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many fresh ports `start` tries when the chosen one gets taken.
+const PORT_ATTEMPTS: usize = 5;
+/// Lines of server log quoted in errors.
+const LOG_LINES: usize = 30;
+
+/// One throwaway redis-server on 127.0.0.1, owned by this value.
+///
+/// It runs with `--save "" --appendonly no`, so a restart comes back empty.
+/// Its working directory and log are in a temporary directory removed on
+/// drop; dropping it SIGKILLs the server.
+#[derive(Debug)]
+pub struct Redis {
+    exe: PathBuf,
+    port: u16,
+    log: PathBuf,
+    server: Option<Child>,
+    // Declared last so the directory goes after `Drop` has killed the server.
+    dir: TempDir,
+}
+
+impl Redis {
+    /// Starts a redis-server on a free port and returns once it answers
+    /// `PING` (up to 20 s). If the port picked is taken before the server
+    /// binds it, a new one is tried.
+    pub async fn start() -> Result<Redis, Error> {
+        let exe = support::find_on_path("redis-server").ok_or(Error::RedisNotInstalled)?;
+        let base = support::base_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-testkit-redis-")
+            .tempdir_in(base)
+            .map_err(Error::io(format!(
+                "creating a temporary directory for redis-server in {}",
+                base.display()
+            )))?;
+        let mut redis = Redis {
+            exe,
+            port: 0,
+            log: dir.path().join("redis.log"),
+            server: None,
+            dir,
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut last = String::new();
+        for _ in 0..PORT_ATTEMPTS {
+            redis.port = support::try_free_port()?;
+            match redis.boot(deadline).await? {
+                Boot::Ready => return Ok(redis),
+                Boot::PortTaken(why) => last = why,
+            }
+        }
+        Err(Error::Failed {
+            doing: "starting redis-server".into(),
+            detail: format!("{PORT_ATTEMPTS} ports in a row were taken; last attempt: {last}"),
+        })
+    }
+
+    /// The TCP port the server listens on (127.0.0.1); it stays the same
+    /// across restarts.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server (SIGTERM, SIGKILL after 10 s), reaps it and waits
+    /// until its port refuses connections. Stopping a stopped server does
+    /// nothing.
+    pub async fn stop(&mut self) -> Result<(), Error> {
+        let Some(mut server) = self.server.take() else {
+            return Ok(());
+        };
+        let what = format!("redis-server on port {}", self.port);
+        support::signal_child(&server, Signal::SIGTERM, &what)?;
+        if support::wait_exit(&mut server, STOP_TIMEOUT, &what)
+            .await?
+            .is_none()
+        {
+            support::kill_and_reap(&mut server, &what)?;
+        }
+        self.wait_port_closed().await
+    }
+
+    /// Starts the server again on the same port (a running one is stopped
+    /// first) and waits until it answers `PING`. Data does not survive.
+    pub async fn restart(&mut self) -> Result<(), Error> {
+        self.stop().await?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match self.boot(deadline).await? {
+                Boot::Ready => return Ok(()),
+                Boot::PortTaken(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+                Boot::PortTaken(why) => {
+                    return Err(Error::Timeout {
+                        waiting_for: format!("redis-server to restart on port {}", self.port),
+                        timeout: READY_TIMEOUT,
+                        detail: why,
+                    });
+                }
+            }
+        }
+    }
+
+    async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
+        let offset = support::file_len(&self.log);
+        self.server = Some(self.spawn()?);
+        loop {
+            let server = self.server.as_mut().ok_or_else(|| Error::Failed {
+                doing: format!("starting redis-server on port {}", self.port),
+                detail: "the server vanished while starting".into(),
+            })?;
+            let pid = server.id();
+            let status = server.try_wait().map_err(Error::io(format!(
+                "watching redis-server start on port {}",
+                self.port
+            )))?;
+            if let Some(status) = status {
+                self.server = None;
+                let log = support::log_since(&self.log, offset);
+                if log.contains("Address already in use") {
+                    return Ok(Boot::PortTaken(format!("port {} is in use", self.port)));
+                }
+                return Err(Error::Failed {
+                    doing: format!("starting redis-server on port {}", self.port),
+                    detail: format!(
+                        "it exited during startup ({status}); last lines of {}:\n{}",
+                        self.log.display(),
+                        support::last_lines(&log, LOG_LINES)
+                    ),
+                });
+            }
+            if matches!(
+                tokio::time::timeout(Duration::from_secs(2), probe(self.port, pid)).await,
+                Ok(Ok(true))
+            ) {
+                return Ok(Boot::Ready);
+            }
+            if Instant::now() >= deadline {
+                if let Some(mut server) = self.server.take() {
+                    support::kill_and_reap(&mut server, "redis-server")?;
+                }
+                return Err(Error::Timeout {
+                    waiting_for: format!("redis-server on 127.0.0.1:{} to answer PING", self.port),
+                    timeout: READY_TIMEOUT,
+                    detail: format!(
+                        "last lines of {}:\n{}",
+                        self.log.display(),
+                        support::log_tail(&self.log, LOG_LINES)
+                    ),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    fn spawn(&self) -> Result<Child, Error> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(Error::io(format!(
+                "opening the server log {}",
+                self.log.display()
+            )))?;
+        let stderr = log
+            .try_clone()
+            .map_err(Error::io("duplicating the server log handle"))?;
+        std::process::Command::new(&self.exe)
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--daemonize", "no", "--dir"])
+            .arg(self.dir.path())
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(stderr)
+            .spawn()
+            .map_err(Error::io(format!(
+                "spawning {} on port {}",
+                self.exe.display(),
+                self.port
+            )))
+    }
+
+    async fn wait_port_closed(&self) -> Result<(), Error> {
+        let deadline = Instant::now() + PORT_TIMEOUT;
+        while TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    waiting_for: format!("port {} to refuse connections", self.port),
+                    timeout: PORT_TIMEOUT,
+                    detail: "redis-server has exited, so another process is listening there".into(),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Some(mut server) = self.server.take() {
+            if let Err(e) = support::kill_and_reap(&mut server, "redis-server") {
+                tracing::warn!(error = %e, "killing a testkit redis-server on drop");
+            }
+        }
+    }
+}
+
+enum Boot {
+    Ready,
+    PortTaken(String),
+}
+
+/// Whether the redis-server with `pid` answers on `port`: `PING` must get
+/// `+PONG`, and `INFO server` must name our pid, because after a lost port
+/// race another test's redis-server may be the one answering.
+async fn probe(port: u16, pid: u32) -> std::io::Result<bool> {
+    let stream = TcpStream::connect(("127.0.0.1", port)).await?;
+    let mut stream = BufReader::new(stream);
+    stream.get_mut().write_all(b"PING\r\n").await?;
+    let mut line = String::new();
+    stream.read_line(&mut line).await?;
+    if !line.starts_with("+PONG") {
+        // e.g. "-LOADING": not ready yet.
+        return Ok(false);
+    }
+    stream.get_mut().write_all(b"INFO server\r\n").await?;
+    line.clear();
+    stream.read_line(&mut line).await?;
+    let Some(len) = line
+        .strip_prefix('$')
+        .and_then(|n| n.trim_end().parse::<usize>().ok())
+    else {
+        return Ok(false);
+    };
+    let mut info = vec![0; len + 2];
+    stream.read_exact(&mut info).await?;
+    let info = String::from_utf8_lossy(&info);
+    Ok(info.lines().any(|l| l.trim_end() == format!("process_id:{pid}")))
+}

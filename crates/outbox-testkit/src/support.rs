@@ -1,0 +1,279 @@
+//! Plumbing the services share: where their throwaway directories go, which
+//! user runs them, finding programs, reading log tails and waiting for or
+//! killing processes.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::Error;
+
+/// How often we look at something that cannot notify us (a process exiting,
+/// a server starting to accept connections).
+pub(crate) const POLL: Duration = Duration::from_millis(20);
+
+/// tmpfs with less room than this is not worth using: a cluster takes ~40 MB,
+/// and a full tmpfs fails in confusing ways.
+const MIN_SHM_FREE: u64 = 1 << 30;
+
+/// The directory under which throwaway directories and the PostgreSQL
+/// template go.
+///
+/// `OUTBOX_TESTKIT_TMPDIR` wins; an explicit `TMPDIR` is honoured next. Without
+/// either we prefer `/dev/shm` when it has room, because creating files on the
+/// disk-backed `/tmp` of a small VM costs ~0.5 ms each and a cluster has ~1000.
+pub(crate) fn base_dir() -> &'static Path {
+    static BASE: OnceLock<PathBuf> = OnceLock::new();
+    BASE.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("OUTBOX_TESTKIT_TMPDIR") {
+            return absolute(PathBuf::from(dir));
+        }
+        let shm = Path::new("/dev/shm");
+        if std::env::var_os("TMPDIR").is_none() && has_room(shm) {
+            return shm.to_path_buf();
+        }
+        absolute(std::env::temp_dir())
+    })
+}
+
+fn absolute(path: PathBuf) -> PathBuf {
+    std::path::absolute(&path).unwrap_or(path)
+}
+
+fn has_room(dir: &Path) -> bool {
+    let writable = nix::unistd::access(
+        dir,
+        nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+    )
+    .is_ok();
+    let free = nix::sys::statvfs::statvfs(dir)
+        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
+        .unwrap_or(0);
+    writable && free >= MIN_SHM_FREE
+}
+
+/// The user a service's processes run as.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RunAs {
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+    /// Whether the child must switch to `uid`/`gid` (we are root).
+    switch: bool,
+}
+
+impl RunAs {
+    /// The current user; when that is root, the `postgres` system user (or
+    /// `nobody`), because PostgreSQL refuses to run as root.
+    pub(crate) fn unprivileged() -> Result<RunAs, Error> {
+        let euid = nix::unistd::geteuid();
+        if !euid.is_root() {
+            return Ok(RunAs {
+                uid: euid.as_raw(),
+                gid: nix::unistd::getegid().as_raw(),
+                switch: false,
+            });
+        }
+        for name in ["postgres", "nobody"] {
+            let user = nix::unistd::User::from_name(name)
+                .map_err(Error::sys(format!("looking up the system user {name:?}")))?;
+            if let Some(user) = user {
+                return Ok(RunAs {
+                    uid: user.uid.as_raw(),
+                    gid: user.gid.as_raw(),
+                    switch: true,
+                });
+            }
+        }
+        Err(Error::Failed {
+            doing: "choosing an unprivileged user to run PostgreSQL as (we are root)".into(),
+            detail: "neither a `postgres` nor a `nobody` user exists; create one \
+                     (`apt-get install postgresql` creates `postgres`)"
+                .into(),
+        })
+    }
+
+    /// Makes `cmd` run as this user.
+    pub(crate) fn apply(&self, cmd: &mut tokio::process::Command) {
+        if self.switch {
+            cmd.uid(self.uid).gid(self.gid);
+        }
+    }
+
+    /// Makes `cmd` run as this user.
+    pub(crate) fn apply_std(&self, cmd: &mut std::process::Command) {
+        use std::os::unix::process::CommandExt;
+        if self.switch {
+            cmd.uid(self.uid).gid(self.gid);
+        }
+    }
+
+    /// Gives `path` to this user, so its processes can write there.
+    pub(crate) fn own(&self, path: &Path) -> Result<(), Error> {
+        if !self.switch {
+            return Ok(());
+        }
+        std::os::unix::fs::chown(path, Some(self.uid), Some(self.gid)).map_err(Error::io(format!(
+            "giving {} to uid {}",
+            path.display(),
+            self.uid
+        )))
+    }
+}
+
+/// `name` on `PATH`, if it is there.
+pub(crate) fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+pub(crate) fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// The last `n` lines of a log file, for error messages; a note instead if it
+/// cannot be read.
+pub(crate) fn log_tail(path: &Path, n: usize) -> String {
+    // Logs of long runs can be large; the tail is all we show.
+    const WINDOW: u64 = 64 * 1024;
+    let read = || -> std::io::Result<String> {
+        let mut file = std::fs::File::open(path)?;
+        let len = file.metadata()?.len();
+        file.seek(SeekFrom::Start(len.saturating_sub(WINDOW)))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    };
+    match read() {
+        Ok(text) => last_lines(&text, n),
+        Err(e) => format!("(could not read {}: {e})", path.display()),
+    }
+}
+
+/// What a log file holds from byte `offset` on (what one start attempt wrote).
+pub(crate) fn log_since(path: &Path, offset: u64) -> String {
+    let read = || -> std::io::Result<String> {
+        let mut file = std::fs::File::open(path)?;
+        file.seek(SeekFrom::Start(offset))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    };
+    read().unwrap_or_default()
+}
+
+pub(crate) fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+}
+
+pub(crate) fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.len().saturating_sub(n);
+    if lines.is_empty() {
+        return "(empty)".into();
+    }
+    lines[start..].join("\n")
+}
+
+/// Locks a mutex whose data stays consistent even if a holder panicked (every
+/// critical section here is a single push, swap or read).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(crate) fn pid_of(child: &Child) -> Pid {
+    // Child ids are pids, which fit in pid_t.
+    Pid::from_raw(child.id() as i32)
+}
+
+/// Sends `signal` to a child we have not reaped yet (so its pid cannot have
+/// been reused).
+pub(crate) fn signal_child(child: &Child, signal: Signal, what: &str) -> Result<(), Error> {
+    match kill(pid_of(child), signal) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+        Err(e) => Err(Error::Sys {
+            doing: format!("sending {signal} to {what} (pid {})", child.id()),
+            source: e,
+        }),
+    }
+}
+
+/// Waits up to `timeout` for a child to exit; `None` if it is still running.
+///
+/// std's `Child` cannot be awaited, and a process exit notifies nobody we can
+/// listen to without taking over SIGCHLD, so this polls.
+pub(crate) async fn wait_exit(
+    child: &mut Child,
+    timeout: Duration,
+    what: &str,
+) -> Result<Option<ExitStatus>, Error> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let status = child
+            .try_wait()
+            .map_err(Error::io(format!("waiting for {what} to exit")))?;
+        if status.is_some() || Instant::now() >= deadline {
+            return Ok(status);
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// SIGKILLs a child and reaps it. Reaping after SIGKILL takes milliseconds,
+/// so blocking is fine, and it lets `Drop` and sync callers use this.
+pub(crate) fn kill_and_reap(child: &mut Child, what: &str) -> Result<ExitStatus, Error> {
+    signal_child(child, Signal::SIGKILL, what)?;
+    child
+        .wait()
+        .map_err(Error::io(format!("reaping {what} after SIGKILL")))
+}
+
+/// The pids whose parent is `parent`, from `/proc` (empty where there is no
+/// `/proc`).
+pub(crate) fn children_of(parent: Pid) -> Vec<Pid> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| proc_stat(pid).is_some_and(|(_, ppid)| ppid == parent.as_raw()))
+        .map(Pid::from_raw)
+        .collect()
+}
+
+/// (state, ppid) of a process, from `/proc/<pid>/stat`.
+fn proc_stat(pid: i32) -> Option<(char, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may itself contain ") ".
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    Some((state, ppid))
+}
+
+/// Whether a process is gone or a zombie (it holds no memory, sockets or
+/// files any more).
+pub(crate) fn is_dead(pid: Pid) -> bool {
+    match proc_stat(pid.as_raw()) {
+        Some((state, _)) => state == 'Z' || state == 'X',
+        None => !Path::new("/proc").join(pid.as_raw().to_string()).exists(),
+    }
+}
+
+/// A port nobody listens on right now (someone may take it before we do;
+/// the servers retry with another).
+pub(crate) fn try_free_port() -> Result<u16, Error> {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(Error::io("binding 127.0.0.1:0 to find a free port"))
+}

@@ -1,0 +1,12 @@
+//! The testkit against the real programs: PostgreSQL, redis-server, an HTTP
+//! client and `sh`. Every wait is bounded.
+
+mod postgres;
+mod receiver;
+mod redis;
+mod spawned;
+
+use std::time::Duration;
+
+/// The bound on any single wait in these tests.
+pub const LONG: Duration = Duration::from_secs(60);
