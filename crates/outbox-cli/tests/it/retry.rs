@@ -188,3 +188,27 @@ async fn permanent_refusal_dead_letters_at_once_and_retry_filters_select() {
     assert_eq!(left, "orders");
     stop_relay(relay).await;
 }
+
+#[tokio::test]
+async fn retry_after_sets_the_earliest_next_attempt() {
+    let mut db = Db::start().await;
+    let receiver = Receiver::start(Respond::FailFirst {
+        times: 1,
+        status: 429,
+    })
+    .await
+    .unwrap();
+    receiver.set_retry_after(Some(2));
+    db.insert_events(1, 1).await;
+    let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
+    wait_until("the event published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    stop_relay(relay).await;
+    let received = receiver.received();
+    assert_eq!(received.iter().map(|r| r.status).collect::<Vec<_>>(), [429, 200]);
+    let gap = received[1].at - received[0].at;
+    // The backoff alone would retry after 200 ms; the receiver asked for 2 s.
+    assert!(gap >= Duration::from_secs(2), "retried after {gap:?}");
+}
