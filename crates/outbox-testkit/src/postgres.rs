@@ -288,32 +288,19 @@ impl Postgres {
             }
             if Instant::now() >= deadline {
                 self.kill()?;
-                return Err(Error::Timeout {
-                    waiting_for: format!("PostgreSQL on 127.0.0.1:{} to accept connections", self.port),
-                    timeout: READY_TIMEOUT,
-                    detail: format!(
-                        "last lines of {}:\n{}",
-                        self.log.display(),
-                        support::log_tail(&self.log, LOG_LINES)
-                    ),
-                });
+                return Err(support::not_ready(
+                    format!("PostgreSQL on 127.0.0.1:{} to accept connections", self.port),
+                    READY_TIMEOUT,
+                    &self.log,
+                    LOG_LINES,
+                ));
             }
             tokio::time::sleep(POLL).await;
         }
     }
 
     fn spawn(&self) -> Result<Child, Error> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(Error::io(format!(
-                "opening the server log {}",
-                self.log.display()
-            )))?;
-        let stdout = log
-            .try_clone()
-            .map_err(Error::io("duplicating the server log handle"))?;
+        let (stdout, log) = support::log_handles(&self.log)?;
         let socket_dirs = match &self.socket_dir {
             Some(dir) => format!("unix_socket_directories={}", dir.display()),
             None => "unix_socket_directories=".to_string(),

@@ -162,32 +162,19 @@ impl Redis {
                 if let Some(mut server) = self.server.take() {
                     support::kill_and_reap(&mut server, "redis-server")?;
                 }
-                return Err(Error::Timeout {
-                    waiting_for: format!("redis-server on 127.0.0.1:{} to answer PING", self.port),
-                    timeout: READY_TIMEOUT,
-                    detail: format!(
-                        "last lines of {}:\n{}",
-                        self.log.display(),
-                        support::log_tail(&self.log, LOG_LINES)
-                    ),
-                });
+                return Err(support::not_ready(
+                    format!("redis-server on 127.0.0.1:{} to answer PING", self.port),
+                    READY_TIMEOUT,
+                    &self.log,
+                    LOG_LINES,
+                ));
             }
             tokio::time::sleep(POLL).await;
         }
     }
 
     fn spawn(&self) -> Result<Child, Error> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(Error::io(format!(
-                "opening the server log {}",
-                self.log.display()
-            )))?;
-        let stderr = log
-            .try_clone()
-            .map_err(Error::io("duplicating the server log handle"))?;
+        let (log, stderr) = support::log_handles(&self.log)?;
         std::process::Command::new(&self.exe)
             .arg("--port")
             .arg(self.port.to_string())

@@ -277,3 +277,26 @@ pub(crate) fn try_free_port() -> Result<u16, Error> {
         .map(|a| a.port())
         .map_err(Error::io("binding 127.0.0.1:0 to find a free port"))
 }
+
+/// The server log opened for appending, as two handles (stdout, stderr), so
+/// both streams of a server end up in one file.
+pub(crate) fn log_handles(path: &Path) -> Result<(std::fs::File, std::fs::File), Error> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(Error::io(format!("opening the server log {}", path.display())))?;
+    let other = log
+        .try_clone()
+        .map_err(Error::io("duplicating the server log handle"))?;
+    Ok((log, other))
+}
+
+/// The error for a server that did not become ready in time, quoting its log.
+pub(crate) fn not_ready(waiting_for: String, timeout: Duration, log: &Path, lines: usize) -> Error {
+    Error::Timeout {
+        waiting_for,
+        timeout,
+        detail: format!("last lines of {}:\n{}", log.display(), log_tail(log, lines)),
+    }
+}
