@@ -191,3 +191,37 @@ async fn redis_down_becomes_retries_and_nothing_is_lost() {
     assert_eq!(distinct.len(), 500);
     stop_relay(relay).await;
 }
+
+#[tokio::test]
+async fn sigterm_drains_the_batch_in_flight_so_delivered_equals_marked() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    db.insert_events(20_000, 4).await;
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &["--batch-size", "1000", "--log-format", "json"],
+        &[],
+    )
+    .await;
+    let ready = relay.wait_for_line("relay ready", LONG).await.unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&ready).expect("--log-format json");
+    assert_eq!(ready["fields"]["batch_size"], 1000);
+
+    // Stop while batches are flowing: the one in flight must be marked.
+    relay.wait_for_line("batch committed", LONG).await.unwrap();
+    stop_relay(relay).await;
+
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    let published = db
+        .count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+        .await;
+    assert_eq!(events.len(), distinct.len(), "no duplicates");
+    assert_eq!(
+        events.len() as i64,
+        published,
+        "every delivered event is marked, and only those"
+    );
+    assert!(published > 0);
+}
