@@ -8,7 +8,9 @@ use outbox::{Event, Outbox};
 use outbox_testkit::Redis;
 use serde_json::json;
 
-use crate::support::{Db, LONG, connect, order_violations, read_stream, start_relay, stop_relay, wait_until};
+use crate::support::{
+    Db, LONG, connect, distinct_events, order_violations, read_stream, start_relay, stop_relay, wait_until,
+};
 
 #[tokio::test]
 async fn drains_10000_events_to_redis_exactly_once_in_aggregate_order() {
@@ -25,9 +27,9 @@ async fn drains_10000_events_to_redis_exactly_once_in_aggregate_order() {
     stop_relay(relay).await;
 
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
-    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    let distinct = distinct_events(&events);
     assert_eq!(events.len(), 10_000, "no duplicates without a crash");
-    assert_eq!(distinct.len(), 10_000);
+    assert_eq!(distinct, 10_000);
     assert_eq!(order_violations(&events), 0);
     let aggregates: HashSet<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
     assert_eq!(aggregates.len(), 500);
@@ -129,13 +131,13 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     })
     .await;
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
-    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
-    assert_eq!(distinct.len(), 4_000, "nothing lost");
+    let distinct = distinct_events(&events);
+    assert_eq!(distinct, 4_000, "nothing lost");
     // kill -9 interrupts at most the one batch in flight.
     assert!(
-        events.len() - distinct.len() <= 50,
+        events.len() - distinct <= 50,
         "{} duplicates",
-        events.len() - distinct.len()
+        events.len() - distinct
     );
     stop_relay(relay).await;
 }
@@ -187,8 +189,8 @@ async fn redis_down_becomes_retries_and_nothing_is_lost() {
     })
     .await;
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
-    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
-    assert_eq!(distinct.len(), 500);
+    let distinct = distinct_events(&events);
+    assert_eq!(distinct, 500);
     stop_relay(relay).await;
 }
 
@@ -213,11 +215,11 @@ async fn sigterm_drains_the_batch_in_flight_so_delivered_equals_marked() {
     stop_relay(relay).await;
 
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
-    let distinct: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    let distinct = distinct_events(&events);
     let published = db
         .count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
         .await;
-    assert_eq!(events.len(), distinct.len(), "no duplicates");
+    assert_eq!(events.len(), distinct, "no duplicates");
     assert_eq!(
         events.len() as i64,
         published,

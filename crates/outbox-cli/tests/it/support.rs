@@ -175,6 +175,15 @@ pub async fn read_stream(redis_url: &str, stream: &str) -> Vec<StreamEvent> {
         .collect()
 }
 
+/// How many different event_ids `events` holds.
+pub fn distinct_events(events: &[StreamEvent]) -> usize {
+    events
+        .iter()
+        .map(|e| e.event_id.as_str())
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+}
+
 /// Counts per-aggregate order violations: an entry whose outbox id is lower
 /// than one already seen for the same aggregate.
 pub fn order_violations(events: &[StreamEvent]) -> usize {
