@@ -74,6 +74,10 @@ pub(crate) enum Command {
     /// Run the whole pattern end to end on a throwaway PostgreSQL and Redis
     /// (or on DATABASE_URL / OUTBOX_SINK when set).
     Demo(DemoArgs),
+    /// Measure relay throughput against the no-sink floor and the naive
+    /// per-row relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
+    /// OUTBOX_SINK, in a scratch schema it drops).
+    Bench(BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -174,6 +178,29 @@ pub(crate) struct DemoArgs {
     /// Without it the demo starts its own redis-server.
     #[arg(long, env = "OUTBOX_SINK")]
     pub(crate) sink: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// Events per drain.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub(crate) events: u32,
+    /// Batch sizes to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1000",
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub(crate) batch_sizes: Vec<u32>,
+    /// Repetitions of each figure (reported as median [min–max]).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub(crate) reps: u32,
+    /// A few hundred events, one repetition: checks the bench itself.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Redis to deliver to (redis://…); without it the bench starts its own.
+    #[arg(long = "sink", env = "OUTBOX_SINK")]
+    pub(crate) redis_url: Option<String>,
 }
 
 fn positive_duration(s: &str) -> Result<Duration, String> {

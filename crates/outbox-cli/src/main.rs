@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     // The demo prints its own story; relay info lines would interleave with it.
     let default_filter = match cli.command {
-        cli::Command::Demo(_) => "warn",
+        cli::Command::Demo(_) | cli::Command::Bench(_) => "warn",
         _ => "info,tokio_postgres=warn",
     };
     logging::init(cli.global.log_format, default_filter);

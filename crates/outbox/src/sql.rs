@@ -45,6 +45,17 @@ const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
        FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
       WHERE o.id = f.id AND o.published_at IS NULL";
 
+/// `$1` batch size. Claim and mark in one autocommit statement with no sink
+/// in between: the floor `outbox bench` compares the relay against. Same
+/// index as `CLAIM_BATCH`.
+const CLAIM_AND_MARK: &str = "UPDATE {t} SET published_at = clock_timestamp() WHERE id IN ( \
+        SELECT id FROM {t} WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)";
+
+/// `$1` id. One row at a time, as the reference relay marks: the naive
+/// baseline of `outbox bench`. Primary key lookup.
+const MARK_ONE: &str = "UPDATE {t} SET published_at = clock_timestamp() WHERE id = $1";
+
 /// `$1` max attempts. Unpublished rows per aggregate type: pending, dead
 /// letters, oldest pending. Scans the partial index only.
 const STATS: &str = "SELECT aggregate_type, \
@@ -91,6 +102,8 @@ pub struct OutboxSql {
     pub requeue_dead: String,
     pub count_dead: String,
     pub notify: &'static str,
+    pub claim_and_mark: String,
+    pub mark_one: String,
 }
 
 impl OutboxSql {
@@ -114,6 +127,8 @@ impl OutboxSql {
             requeue_dead: render(REQUEUE_DEAD),
             count_dead: render(COUNT_DEAD),
             notify: NOTIFY,
+            claim_and_mark: render(CLAIM_AND_MARK),
+            mark_one: render(MARK_ONE),
         }
     }
 }

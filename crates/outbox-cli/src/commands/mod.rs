@@ -1,6 +1,7 @@
 //! One module per subcommand, and the few things they share: turning global
 //! flags into validated configs and a PostgreSQL connection.
 
+mod bench;
 mod demo;
 mod dlq;
 mod migrate;
@@ -22,6 +23,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Stats(args) => stats::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
+        Command::Bench(args) => bench::run(g, args).await,
     }
 }
 

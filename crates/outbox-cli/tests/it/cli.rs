@@ -160,3 +160,24 @@ async fn demo_runs_end_to_end_on_throwaway_services() {
         "{stdout}"
     );
 }
+
+#[tokio::test]
+async fn bench_quick_reports_exact_counts() {
+    let out = run_cli(&["bench", "--quick", "--json"], &[]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json");
+    assert_eq!(report["events"], 300);
+    let rows = report["throughput"].as_array().unwrap();
+    assert_eq!(rows.len(), 9, "3 strategies × batch sizes 1, 10, 100");
+    for row in rows {
+        let run = &row["runs"][0];
+        assert_eq!(run["marked"], 300, "{row}");
+        if row["strategy"] != "floor" {
+            assert_eq!(run["delivered"], 300, "{row}");
+            assert_eq!(run["duplicates"], 0, "{row}");
+        }
+        assert!(row["events_per_second"]["median"].as_f64().unwrap() > 0.0);
+        assert_eq!(run["peak_rss"].is_u64(), row["strategy"] == "relay", "{row}");
+    }
+    assert_eq!(report["ratios"].as_array().unwrap().len(), 3);
+}

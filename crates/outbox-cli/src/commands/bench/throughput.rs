@@ -1,0 +1,279 @@
+//! One drain of N pre-inserted events by one strategy at one batch size.
+//!
+//! - `Relay`: `outbox relay` as a child process, to Redis Streams.
+//! - `Floor`: one client running `CLAIM_AND_MARK` until nothing is left: the
+//!   cost of the claim and the mark alone, no sink.
+//! - `Naive`: the reference relay's shape: claim a batch, then per row one
+//!   XADD round trip and one `UPDATE … WHERE id = $1`.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use outbox::{Config, Event, Outbox, OutboxRow};
+use outbox_testkit::Spawned;
+use redis::AsyncCommands;
+use serde::Serialize;
+use serde_json::json;
+use tokio_postgres::Client;
+
+const SCHEMA: &str = "outbox_bench";
+const CHANNEL: &str = "outbox_bench_new";
+const STREAM_PREFIX: &str = "outbox_bench.event";
+const STREAM: &str = "outbox_bench.event.orders";
+
+/// How the outbox is drained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Strategy {
+    Relay,
+    Floor,
+    Naive,
+}
+
+impl Strategy {
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            Strategy::Relay => "relay → redis",
+            Strategy::Floor => "floor (claim+mark, no sink)",
+            Strategy::Naive => "naive per-row → redis",
+        }
+    }
+}
+
+/// What one drain measured.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Run {
+    pub(super) seconds: f64,
+    /// Distinct event_ids that reached Redis (the floor sends nothing: 0).
+    pub(super) delivered: u64,
+    /// Stream entries beyond the distinct ones.
+    pub(super) duplicates: u64,
+    /// Rows marked published.
+    pub(super) marked: u64,
+    /// Peak resident memory of the relay process, in bytes.
+    pub(super) peak_rss: Option<u64>,
+}
+
+/// The scratch outbox and the services the drains use.
+pub(super) struct Scratch {
+    pg: tokio_postgres::Config,
+    pg_url: String,
+    redis_url: String,
+    db: Client,
+    config: Config,
+}
+
+impl Scratch {
+    pub(super) async fn new(
+        pg: tokio_postgres::Config,
+        pg_url: String,
+        redis_url: String,
+    ) -> anyhow::Result<Self> {
+        let mut db = super::super::connect(&pg).await?;
+        db.batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+            .await
+            .context("dropping an old bench schema")?;
+        let config = Config::new(SCHEMA, "outbox")?.with_channel(CHANNEL)?;
+        outbox::migrate(&mut db, &config).await?;
+        Ok(Self {
+            pg,
+            pg_url,
+            redis_url,
+            db,
+            config,
+        })
+    }
+
+    pub(super) async fn drop_all(&self) -> anyhow::Result<()> {
+        self.db
+            .batch_execute(&format!("DROP SCHEMA {SCHEMA} CASCADE"))
+            .await
+            .context("dropping the bench schema")?;
+        self.redis().await?.del::<_, i64>(STREAM).await?;
+        Ok(())
+    }
+
+    async fn redis(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+        redis::Client::open(self.redis_url.as_str())?
+            .get_multiplexed_async_connection()
+            .await
+            .context("connecting to Redis")
+    }
+
+    /// Empties the table and the stream, then inserts `n` events over 500
+    /// aggregates, interleaved.
+    async fn reset(&mut self, n: usize) -> anyhow::Result<()> {
+        let t = self.config.qualified();
+        // Separate calls: VACUUM cannot run in the implicit transaction of a
+        // multi-statement string.
+        self.db.batch_execute(&format!("TRUNCATE {t}")).await?;
+        self.db.batch_execute(&format!("VACUUM ANALYZE {t}")).await?;
+        self.redis().await?.del::<_, i64>(STREAM).await?;
+        let outbox = Outbox::new(self.config.clone());
+        let events: Vec<Event> = (0..n)
+            .map(|i| Event::new("orders", (i % 500).to_string(), "OrderPlaced", json!({"n": i})))
+            .collect();
+        for chunk in events.chunks(1000) {
+            let tx = self.db.transaction().await?;
+            outbox.enqueue_all(&tx, chunk).await?;
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn drain(&mut self, strategy: Strategy, n: usize, batch: u32) -> anyhow::Result<Run> {
+        self.reset(n).await?;
+        let (seconds, peak_rss) = match strategy {
+            Strategy::Relay => self.drain_relay(batch).await?,
+            Strategy::Floor => (self.drain_floor(batch).await?, None),
+            Strategy::Naive => (self.drain_naive(batch).await?, None),
+        };
+        let marked: i64 = self
+            .db
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
+                    self.config.qualified()
+                ),
+                &[],
+            )
+            .await?
+            .get(0);
+        let (entries, delivered) = if strategy == Strategy::Floor {
+            (0, 0)
+        } else {
+            self.stream_counts().await?
+        };
+        Ok(Run {
+            seconds,
+            delivered,
+            duplicates: entries - delivered,
+            marked: marked as u64,
+            peak_rss,
+        })
+    }
+
+    async fn stream_counts(&self) -> anyhow::Result<(u64, u64)> {
+        let reply: redis::streams::StreamRangeReply = self.redis().await?.xrange_all(STREAM).await?;
+        let ids: HashSet<String> = reply
+            .ids
+            .iter()
+            .filter_map(|e| e.get::<String>("event_id"))
+            .collect();
+        Ok((reply.ids.len() as u64, ids.len() as u64))
+    }
+
+    async fn drain_relay(&self, batch: u32) -> anyhow::Result<(f64, Option<u64>)> {
+        let exe = std::env::current_exe().context("locating this binary")?;
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.args([
+            "relay",
+            "--sink",
+            &self.redis_url,
+            "--schema",
+            SCHEMA,
+            "--channel",
+            CHANNEL,
+        ])
+        .args([
+            "--stream-prefix",
+            STREAM_PREFIX,
+            "--batch-size",
+            &batch.to_string(),
+        ])
+        .env("DATABASE_URL", &self.pg_url)
+        .env("RUST_LOG", "info")
+        .env_remove("OUTBOX_TABLE")
+        .env_remove("OUTBOX_SINK")
+        .env_remove("OUTBOX_FAILPOINT");
+        let mut relay = Spawned::spawn(cmd)?;
+        relay
+            .wait_for_line("relay ready", Duration::from_secs(30))
+            .await?;
+        // The relay claims right after logging ready.
+        let started = Instant::now();
+        let probe = format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE published_at IS NULL)",
+            self.config.qualified()
+        );
+        let mut peak = None;
+        loop {
+            peak = peak_rss(relay.pid()).or(peak);
+            if !self.db.query_one(&probe, &[]).await?.get::<_, bool>(0) {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                relay.kill()?;
+                bail!("the relay did not drain the outbox within 10 minutes");
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        peak = peak_rss(relay.pid()).or(peak);
+        relay.signal(nix::sys::signal::Signal::SIGTERM)?;
+        let status = relay.wait(Duration::from_secs(30)).await?;
+        if !status.success() {
+            bail!("the relay exited with {status}: {:?}", relay.lines());
+        }
+        Ok((seconds, peak))
+    }
+
+    async fn drain_floor(&self, batch: u32) -> anyhow::Result<f64> {
+        let client = super::super::connect(&self.pg).await?;
+        let stmt = client.prepare(&self.config_sql().claim_and_mark).await?;
+        let limit = i64::from(batch);
+        let started = Instant::now();
+        while client.execute(&stmt, &[&limit]).await? > 0 {}
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    async fn drain_naive(&self, batch: u32) -> anyhow::Result<f64> {
+        let mut client = super::super::connect(&self.pg).await?;
+        let mut redis = self.redis().await?;
+        let sql = self.config_sql();
+        let claim = client.prepare(&sql.claim_batch).await?;
+        let mark = client.prepare(&sql.mark_one).await?;
+        let limit = i64::from(batch);
+        let started = Instant::now();
+        loop {
+            let tx = client.transaction().await?;
+            let rows = tx.query(&claim, &[&i32::MAX, &limit]).await?;
+            if rows.is_empty() {
+                break;
+            }
+            for row in &rows {
+                let row = OutboxRow::try_from(row)?;
+                let fields = [
+                    ("event_id", row.event_id.to_string()),
+                    ("aggregate_id", row.aggregate_id.clone()),
+                    ("event_type", row.event_type.clone()),
+                    ("payload", row.payload.to_string()),
+                    ("outbox_id", row.id.to_string()),
+                ];
+                let _: String = redis.xadd(STREAM, "*", &fields).await?;
+                tx.execute(&mark, &[&row.id]).await?;
+            }
+            tx.commit().await?;
+        }
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    fn config_sql(&self) -> outbox::sql::OutboxSql {
+        outbox::sql::OutboxSql::new(&self.config)
+    }
+}
+
+/// `VmHWM` (peak resident set) of a process, in bytes.
+fn peak_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kb * 1024)
+}
