@@ -290,18 +290,40 @@ impl Relay {
     }
 
     /// One transaction: claim, deliver, mark, commit. Returns rows claimed.
+    ///
+    /// The transaction is driven by hand rather than through
+    /// `tokio_postgres::Transaction` so that BEGIN travels with the claim and
+    /// the marks travel with COMMIT: tokio-postgres pipelines requests whose
+    /// futures are polled together, which halves the round trips per batch.
+    /// If a mark fails, PostgreSQL answers the pipelined COMMIT with a
+    /// rollback, so nothing is marked and the batch is redelivered.
     async fn run_batch(&mut self, s: &mut Session) -> Result<usize, tokio_postgres::Error> {
+        let result = self.run_batch_pipelined(s).await;
+        if result.is_err() && !s.client.is_closed() {
+            // Leave no aborted transaction open for the next batch; outside a
+            // transaction this is a harmless warning.
+            let _ = s.client.batch_execute("ROLLBACK").await;
+        }
+        result
+    }
+
+    async fn run_batch_pipelined(&mut self, s: &mut Session) -> Result<usize, tokio_postgres::Error> {
         let started = Instant::now();
-        let tx = s.client.transaction().await?;
+        let client = &s.client;
         let limit = i64::from(self.config.batch_size);
-        let rows = tx
-            .query(&s.claim, &[&self.config.backoff.max_attempts, &limit])
-            .await?
+        let max_attempts = self.config.backoff.max_attempts;
+        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&max_attempts, &limit];
+        let (begun, claimed) = tokio::join!(
+            client.batch_execute("BEGIN"),
+            client.query(&s.claim, &claim_params)
+        );
+        begun?;
+        let rows = claimed?
             .iter()
             .map(OutboxRow::try_from)
             .collect::<Result<Vec<_>, _>>()?;
         if rows.is_empty() {
-            tx.commit().await?;
+            client.batch_execute("COMMIT").await?;
             return Ok(0);
         }
 
@@ -311,22 +333,31 @@ impl Relay {
         }
 
         let (published, failures) = self.plan(&rows, deliveries);
-        if !published.is_empty() {
-            tx.execute(&s.mark_published, &[&published]).await?;
-        }
-        if !failures.ids.is_empty() {
-            tx.execute(
-                &s.mark_failed,
-                &[
+        // Polled in this order, so sent in this order: marks, then COMMIT.
+        let (marked, failed, committed) = tokio::join!(
+            async {
+                if published.is_empty() {
+                    return Ok(0);
+                }
+                client.execute(&s.mark_published, &[&published]).await
+            },
+            async {
+                if failures.ids.is_empty() {
+                    return Ok(0);
+                }
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
                     &failures.ids,
                     &failures.errors,
                     &failures.attempts,
                     &failures.delay_ms,
-                ],
-            )
-            .await?;
-        }
-        tx.commit().await?;
+                ];
+                client.execute(&s.mark_failed, &params).await
+            },
+            client.batch_execute("COMMIT"),
+        );
+        marked?;
+        failed?;
+        committed?;
         if let Some(soonest) = failures.soonest {
             // Measured from after the commit, so the wake-up is never before
             // the time PostgreSQL recorded.
