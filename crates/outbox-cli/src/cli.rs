@@ -102,12 +102,15 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 100,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub(crate) batch_size: u32,
-    /// Fallback poll interval (NOTIFY wakes the relay sooner).
-    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = positive_duration)]
-    pub(crate) poll_interval: Duration,
+    /// Poll interval [default: 5s as a fallback to NOTIFY, 1s with --no-notify].
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", value_parser = positive_duration)]
+    pub(crate) poll_interval: Option<Duration>,
     /// Do not LISTEN; poll only.
     #[arg(long, env = "OUTBOX_NO_NOTIFY")]
     pub(crate) no_notify: bool,
+    /// Deliver everything that is due, then exit 0 (for cron jobs and scripts).
+    #[arg(long)]
+    pub(crate) drain: bool,
     /// Delay after the first failed attempt; doubles per attempt.
     #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
     pub(crate) backoff_base: Duration,

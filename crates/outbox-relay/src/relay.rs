@@ -3,10 +3,11 @@
 //! # Why delivery is at least once
 //!
 //! Each batch is one transaction. The claim (`FOR UPDATE SKIP LOCKED`) locks
-//! up to `batch_size` unpublished, due, not-dead rows in id order. The batch
-//! goes to the sink, and only then, in the same transaction, are the rows the
-//! sink acknowledged marked published and the others given their retry time.
-//! The commit makes both durable at once.
+//! up to `batch_size` unpublished, due, not-dead rows in id order and marks
+//! them published, a mark nobody else can see yet. The batch goes to the
+//! sink, and only then, in the same transaction, are the rows the sink did
+//! not acknowledge turned back into unpublished rows with their retry time.
+//! The commit, sent after the sink answered, makes both durable at once.
 //!
 //! - If the relay dies before the commit (crash, kill -9, lost connection),
 //!   PostgreSQL rolls the transaction back and releases the locks: the rows
@@ -17,6 +18,10 @@
 //!   leave a row "published" that was never sent.
 //! - Shutdown (SIGINT/SIGTERM) is only honoured between batches: a batch in
 //!   flight is delivered, marked and committed first.
+//!
+//! When a batch was full, its COMMIT travels in one round trip with the
+//! BEGIN and claim of the next batch, so a relay working through a backlog
+//! pays one PostgreSQL round trip and one sink round trip per batch.
 //!
 //! Rows locked by another relay are skipped, not waited for, so several
 //! relays can share one table (ordering across them is the next issue's
@@ -48,12 +53,18 @@ pub struct RelayConfig {
     pub batch_size: u32,
     /// Retry schedule and dead-letter limit.
     pub backoff: Backoff,
-    /// Fallback poll interval (default 1 s).
+    /// Fallback poll interval (default 5 s). With `notify` it only covers
+    /// what NOTIFY cannot: rows committed with triggers disabled, and retries
+    /// another relay scheduled before it died. Without `notify` it is the
+    /// delivery latency, so set it lower (the CLI defaults to 1 s then).
     pub poll_interval: Duration,
     /// LISTEN for the insert trigger's notifications (default true).
     pub notify: bool,
     /// How long to keep trying PostgreSQL at startup (default 10 s).
     pub connect_timeout: Duration,
+    /// Exit once nothing is due instead of waiting for more (cron jobs,
+    /// scripts, `outbox bench`).
+    pub drain: bool,
     /// A test-only pause point.
     pub failpoint: Option<Failpoint>,
 }
@@ -64,9 +75,10 @@ impl Default for RelayConfig {
             outbox: OutboxConfig::default(),
             batch_size: 100,
             backoff: Backoff::default(),
-            poll_interval: Duration::from_secs(1),
+            poll_interval: Duration::from_secs(5),
             notify: true,
             connect_timeout: Duration::from_secs(10),
+            drain: false,
             failpoint: None,
         }
     }
@@ -115,8 +127,16 @@ struct Session {
     client: Client,
     wakeups: Wakeups,
     claim: Statement,
-    mark_published: Statement,
     mark_failed: Statement,
+    next_retry: Statement,
+}
+
+/// What one batch did.
+struct Batch {
+    /// Rows claimed.
+    claimed: usize,
+    /// The next batch, already claimed in a transaction that is still open.
+    next: Option<Vec<OutboxRow>>,
 }
 
 /// The failed rows of a batch as the arrays `MARK_FAILED` binds.
@@ -144,8 +164,12 @@ pub struct Relay {
 
 impl Relay {
     /// A relay from `pg` to `sink`.
-    pub fn new(pg: tokio_postgres::Config, sink: Arc<dyn Sink>, config: RelayConfig) -> Self {
+    pub fn new(mut pg: tokio_postgres::Config, sink: Arc<dyn Sink>, config: RelayConfig) -> Self {
         let sql = OutboxSql::new(&config.outbox);
+        if pg.get_application_name().is_none() {
+            // So operators can tell relays apart in pg_stat_activity.
+            pg.application_name("outbox-relay");
+        }
         Self {
             config,
             pg,
@@ -174,7 +198,11 @@ impl Relay {
             notify = self.config.notify,
             "relay ready"
         );
+        let started = Instant::now();
         let mut session = Some(first);
+        // The next batch when it was claimed with the previous COMMIT; its
+        // transaction is open and its rows are locked.
+        let mut prefetched: Option<Vec<OutboxRow>> = None;
         while !cancel.is_cancelled() {
             let s = match session.as_mut() {
                 Some(s) => s,
@@ -183,12 +211,27 @@ impl Relay {
                     None => break,
                 },
             };
-            if !s.wakeups.drain() {
+            if prefetched.is_none() && !s.wakeups.drain() {
                 session = None;
                 continue;
             }
-            match self.run_batch(s).await {
-                Ok(claimed) if claimed == self.config.batch_size as usize => continue,
+            match self.run_batch(s, prefetched.take()).await {
+                Ok(batch) if batch.next.is_some() => {
+                    prefetched = batch.next;
+                    continue;
+                }
+                Ok(batch) if self.config.drain && batch.claimed == 0 => {
+                    info!(
+                        delivered = self.counters.delivered.load(Ordering::Relaxed),
+                        batches = self.counters.batches.load(Ordering::Relaxed),
+                        seconds = started.elapsed().as_secs_f64(),
+                        "relay drained"
+                    );
+                    break;
+                }
+                Ok(batch) if self.config.drain || batch.claimed == self.config.batch_size as usize => {
+                    continue;
+                }
                 Ok(_) => {}
                 Err(error) if s.client.is_closed() => {
                     warn!(error = %error_chain(&error), "lost the postgres connection; the batch in flight will be redelivered");
@@ -209,6 +252,11 @@ impl Relay {
                 Wake::ConnectionLost => session = None,
                 Wake::Notified | Wake::Timer => {}
             }
+        }
+        if let (Some(_), Some(s)) = (prefetched, session.as_ref()) {
+            // Claimed but never sent: give the rows back at once rather than
+            // when the connection closes.
+            let _ = s.client.batch_execute("ROLLBACK").await;
         }
         info!("relay stopped");
         Ok(())
@@ -237,20 +285,49 @@ impl Relay {
             .map_err(SessionError::Schema)?;
         Ok(Session {
             claim: client.prepare(&self.sql.claim_batch).await?,
-            mark_published: client.prepare(&self.sql.mark_published).await?,
             mark_failed: client.prepare(&self.sql.mark_failed).await?,
+            next_retry: client.prepare(&self.sql.next_retry).await?,
             client,
             wakeups,
         })
     }
 
+    /// Learns when the next row waiting for a retry comes due, whoever
+    /// scheduled it, so an idle relay wakes for it instead of relying on the
+    /// fallback poll. Run once per (re)connect: this relay tracks the retries
+    /// it schedules itself.
+    async fn learn_next_retry(&mut self, s: &Session) {
+        let max_attempts = self.config.backoff.max_attempts;
+        let due_in = s
+            .client
+            .query_one(&s.next_retry, &[&max_attempts])
+            .await
+            .and_then(|row| row.try_get::<_, Option<f64>>(0));
+        match due_in {
+            Ok(due_in) => {
+                if let Some(secs) = due_in.filter(|s| *s > 0.0) {
+                    let at = Instant::now() + Duration::from_secs_f64(secs);
+                    self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
+                }
+            }
+            // Not fatal: the fallback poll still finds the row.
+            Err(error) => warn!(error = %error_chain(&error), "reading the next retry time"),
+        }
+    }
+
     /// Keeps trying until `connect_timeout`; a schema problem fails at once.
-    async fn connect_at_startup(&self, cancel: &CancellationToken) -> Result<Option<Session>, RelayError> {
+    async fn connect_at_startup(
+        &mut self,
+        cancel: &CancellationToken,
+    ) -> Result<Option<Session>, RelayError> {
         let deadline = Instant::now() + self.config.connect_timeout;
         let mut delay = Duration::from_millis(100);
         loop {
             match self.open_session().await {
-                Ok(s) => return Ok(Some(s)),
+                Ok(s) => {
+                    self.learn_next_retry(&s).await;
+                    return Ok(Some(s));
+                }
                 Err(SessionError::Schema(e)) => return Err(RelayError::Schema(e)),
                 Err(SessionError::Postgres(source)) => {
                     if Instant::now() + delay >= deadline {
@@ -270,7 +347,7 @@ impl Relay {
     }
 
     /// Reconnects with backoff until it works or `cancel` fires.
-    async fn reconnect(&self, cancel: &CancellationToken) -> Option<Session> {
+    async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Session> {
         let mut delay = Duration::from_millis(100);
         loop {
             match self.open_session().await {
@@ -278,6 +355,7 @@ impl Relay {
                     // Notifications sent while we were away are lost; the
                     // loop claims at once, which covers them.
                     info!("relay reconnected");
+                    self.learn_next_retry(&s).await;
                     return Some(s);
                 }
                 Err(error) => warn!(error = %error, retry_in = ?delay, "reconnecting to postgres"),
@@ -289,43 +367,59 @@ impl Relay {
         }
     }
 
-    /// One transaction: claim, deliver, mark, commit. Returns rows claimed.
+    /// One transaction: claim (unless `prefetched` holds the rows of an open
+    /// one), deliver, take back the mark of failed rows, commit.
     ///
     /// The transaction is driven by hand rather than through
     /// `tokio_postgres::Transaction` so that BEGIN travels with the claim and
-    /// the marks travel with COMMIT: tokio-postgres pipelines requests whose
-    /// futures are polled together, which halves the round trips per batch.
-    /// If a mark fails, PostgreSQL answers the pipelined COMMIT with a
-    /// rollback, so nothing is marked and the batch is redelivered.
-    async fn run_batch(&mut self, s: &mut Session) -> Result<usize, tokio_postgres::Error> {
-        let result = self.run_batch_pipelined(s).await;
+    /// COMMIT with the failure marks and the next claim: tokio-postgres
+    /// pipelines requests whose futures are polled together. If a statement
+    /// fails, PostgreSQL answers the pipelined COMMIT with a rollback, so
+    /// nothing is marked and the batch is redelivered.
+    async fn run_batch(
+        &mut self,
+        s: &mut Session,
+        prefetched: Option<Vec<OutboxRow>>,
+    ) -> Result<Batch, tokio_postgres::Error> {
+        let result = self.run_batch_pipelined(s, prefetched).await;
         if result.is_err() && !s.client.is_closed() {
-            // Leave no aborted transaction open for the next batch; outside a
-            // transaction this is a harmless warning.
+            // Leave no transaction open for the next batch (the failed one,
+            // or the next claim that travelled with a failed commit); outside
+            // a transaction this is a harmless warning.
             let _ = s.client.batch_execute("ROLLBACK").await;
         }
         result
     }
 
-    async fn run_batch_pipelined(&mut self, s: &mut Session) -> Result<usize, tokio_postgres::Error> {
+    async fn run_batch_pipelined(
+        &mut self,
+        s: &mut Session,
+        prefetched: Option<Vec<OutboxRow>>,
+    ) -> Result<Batch, tokio_postgres::Error> {
         let started = Instant::now();
         let client = &s.client;
         let limit = i64::from(self.config.batch_size);
         let max_attempts = self.config.backoff.max_attempts;
         let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&max_attempts, &limit];
-        let (begun, claimed) = tokio::join!(
-            client.batch_execute("BEGIN"),
-            client.query(&s.claim, &claim_params)
-        );
-        begun?;
-        let rows = claimed?
-            .iter()
-            .map(OutboxRow::try_from)
-            .collect::<Result<Vec<_>, _>>()?;
-        if rows.is_empty() {
-            client.batch_execute("COMMIT").await?;
-            return Ok(0);
-        }
+        let rows = match prefetched {
+            Some(rows) => rows,
+            None => {
+                let (begun, claimed) = tokio::join!(
+                    client.batch_execute("BEGIN"),
+                    client.query(&s.claim, &claim_params)
+                );
+                begun?;
+                let rows = to_rows(claimed?)?;
+                if rows.is_empty() {
+                    client.batch_execute("COMMIT").await?;
+                    return Ok(Batch {
+                        claimed: 0,
+                        next: None,
+                    });
+                }
+                rows
+            }
+        };
 
         let deliveries = self.sink.deliver(&rows).await;
         if let Some(failpoint) = self.config.failpoint {
@@ -333,14 +427,12 @@ impl Relay {
         }
 
         let (published, failures) = self.plan(&rows, deliveries);
-        // Polled in this order, so sent in this order: marks, then COMMIT.
-        let (marked, failed, committed) = tokio::join!(
-            async {
-                if published.is_empty() {
-                    return Ok(0);
-                }
-                client.execute(&s.mark_published, &[&published]).await
-            },
+        // A full batch says more rows are waiting: claim the next batch in the
+        // same round trip as this commit. Notifications up to here are
+        // covered by that claim.
+        let chain = rows.len() == self.config.batch_size as usize && s.wakeups.drain();
+        // Polled in this order, so sent in this order.
+        let (failed, committed, begun, next) = tokio::join!(
             async {
                 if failures.ids.is_empty() {
                     return Ok(0);
@@ -354,8 +446,19 @@ impl Relay {
                 client.execute(&s.mark_failed, &params).await
             },
             client.batch_execute("COMMIT"),
+            async {
+                if chain {
+                    client.batch_execute("BEGIN").await?;
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            },
+            async {
+                if chain {
+                    return client.query(&s.claim, &claim_params).await.map(Some);
+                }
+                Ok(None)
+            },
         );
-        marked?;
         failed?;
         committed?;
         if let Some(soonest) = failures.soonest {
@@ -368,22 +471,39 @@ impl Relay {
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters
             .delivered
-            .fetch_add(published.len() as u64, Ordering::Relaxed);
+            .fetch_add(published as u64, Ordering::Relaxed);
         debug!(
             claimed = rows.len(),
-            delivered = published.len(),
+            delivered = published,
             failed = failures.ids.len(),
             elapsed = ?started.elapsed(),
             "batch committed"
         );
-        Ok(rows.len())
+
+        begun?;
+        let next = match next? {
+            Some(claimed) => Some(to_rows(claimed)?),
+            None => None,
+        };
+        let next = match next {
+            Some(rows) if rows.is_empty() => {
+                client.batch_execute("COMMIT").await?;
+                None
+            }
+            other => other,
+        };
+        Ok(Batch {
+            claimed: rows.len(),
+            next,
+        })
     }
 
     /// Splits a batch's outcomes into rows to mark published and failures to
     /// record, computing each failure's attempts and retry delay.
-    fn plan(&self, rows: &[OutboxRow], deliveries: Vec<Delivery>) -> (Vec<i64>, Failures) {
+    /// Returns how many rows were delivered.
+    fn plan(&self, rows: &[OutboxRow], deliveries: Vec<Delivery>) -> (usize, Failures) {
         let backoff = self.config.backoff;
-        let mut published = Vec::with_capacity(rows.len());
+        let mut published = 0;
         let mut failures = Failures::default();
         // The delay given to the last failed row of each aggregate, which rows
         // held back behind it inherit so they come due together, in order.
@@ -394,7 +514,7 @@ impl Relay {
             let key = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
             let (message, attempts, delay) = match delivery {
                 Ok(()) => {
-                    published.push(row.id);
+                    published += 1;
                     continue;
                 }
                 Err(DeliveryError::Retryable { message, retry_after }) => {
@@ -432,7 +552,7 @@ impl Relay {
             self.counters.dead_lettered.fetch_add(dead, Ordering::Relaxed);
             warn!(
                 failed = failures.ids.len(),
-                delivered = published.len(),
+                delivered = published,
                 sink = self.sink.name(),
                 %error,
                 "delivery failed; rows will be retried"
@@ -449,6 +569,17 @@ impl Failures {
         self.attempts.push(attempts);
         self.delay_ms.push(delay.as_secs_f64() * 1000.0);
     }
+}
+
+/// Decodes claimed rows in id order, which is delivery order: the claim's
+/// `RETURNING` does not promise one.
+fn to_rows(rows: Vec<tokio_postgres::Row>) -> Result<Vec<OutboxRow>, tokio_postgres::Error> {
+    let mut rows = rows
+        .iter()
+        .map(OutboxRow::try_from)
+        .collect::<Result<Vec<_>, _>>()?;
+    rows.sort_unstable_by_key(|r| r.id);
+    Ok(rows)
 }
 
 /// Opening a session fails either on the connection or on the schema check.

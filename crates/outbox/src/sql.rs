@@ -24,26 +24,44 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
       ORDER BY e.ord";
 
 /// `$1` max attempts, `$2` batch size. Walks the partial index
-/// `<table>_unpublished_idx (id) WHERE published_at IS NULL` in id order and
-/// skips rows another relay holds; the locks end with the transaction, so a
-/// crashed relay leaves nothing claimed.
-const CLAIM_BATCH: &str = "SELECT {cols} FROM {t} \
+/// `<table>_unpublished_idx (id) WHERE published_at IS NULL` in id order,
+/// skips rows another relay holds, and marks what it locked published in the
+/// same statement. The mark is only a promise: the relay commits it after the
+/// sink acknowledged the rows and turns failed rows back into unpublished ones
+/// before that (`MARK_FAILED`), so a crash at any point rolls the mark back
+/// with the locks. One statement instead of a locking SELECT plus an UPDATE
+/// saves a round trip and a second pass over every row of a good batch.
+/// `RETURNING` order is unspecified: the relay sorts by id.
+const CLAIM_BATCH: &str = "WITH claimed AS ( \
+        SELECT id FROM {t} \
+         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
+         ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     RETURNING {ocols}";
+
+/// The claim as a plain locking read, for the naive baseline of `outbox
+/// bench`, which marks row by row as the reference relay does.
+const SELECT_BATCH: &str = "SELECT {cols} FROM {t} \
       WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
       ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
 
-/// `$1` ids the sink acknowledged. Primary key lookups.
-const MARK_PUBLISHED: &str =
-    "UPDATE {t} SET published_at = clock_timestamp() WHERE id = ANY($1::int8[]) AND published_at IS NULL";
+/// `$1` max attempts. Seconds until the next row waiting for a retry comes due
+/// (NULL if none; negative if one is due now), so an
+/// idle relay sleeps until then instead of polling. Reads every unpublished
+/// row, so the relay runs it only after (re)connecting, not per poll.
+const NEXT_RETRY: &str = "SELECT extract(epoch FROM min(next_attempt_at) - clock_timestamp())::float8 FROM {t} \
+      WHERE published_at IS NULL AND attempts < $1";
 
 /// Parallel arrays: id, last_error, new attempts, delay in milliseconds until
-/// the next attempt. One statement for every failed row of a batch. The
+/// the next attempt. One statement for every failed row of a batch, in the
+/// claim's transaction: it takes back the claim's mark (`published_at`). The
 /// clock is read once (the CTE) so rows given equal delays come due at the
 /// same instant and keep their id order.
 const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
      UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
-            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond' \
+            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', published_at = NULL \
        FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
-      WHERE o.id = f.id AND o.published_at IS NULL";
+      WHERE o.id = f.id";
 
 /// `$1` batch size. Claim and mark in one autocommit statement with no sink
 /// in between: the floor `outbox bench` compares the relay against. Same
@@ -95,7 +113,8 @@ pub struct OutboxSql {
     pub insert_event: String,
     pub insert_events: String,
     pub claim_batch: String,
-    pub mark_published: String,
+    pub select_batch: String,
+    pub next_retry: String,
     pub mark_failed: String,
     pub stats: String,
     pub list_dead: String,
@@ -110,17 +129,24 @@ impl OutboxSql {
     /// Renders every statement for `config`'s table.
     pub fn new(config: &Config) -> Self {
         let t = config.qualified();
+        let o_columns = ROW_COLUMNS
+            .split(", ")
+            .map(|c| format!("o.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let render = |template: &str| {
             template
                 .replace("{dead}", DEAD_FILTER)
                 .replace("{cols}", ROW_COLUMNS)
+                .replace("{ocols}", &o_columns)
                 .replace("{t}", &t)
         };
         Self {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
             claim_batch: render(CLAIM_BATCH),
-            mark_published: render(MARK_PUBLISHED),
+            select_batch: render(SELECT_BATCH),
+            next_retry: render(NEXT_RETRY),
             mark_failed: render(MARK_FAILED),
             stats: render(STATS),
             list_dead: render(LIST_DEAD),

@@ -1,12 +1,18 @@
-//! `outbox relay`: deliver until SIGINT/SIGTERM, then drain the batch in flight.
+//! `outbox relay`: deliver until SIGINT/SIGTERM (or, with `--drain`, until
+//! nothing is due), then finish the batch in flight.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use outbox_relay::{Backoff, Failpoint, Relay, RelayConfig, SinkOptions};
 
 use crate::cli::{Global, RelayArgs};
 use crate::exit::ConfigError;
+
+/// With no NOTIFY the poll interval is the delivery latency, so the default
+/// is shorter than the fallback poll's.
+const POLL_WITHOUT_NOTIFY: Duration = Duration::from_secs(1);
 
 pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
     let outbox = super::outbox_config(g)?;
@@ -36,9 +42,14 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
             max: args.backoff_max,
             max_attempts: g.max_attempts,
         },
-        poll_interval: args.poll_interval,
+        poll_interval: args.poll_interval.unwrap_or(if args.no_notify {
+            POLL_WITHOUT_NOTIFY
+        } else {
+            RelayConfig::default().poll_interval
+        }),
         notify: !args.no_notify,
         connect_timeout: g.connect_timeout,
+        drain: args.drain,
         failpoint,
     };
     let cancel = super::shutdown_token()?;
