@@ -204,6 +204,38 @@ pub(crate) struct BenchArgs {
     /// Redis to deliver to (redis://…); without it the bench starts its own.
     #[arg(long = "sink", env = "OUTBOX_SINK")]
     pub(crate) redis_url: Option<String>,
+    /// Phases to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "throughput,latency,idle,writer")]
+    pub(crate) phases: Vec<Phase>,
+    /// Events per second the latency phase writes.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub(crate) rate: u32,
+    /// How long the latency phase writes.
+    #[arg(long, default_value = "10s", value_parser = positive_duration)]
+    pub(crate) latency_duration: Duration,
+    /// The polling relay's interval in the latency and idle phases.
+    #[arg(long, default_value = "1s", value_parser = positive_duration)]
+    pub(crate) poll_interval: Duration,
+    /// How long the idle phase watches an idle relay.
+    #[arg(long, default_value = "10s", value_parser = positive_duration)]
+    pub(crate) idle_duration: Duration,
+    /// Events per writer figure (one transaction each for `enqueue`; the
+    /// 100-event shapes commit a hundredth as many transactions).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(10..=1_000_000))]
+    pub(crate) writer_transactions: u32,
+}
+
+/// A part of `outbox bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Phase {
+    /// Drain N events at each batch size: relay, floor, naive.
+    Throughput,
+    /// Commit-to-consumer latency, NOTIFY and polling.
+    Latency,
+    /// Transactions per second of an idle relay.
+    Idle,
+    /// Commit rate of the writer API.
+    Writer,
 }
 
 fn positive_duration(s: &str) -> Result<Duration, String> {

@@ -32,7 +32,7 @@ pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
     Ok(outbox::Config::new(&g.schema, &g.table)?.with_channel(&g.channel)?)
 }
 
-/// `DATABASE_URL` parsed, with the connect timeout and an application name.
+/// `DATABASE_URL` parsed, with the connect timeout.
 pub(crate) fn pg_config(g: &Global) -> anyhow::Result<tokio_postgres::Config> {
     let url = g.database_url.as_deref().ok_or_else(|| {
         ConfigError("no database given: set DATABASE_URL or pass --database-url".to_owned())
@@ -45,9 +45,6 @@ pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<tokio_postgr
         .parse()
         .map_err(|e| ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url))))?;
     config.connect_timeout(g.connect_timeout);
-    if config.get_application_name().is_none() {
-        config.application_name("outbox");
-    }
     Ok(config)
 }
 
@@ -64,6 +61,11 @@ fn redact(url: &str) -> String {
 
 /// One connection for a short command; its driver runs in a task.
 pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
+    let mut config = config.clone();
+    if config.get_application_name().is_none() {
+        // The relay names itself `outbox-relay`; the short commands are `outbox`.
+        config.application_name("outbox");
+    }
     let (client, connection) = config.connect(NoTls).await.context("connecting to postgres")?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {

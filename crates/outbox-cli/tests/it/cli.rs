@@ -180,4 +180,39 @@ async fn bench_quick_reports_exact_counts() {
         assert_eq!(run["peak_rss"].is_u64(), row["strategy"] == "relay", "{row}");
     }
     assert_eq!(report["ratios"].as_array().unwrap().len(), 3);
+
+    // Latency: every event written at the steady rate reached the consumer,
+    // once, in both wake-up modes.
+    let latency = report["latency"].as_array().unwrap();
+    assert_eq!(latency.len(), 2, "{latency:?}");
+    assert_eq!(latency[0]["wakeup"], "notify");
+    assert_eq!(latency[1]["wakeup"]["poll"]["interval_ms"], 100);
+    for row in latency {
+        let run = &row["runs"][0];
+        assert_eq!(run["written"], 100, "{row}");
+        assert_eq!(run["received"], 100, "{row}");
+        assert_eq!(run["duplicates"], 0, "{row}");
+        let (p50, p99, max) = (
+            run["p50_ms"].as_f64().unwrap(),
+            run["p99_ms"].as_f64().unwrap(),
+            run["max_ms"].as_f64().unwrap(),
+        );
+        assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{row}");
+    }
+
+    // Idle: a count per mode (its value is a measurement, not judged here).
+    let idle = report["idle"].as_array().unwrap();
+    assert_eq!(idle.len(), 2, "{idle:?}");
+    for row in idle {
+        assert!(row["runs"][0]["transactions"].is_i64(), "{row}");
+    }
+
+    // Writer: each shape left exactly the rows it enqueued.
+    let writer = report["writer"].as_array().unwrap();
+    assert_eq!(writer.len(), 3, "{writer:?}");
+    for row in writer {
+        let run = &row["runs"][0];
+        assert_eq!(run["rows"], run["events"], "{row}");
+        assert!(run["events"].as_u64().unwrap() >= 50, "{row}");
+    }
 }

@@ -1,9 +1,13 @@
-//! The bench report: medians with ranges, ratios, a table and JSON.
+//! The bench report: medians with ranges, ratios, tables and JSON, and the
+//! correctness check that decides the exit code (speed never does).
 
 use anyhow::bail;
 use serde::Serialize;
 
+use super::idle::IdleRun;
+use super::latency::{LatencyRun, Wakeup};
 use super::throughput::{Run, Strategy};
+use super::writer::{Shape, WriterRun};
 
 /// Median, minimum and maximum of one figure over the repetitions.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -14,7 +18,8 @@ pub(super) struct Spread {
 }
 
 impl Spread {
-    fn of(mut values: Vec<f64>) -> Self {
+    fn of(values: impl IntoIterator<Item = f64>) -> Self {
+        let mut values: Vec<f64> = values.into_iter().collect();
         values.sort_by(f64::total_cmp);
         let mid = values.len() / 2;
         let median = if values.len() % 2 == 1 {
@@ -43,12 +48,12 @@ pub(super) struct Row {
 }
 
 impl Row {
-    pub(super) fn new(strategy: Strategy, batch_size: u32, events: usize, runs: Vec<Run>) -> Self {
+    fn new(strategy: Strategy, batch_size: u32, events: usize, runs: Vec<Run>) -> Self {
         Self {
             strategy,
             batch_size,
-            events_per_second: Spread::of(runs.iter().map(|r| events as f64 / r.seconds).collect()),
-            seconds: Spread::of(runs.iter().map(|r| r.seconds).collect()),
+            events_per_second: Spread::of(runs.iter().map(|r| events as f64 / r.seconds)),
+            seconds: Spread::of(runs.iter().map(|r| r.seconds)),
             runs,
             events,
         }
@@ -63,6 +68,35 @@ pub(super) struct Ratio {
     pub(super) relay_over_naive: f64,
 }
 
+/// Latency in one wake-up mode.
+#[derive(Debug, Serialize)]
+pub(super) struct LatencyRow {
+    pub(super) wakeup: Wakeup,
+    pub(super) rate: u32,
+    pub(super) p50_ms: Spread,
+    pub(super) p99_ms: Spread,
+    pub(super) max_ms: Spread,
+    pub(super) runs: Vec<LatencyRun>,
+}
+
+/// Idle transactions in one wake-up mode.
+#[derive(Debug, Serialize)]
+pub(super) struct IdleRow {
+    pub(super) wakeup: Wakeup,
+    pub(super) transactions_per_second: Spread,
+    pub(super) runs: Vec<IdleRun>,
+}
+
+/// One writer shape.
+#[derive(Debug, Serialize)]
+pub(super) struct WriterRow {
+    pub(super) shape: Shape,
+    pub(super) events_per_transaction: usize,
+    pub(super) transactions_per_second: Spread,
+    pub(super) events_per_second: Spread,
+    pub(super) runs: Vec<WriterRun>,
+}
+
 #[derive(Debug, Serialize)]
 pub(super) struct Report {
     pub(super) events: usize,
@@ -71,44 +105,82 @@ pub(super) struct Report {
     pub(super) throwaway_postgres: bool,
     pub(super) throughput: Vec<Row>,
     pub(super) ratios: Vec<Ratio>,
+    pub(super) latency: Vec<LatencyRow>,
+    pub(super) idle: Vec<IdleRow>,
+    pub(super) writer: Vec<WriterRow>,
 }
 
 impl Report {
-    pub(super) fn new(events: usize, reps: usize, throwaway_postgres: bool, throughput: Vec<Row>) -> Self {
-        let median = |s: Strategy, b: u32| {
-            throughput
-                .iter()
-                .find(|r| r.strategy == s && r.batch_size == b)
-                .map(|r| r.events_per_second.median)
-        };
-        let mut ratios = Vec::new();
-        for row in throughput.iter().filter(|r| r.strategy == Strategy::Relay) {
-            let b = row.batch_size;
-            if let (Some(relay), Some(floor), Some(naive)) = (
-                median(Strategy::Relay, b),
-                median(Strategy::Floor, b),
-                median(Strategy::Naive, b),
-            ) {
-                ratios.push(Ratio {
-                    batch_size: b,
-                    relay_over_floor: relay / floor,
-                    relay_over_naive: relay / naive,
-                });
-            }
-        }
+    pub(super) fn new(events: usize, reps: usize, throwaway_postgres: bool) -> Self {
         Self {
             events,
             reps,
             throwaway_postgres,
-            throughput,
-            ratios,
+            throughput: Vec::new(),
+            ratios: Vec::new(),
+            latency: Vec::new(),
+            idle: Vec::new(),
+            writer: Vec::new(),
         }
+    }
+
+    /// Adds a throughput row; once a batch size has all three strategies,
+    /// its ratios.
+    pub(super) fn add_throughput(&mut self, strategy: Strategy, batch_size: u32, runs: Vec<Run>) {
+        self.throughput
+            .push(Row::new(strategy, batch_size, self.events, runs));
+        let median = |s: Strategy| {
+            self.throughput
+                .iter()
+                .find(|r| r.strategy == s && r.batch_size == batch_size)
+                .map(|r| r.events_per_second.median)
+        };
+        if let (Some(relay), Some(floor), Some(naive)) = (
+            median(Strategy::Relay),
+            median(Strategy::Floor),
+            median(Strategy::Naive),
+        ) && !self.ratios.iter().any(|r| r.batch_size == batch_size)
+        {
+            self.ratios.push(Ratio {
+                batch_size,
+                relay_over_floor: relay / floor,
+                relay_over_naive: relay / naive,
+            });
+        }
+    }
+
+    pub(super) fn add_latency(&mut self, wakeup: Wakeup, rate: u32, runs: Vec<LatencyRun>) {
+        self.latency.push(LatencyRow {
+            wakeup,
+            rate,
+            p50_ms: Spread::of(runs.iter().map(|r| r.p50_ms)),
+            p99_ms: Spread::of(runs.iter().map(|r| r.p99_ms)),
+            max_ms: Spread::of(runs.iter().map(|r| r.max_ms)),
+            runs,
+        });
+    }
+
+    pub(super) fn add_idle(&mut self, wakeup: Wakeup, runs: Vec<IdleRun>) {
+        self.idle.push(IdleRow {
+            wakeup,
+            transactions_per_second: Spread::of(runs.iter().map(|r| r.per_second)),
+            runs,
+        });
+    }
+
+    pub(super) fn add_writer(&mut self, shape: Shape, runs: Vec<WriterRun>) {
+        self.writer.push(WriterRow {
+            shape,
+            events_per_transaction: shape.events_per_tx(),
+            transactions_per_second: Spread::of(runs.iter().map(|r| r.transactions as f64 / r.seconds)),
+            events_per_second: Spread::of(runs.iter().map(|r| r.events as f64 / r.seconds)),
+            runs,
+        });
     }
 
     pub(super) fn print(&self) {
         println!(
-            "throughput: {} events per drain, median [min–max] of {} rep(s){}",
-            self.events,
+            "median [min–max] of {} rep(s){}",
             self.reps,
             if self.throwaway_postgres {
                 "; throwaway PostgreSQL with fsync=off"
@@ -116,12 +188,60 @@ impl Report {
                 ""
             }
         );
+        if !self.throughput.is_empty() {
+            self.print_throughput();
+        }
+        if !self.latency.is_empty() {
+            println!("\nlatency: created_at → consumer XREAD, one event per transaction");
+            println!(
+                "{:<14} {:>6} {:>26} {:>26} {:>26} {:>9}",
+                "wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"
+            );
+            for r in &self.latency {
+                let received = r.runs.iter().map(|x| x.received).min().unwrap_or(0);
+                let written = r.runs.iter().map(|x| x.written).max().unwrap_or(0);
+                println!(
+                    "{:<14} {:>6} {:>26} {:>26} {:>26} {:>9}",
+                    r.wakeup.label(),
+                    r.rate,
+                    r.p50_ms.show(2),
+                    r.p99_ms.show(2),
+                    r.max_ms.show(2),
+                    format!("{received}/{written}")
+                );
+            }
+        }
+        if !self.idle.is_empty() {
+            println!("\nidle: transactions committed per second with nothing to do (pg_stat_database)");
+            for r in &self.idle {
+                println!(
+                    "{:<14} {:>26} tx/s",
+                    r.wakeup.label(),
+                    r.transactions_per_second.show(2)
+                );
+            }
+        }
+        if !self.writer.is_empty() {
+            println!("\nwriter: one connection, each transaction committed");
+            println!("{:<34} {:>24} {:>24}", "shape", "transactions/s", "events/s");
+            for r in &self.writer {
+                println!(
+                    "{:<34} {:>24} {:>24}",
+                    r.shape.label(),
+                    r.transactions_per_second.show(0),
+                    r.events_per_second.show(0)
+                );
+            }
+        }
+    }
+
+    fn print_throughput(&self) {
+        println!("\nthroughput: {} events per drain", self.events);
         println!(
             "{:<30} {:>6} {:>28} {:>9} {:>10} {:>5} {:>10}",
             "strategy", "batch", "events/s", "wall s", "delivered", "dup", "relay RSS"
         );
         for r in &self.throughput {
-            let e = r.events_per_second;
             let delivered = r.runs.iter().map(|x| x.delivered).min().unwrap_or(0);
             let dup = r.runs.iter().map(|x| x.duplicates).max().unwrap_or(0);
             let rss = r
@@ -134,7 +254,7 @@ impl Report {
                 "{:<30} {:>6} {:>28} {:>9.3} {:>10} {:>5} {:>10}",
                 r.strategy.label(),
                 r.batch_size,
-                format!("{:.0} [{:.0}–{:.0}]", e.median, e.min, e.max),
+                r.events_per_second.show(0),
                 r.seconds.median,
                 if r.strategy == Strategy::Floor {
                     "-".to_owned()
@@ -154,8 +274,9 @@ impl Report {
         }
     }
 
-    /// Fails (exit 1) if any drain lost or failed to mark an event: speed is
-    /// reported, never judged; correctness is.
+    /// Fails (exit 1) if any run lost an event, failed to mark one, or the
+    /// writer left a different number of rows: speed is reported, never
+    /// judged; correctness is.
     pub(super) fn check(&self) -> anyhow::Result<()> {
         for r in &self.throughput {
             for run in &r.runs {
@@ -172,6 +293,43 @@ impl Report {
                 }
             }
         }
+        for r in &self.latency {
+            for run in &r.runs {
+                if run.received != run.written {
+                    bail!(
+                        "latency, {}: {} of {} events reached the consumer",
+                        r.wakeup.label(),
+                        run.received,
+                        run.written
+                    );
+                }
+            }
+        }
+        for r in &self.writer {
+            for run in &r.runs {
+                if run.rows != run.events as u64 {
+                    bail!(
+                        "writer, {}: {} rows for {} events",
+                        r.shape.label(),
+                        run.rows,
+                        run.events
+                    );
+                }
+            }
+        }
         Ok(())
+    }
+}
+
+impl Spread {
+    /// `median [min–max]` with `decimals` digits.
+    fn show(&self, decimals: usize) -> String {
+        format!(
+            "{:.d$} [{:.d$}–{:.d$}]",
+            self.median,
+            self.min,
+            self.max,
+            d = decimals
+        )
     }
 }

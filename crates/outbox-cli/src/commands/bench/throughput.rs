@@ -10,17 +10,11 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use outbox::{Config, Event, Outbox, OutboxRow};
-use outbox_testkit::Spawned;
+use outbox::OutboxRow;
 use redis::AsyncCommands;
 use serde::Serialize;
-use serde_json::json;
-use tokio_postgres::Client;
 
-const SCHEMA: &str = "outbox_bench";
-const CHANNEL: &str = "outbox_bench_new";
-const STREAM_PREFIX: &str = "outbox_bench.event";
-const STREAM: &str = "outbox_bench.event.orders";
+use super::scratch::{STREAM, Scratch};
 
 /// How the outbox is drained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -55,91 +49,15 @@ pub(super) struct Run {
     pub(super) peak_rss: Option<u64>,
 }
 
-/// The scratch outbox and the services the drains use.
-pub(super) struct Scratch {
-    pg: tokio_postgres::Config,
-    pg_url: String,
-    redis_url: String,
-    db: Client,
-    config: Config,
-}
-
 impl Scratch {
-    pub(super) async fn new(
-        pg: tokio_postgres::Config,
-        pg_url: String,
-        redis_url: String,
-    ) -> anyhow::Result<Self> {
-        let mut db = super::super::connect(&pg).await?;
-        db.batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-            .await
-            .context("dropping an old bench schema")?;
-        let config = Config::new(SCHEMA, "outbox")?.with_channel(CHANNEL)?;
-        outbox::migrate(&mut db, &config).await?;
-        Ok(Self {
-            pg,
-            pg_url,
-            redis_url,
-            db,
-            config,
-        })
-    }
-
-    pub(super) async fn drop_all(&self) -> anyhow::Result<()> {
-        self.db
-            .batch_execute(&format!("DROP SCHEMA {SCHEMA} CASCADE"))
-            .await
-            .context("dropping the bench schema")?;
-        self.redis().await?.del::<_, i64>(STREAM).await?;
-        Ok(())
-    }
-
-    async fn redis(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
-        redis::Client::open(self.redis_url.as_str())?
-            .get_multiplexed_async_connection()
-            .await
-            .context("connecting to Redis")
-    }
-
-    /// Empties the table and the stream, then inserts `n` events over 500
-    /// aggregates, interleaved.
-    async fn reset(&mut self, n: usize) -> anyhow::Result<()> {
-        let t = self.config.qualified();
-        // Separate calls: VACUUM cannot run in the implicit transaction of a
-        // multi-statement string.
-        self.db.batch_execute(&format!("TRUNCATE {t}")).await?;
-        self.db.batch_execute(&format!("VACUUM ANALYZE {t}")).await?;
-        self.redis().await?.del::<_, i64>(STREAM).await?;
-        let outbox = Outbox::new(self.config.clone());
-        let events: Vec<Event> = (0..n)
-            .map(|i| Event::new("orders", (i % 500).to_string(), "OrderPlaced", json!({"n": i})))
-            .collect();
-        for chunk in events.chunks(1000) {
-            let tx = self.db.transaction().await?;
-            outbox.enqueue_all(&tx, chunk).await?;
-            tx.commit().await?;
-        }
-        Ok(())
-    }
-
     pub(super) async fn drain(&mut self, strategy: Strategy, n: usize, batch: u32) -> anyhow::Result<Run> {
-        self.reset(n).await?;
+        self.fill(n).await?;
         let (seconds, peak_rss) = match strategy {
             Strategy::Relay => self.drain_relay(batch).await?,
             Strategy::Floor => (self.drain_floor(batch).await?, None),
             Strategy::Naive => (self.drain_naive(batch).await?, None),
         };
-        let marked: i64 = self
-            .db
-            .query_one(
-                &format!(
-                    "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
-                    self.config.qualified()
-                ),
-                &[],
-            )
-            .await?
-            .get(0);
+        let marked = self.marked().await?;
         let (entries, delivered) = if strategy == Strategy::Floor {
             (0, 0)
         } else {
@@ -149,7 +67,7 @@ impl Scratch {
             seconds,
             delivered,
             duplicates: entries - delivered,
-            marked: marked as u64,
+            marked,
             peak_rss,
         })
     }
@@ -165,35 +83,11 @@ impl Scratch {
     }
 
     async fn drain_relay(&self, batch: u32) -> anyhow::Result<(f64, Option<u64>)> {
-        let exe = std::env::current_exe().context("locating this binary")?;
-        let mut cmd = tokio::process::Command::new(exe);
-        cmd.args([
-            "relay",
-            "--sink",
-            &self.redis_url,
-            "--schema",
-            SCHEMA,
-            "--channel",
-            CHANNEL,
-        ])
-        .args([
-            "--stream-prefix",
-            STREAM_PREFIX,
-            "--batch-size",
-            &batch.to_string(),
-            "--drain",
-            "--log-format",
-            "json",
-        ])
-        .env("DATABASE_URL", &self.pg_url)
-        .env("RUST_LOG", "info")
-        .env_remove("OUTBOX_TABLE")
-        .env_remove("OUTBOX_SINK")
-        .env_remove("OUTBOX_FAILPOINT");
-        let mut relay = Spawned::spawn(cmd)?;
+        let batch = batch.to_string();
+        let relay = self.spawn_relay(&["--batch-size", &batch, "--drain"]).await?;
         // The relay times its own drain, from its first claim to its last
         // commit, as the floor is timed: process start-up is not the relay's
-        // throughput. Polling for the log line costs the database nothing.
+        // throughput. Watching for the log line costs the database nothing.
         let started = Instant::now();
         let mut peak = None;
         let drained = loop {
@@ -202,15 +96,11 @@ impl Scratch {
                 break line;
             }
             if started.elapsed() > Duration::from_secs(600) {
-                relay.kill()?;
                 bail!("the relay did not drain the outbox within 10 minutes");
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
-        let status = relay.wait(Duration::from_secs(30)).await?;
-        if !status.success() {
-            bail!("the relay exited with {status}: {:?}", relay.lines());
-        }
+        self.stop_relay(relay).await?;
         let seconds = serde_json::from_str::<serde_json::Value>(&drained)
             .ok()
             .and_then(|v| v["fields"]["seconds"].as_f64())
@@ -220,7 +110,7 @@ impl Scratch {
 
     async fn drain_floor(&self, batch: u32) -> anyhow::Result<f64> {
         let client = super::super::connect(&self.pg).await?;
-        let stmt = client.prepare(&self.config_sql().claim_and_mark).await?;
+        let stmt = client.prepare(&self.sql.claim_and_mark).await?;
         let limit = i64::from(batch);
         let started = Instant::now();
         while client.execute(&stmt, &[&limit]).await? > 0 {}
@@ -230,9 +120,8 @@ impl Scratch {
     async fn drain_naive(&self, batch: u32) -> anyhow::Result<f64> {
         let mut client = super::super::connect(&self.pg).await?;
         let mut redis = self.redis().await?;
-        let sql = self.config_sql();
-        let claim = client.prepare(&sql.select_batch).await?;
-        let mark = client.prepare(&sql.mark_one).await?;
+        let claim = client.prepare(&self.sql.select_batch).await?;
+        let mark = client.prepare(&self.sql.mark_one).await?;
         let limit = i64::from(batch);
         let started = Instant::now();
         loop {
@@ -256,10 +145,6 @@ impl Scratch {
             tx.commit().await?;
         }
         Ok(started.elapsed().as_secs_f64())
-    }
-
-    fn config_sql(&self) -> outbox::sql::OutboxSql {
-        outbox::sql::OutboxSql::new(&self.config)
     }
 }
 
