@@ -15,6 +15,7 @@
 
 pub mod backoff;
 pub mod failpoint;
+mod plan;
 pub mod relay;
 pub mod sink;
 mod wake;

@@ -28,7 +28,6 @@
 //! concern). A row failing `max_attempts` times is a dead letter: the claim no
 //! longer sees it until `outbox dlq retry` requeues it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -41,7 +40,8 @@ use tracing::{debug, info, warn};
 
 use crate::backoff::Backoff;
 use crate::failpoint::Failpoint;
-use crate::sink::{Delivery, DeliveryError, Sink};
+use crate::plan::{self, Blocked, Failures};
+use crate::sink::Sink;
 use crate::wake::{self, Wake, Wakeups};
 
 /// How the relay runs.
@@ -131,23 +131,47 @@ struct Session {
     next_retry: Statement,
 }
 
-/// What one batch did.
-struct Batch {
-    /// Rows claimed.
-    claimed: usize,
-    /// The next batch, already claimed in a transaction that is still open.
-    next: Option<Vec<OutboxRow>>,
+/// The relay's two connections. The first LISTENs. Batches alternate
+/// between them, so one batch can be committed and the next claimed while
+/// another is at the sink.
+type Sessions = [Session; 2];
+
+/// A claimed batch: its rows are locked, and marked, by the open transaction
+/// of connection `conn`.
+struct Claimed {
+    conn: usize,
+    rows: Vec<OutboxRow>,
 }
 
-/// The failed rows of a batch as the arrays `MARK_FAILED` binds.
+/// A batch the sink has answered for, waiting for its COMMIT on `conn`.
+struct Delivered {
+    conn: usize,
+    claimed: usize,
+    published: usize,
+    failures: Failures,
+    started: Instant,
+}
+
+/// The batches in flight between steps.
 #[derive(Default)]
-struct Failures {
-    ids: Vec<i64>,
-    errors: Vec<String>,
-    attempts: Vec<i32>,
-    delay_ms: Vec<f64>,
-    /// The shortest retry delay among rows that are not dead letters.
-    soonest: Option<Duration>,
+struct Flow {
+    /// Claimed, not yet sent.
+    current: Option<Claimed>,
+    /// Sent, not yet committed.
+    previous: Option<Delivered>,
+    /// Aggregates the previous batch blocked, which `current` must hold
+    /// back when it was claimed before that batch committed.
+    blocked: Blocked,
+    /// The last claim was not full: wait for a wake-up before the next.
+    idle: bool,
+}
+
+/// How a step ended.
+enum Step {
+    Continue,
+    Cancelled,
+    Drained,
+    ConnectionLost,
 }
 
 /// The relay. Build with [`Relay::new`], run with [`Relay::run`].
@@ -185,7 +209,7 @@ impl Relay {
         Arc::clone(&self.counters)
     }
 
-    /// Runs until `cancel` fires, then returns after the batch in flight is
+    /// Runs until `cancel` fires, then returns after the batch at the sink is
     /// committed. Fails only at startup; later connection losses reconnect.
     pub async fn run(mut self, cancel: CancellationToken) -> Result<(), RelayError> {
         let Some(first) = self.connect_at_startup(&cancel).await? else {
@@ -199,28 +223,20 @@ impl Relay {
             "relay ready"
         );
         let started = Instant::now();
-        let mut session = Some(first);
-        // The next batch when it was claimed with the previous COMMIT; its
-        // transaction is open and its rows are locked.
-        let mut prefetched: Option<Vec<OutboxRow>> = None;
+        let mut sessions = Some(first);
+        let mut flow = Flow::default();
         while !cancel.is_cancelled() {
-            let s = match session.as_mut() {
-                Some(s) => s,
+            let ss = match sessions.as_mut() {
+                Some(ss) => ss,
                 None => match self.reconnect(&cancel).await {
-                    Some(s) => session.insert(s),
+                    Some(ss) => sessions.insert(ss),
                     None => break,
                 },
             };
-            if prefetched.is_none() && !s.wakeups.drain() {
-                session = None;
-                continue;
-            }
-            match self.run_batch(s, prefetched.take()).await {
-                Ok(batch) if batch.next.is_some() => {
-                    prefetched = batch.next;
-                    continue;
-                }
-                Ok(batch) if self.config.drain && batch.claimed == 0 => {
+            match self.step(ss, &mut flow, &cancel).await {
+                Ok(Step::Continue) => {}
+                Ok(Step::Cancelled) => break,
+                Ok(Step::Drained) => {
                     info!(
                         delivered = self.counters.delivered.load(Ordering::Relaxed),
                         batches = self.counters.batches.load(Ordering::Relaxed),
@@ -229,37 +245,242 @@ impl Relay {
                     );
                     break;
                 }
-                Ok(batch) if self.config.drain || batch.claimed == self.config.batch_size as usize => {
-                    continue;
+                Ok(Step::ConnectionLost) => {
+                    warn!("lost the postgres connection; batches in flight will be redelivered");
+                    flow = Flow::default();
+                    sessions = None;
                 }
-                Ok(_) => {}
-                Err(error) if s.client.is_closed() => {
-                    warn!(error = %error_chain(&error), "lost the postgres connection; the batch in flight will be redelivered");
-                    session = None;
-                    continue;
+                Err(error) if ss.iter().any(|s| s.client.is_closed()) => {
+                    warn!(error = %error_chain(&error), "lost the postgres connection; batches in flight will be redelivered");
+                    // Dropping both connections rolls back whatever the
+                    // surviving one had open.
+                    flow = Flow::default();
+                    sessions = None;
                 }
                 Err(error) => {
                     warn!(error = %error_chain(&error), "batch failed; retrying");
+                    flow = Flow::default();
+                    for s in ss.iter() {
+                        // Outside a transaction this is a harmless warning.
+                        let _ = s.client.batch_execute("ROLLBACK").await;
+                    }
                     let pause = self.config.poll_interval.min(Duration::from_secs(1));
                     if wait_or_cancel(pause, &cancel).await {
                         break;
                     }
-                    continue;
                 }
             }
-            match s.wakeups.wait(self.next_wait(), &cancel).await {
-                Wake::Cancelled => break,
-                Wake::ConnectionLost => session = None,
-                Wake::Notified | Wake::Timer => {}
-            }
         }
-        if let (Some(_), Some(s)) = (prefetched, session.as_ref()) {
-            // Claimed but never sent: give the rows back at once rather than
-            // when the connection closes.
-            let _ = s.client.batch_execute("ROLLBACK").await;
+        if let Some(ss) = sessions.as_mut() {
+            self.finish(ss, flow).await;
         }
         info!("relay stopped");
         Ok(())
+    }
+
+    /// At shutdown: commits the batch the sink already took, gives back the
+    /// one claimed but not sent.
+    async fn finish(&mut self, ss: &Sessions, flow: Flow) {
+        if let Some(claimed) = flow.current {
+            let _ = ss[claimed.conn].client.batch_execute("ROLLBACK").await;
+        }
+        if let Some(delivered) = flow.previous {
+            let conn = delivered.conn;
+            match self.commit(&ss[conn], Some(delivered), false).await {
+                Ok((done, _)) => self.account(done),
+                Err(error) => {
+                    warn!(error = %error_chain(&error), "committing the last batch failed; it will be redelivered");
+                }
+            }
+        }
+    }
+
+    /// One batch at the sink. Before it, commit the previous batch and claim
+    /// a fresh one when nothing is claimed yet; during it, on the other
+    /// connection, commit the previous batch and, if this one is full, claim
+    /// the next.
+    async fn step(
+        &mut self,
+        ss: &mut Sessions,
+        flow: &mut Flow,
+        cancel: &CancellationToken,
+    ) -> Result<Step, tokio_postgres::Error> {
+        let current = match flow.current.take() {
+            Some(claimed) => claimed,
+            None => {
+                if let Some(delivered) = flow.previous.take() {
+                    let conn = delivered.conn;
+                    let (done, _) = self.commit(&ss[conn], Some(delivered), false).await?;
+                    self.account(done);
+                }
+                if flow.idle {
+                    match ss[0].wakeups.wait(self.next_wait(), cancel).await {
+                        Wake::Cancelled => return Ok(Step::Cancelled),
+                        Wake::ConnectionLost => return Ok(Step::ConnectionLost),
+                        Wake::Notified | Wake::Timer => {}
+                    }
+                }
+                if !ss[0].wakeups.drain() {
+                    return Ok(Step::ConnectionLost);
+                }
+                // Claimed after every earlier batch committed, so rows behind
+                // a failure are not due and nothing needs holding back here.
+                flow.blocked.clear();
+                let (_, rows) = self.commit(&ss[0], None, true).await?;
+                let rows = rows.unwrap_or_default();
+                if rows.is_empty() {
+                    ss[0].client.batch_execute("COMMIT").await?;
+                    if self.config.drain {
+                        return Ok(Step::Drained);
+                    }
+                    flow.idle = true;
+                    return Ok(Step::Continue);
+                }
+                Claimed { conn: 0, rows }
+            }
+        };
+        let started = Instant::now();
+        let full = current.rows.len() == self.config.batch_size as usize;
+        flow.idle = !full && !self.config.drain;
+        let other = 1 - current.conn;
+        let previous = flow.previous.take();
+        debug_assert!(previous.as_ref().is_none_or(|p| p.conn == other));
+        // Notifications up to here are covered by the next claim.
+        let chain = full && ss[0].wakeups.drain();
+
+        let held_back = plan::sendable(&current.rows, &flow.blocked);
+        let to_send = held_back.as_deref().unwrap_or(&current.rows);
+        let (sent, committed) = tokio::join!(
+            async {
+                if to_send.is_empty() {
+                    return Vec::new();
+                }
+                self.sink.deliver(to_send).await
+            },
+            self.commit(&ss[other], previous, chain),
+        );
+        let deliveries = plan::merge(&current.rows, &flow.blocked, sent);
+        if let Some(failpoint) = self.config.failpoint {
+            failpoint.park(current.rows.len()).await;
+        }
+        let (done, next) = committed?;
+        self.account(done);
+
+        let plan = plan::plan(self.config.backoff, &current.rows, deliveries, &flow.blocked);
+        if let Some(error) = &plan.failures.first_error {
+            self.counters
+                .failed
+                .fetch_add(plan.failures.failed, Ordering::Relaxed);
+            self.counters
+                .dead_lettered
+                .fetch_add(plan.failures.dead, Ordering::Relaxed);
+            warn!(
+                failed = plan.failures.ids.len(),
+                delivered = plan.published,
+                sink = self.sink.name(),
+                %error,
+                "delivery failed; rows will be retried"
+            );
+        }
+        flow.blocked = plan.blocked;
+        flow.previous = Some(Delivered {
+            conn: current.conn,
+            claimed: current.rows.len(),
+            published: plan.published,
+            failures: plan.failures,
+            started,
+        });
+        flow.current = match next {
+            Some(rows) if rows.is_empty() => {
+                ss[other].client.batch_execute("COMMIT").await?;
+                None
+            }
+            Some(rows) => Some(Claimed { conn: other, rows }),
+            None => None,
+        };
+        Ok(Step::Continue)
+    }
+
+    /// On one connection, in one round trip: the failure marks and COMMIT of
+    /// `delivered` (if any), then, if `claim`, BEGIN and the next claim.
+    ///
+    /// The transaction is driven by hand rather than through
+    /// `tokio_postgres::Transaction` because tokio-postgres pipelines
+    /// requests whose futures are polled together, in the order polled. If
+    /// a mark fails, PostgreSQL answers the COMMIT with a rollback, so
+    /// nothing of the batch is marked and it is redelivered; the caller then
+    /// rolls back the claim that followed.
+    async fn commit(
+        &self,
+        s: &Session,
+        delivered: Option<Delivered>,
+        claim: bool,
+    ) -> Result<(Option<Delivered>, Option<Vec<OutboxRow>>), tokio_postgres::Error> {
+        let client = &s.client;
+        let limit = i64::from(self.config.batch_size);
+        let max_attempts = self.config.backoff.max_attempts;
+        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&max_attempts, &limit];
+        let failures = delivered.as_ref().map(|d| &d.failures);
+        let (failed, committed, begun, claimed) = tokio::join!(
+            async {
+                match failures {
+                    Some(f) if !f.ids.is_empty() => {
+                        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                            [&f.ids, &f.errors, &f.attempts, &f.delay_ms];
+                        client.execute(&s.mark_failed, &params).await
+                    }
+                    _ => Ok(0),
+                }
+            },
+            async {
+                if delivered.is_some() {
+                    client.batch_execute("COMMIT").await?;
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            },
+            async {
+                if claim {
+                    client.batch_execute("BEGIN").await?;
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            },
+            async {
+                if claim {
+                    return client.query(&s.claim, &claim_params).await.map(Some);
+                }
+                Ok(None)
+            },
+        );
+        failed?;
+        committed?;
+        begun?;
+        let rows = match claimed? {
+            Some(rows) => Some(to_rows(rows)?),
+            None => None,
+        };
+        Ok((delivered, rows))
+    }
+
+    /// Books a committed batch: counters, the retry wake-up, a debug line.
+    fn account(&mut self, done: Option<Delivered>) {
+        let Some(d) = done else { return };
+        if let Some(soonest) = d.failures.soonest {
+            // Measured from after the commit, so the wake-up is never before
+            // the time PostgreSQL recorded.
+            let at = Instant::now() + soonest;
+            self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
+        }
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .delivered
+            .fetch_add(d.published as u64, Ordering::Relaxed);
+        debug!(
+            claimed = d.claimed,
+            delivered = d.published,
+            failed = d.failures.ids.len(),
+            elapsed = ?d.started.elapsed(),
+            "batch committed"
+        );
     }
 
     /// How long to sleep: the fallback poll, or less if a retry is due sooner.
@@ -277,12 +498,14 @@ impl Relay {
         }
     }
 
-    async fn open_session(&self) -> Result<Session, SessionError> {
-        let channel = self.config.notify.then_some(&self.config.outbox.channel);
+    async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
+        let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
         let (client, wakeups) = wake::connect(&self.pg, channel).await?;
-        outbox::check(&client, &self.config.outbox)
-            .await
-            .map_err(SessionError::Schema)?;
+        if listen {
+            outbox::check(&client, &self.config.outbox)
+                .await
+                .map_err(SessionError::Schema)?;
+        }
         Ok(Session {
             claim: client.prepare(&self.sql.claim_batch).await?,
             mark_failed: client.prepare(&self.sql.mark_failed).await?,
@@ -290,6 +513,14 @@ impl Relay {
             client,
             wakeups,
         })
+    }
+
+    /// Both connections, then when the next retry is due.
+    async fn open_sessions(&mut self) -> Result<Sessions, SessionError> {
+        let listening = self.open_session(true).await?;
+        let other = self.open_session(false).await?;
+        self.learn_next_retry(&listening).await;
+        Ok([listening, other])
     }
 
     /// Learns when the next row waiting for a retry comes due, whoever
@@ -319,15 +550,12 @@ impl Relay {
     async fn connect_at_startup(
         &mut self,
         cancel: &CancellationToken,
-    ) -> Result<Option<Session>, RelayError> {
+    ) -> Result<Option<Sessions>, RelayError> {
         let deadline = Instant::now() + self.config.connect_timeout;
         let mut delay = Duration::from_millis(100);
         loop {
-            match self.open_session().await {
-                Ok(s) => {
-                    self.learn_next_retry(&s).await;
-                    return Ok(Some(s));
-                }
+            match self.open_sessions().await {
+                Ok(ss) => return Ok(Some(ss)),
                 Err(SessionError::Schema(e)) => return Err(RelayError::Schema(e)),
                 Err(SessionError::Postgres(source)) => {
                     if Instant::now() + delay >= deadline {
@@ -347,16 +575,15 @@ impl Relay {
     }
 
     /// Reconnects with backoff until it works or `cancel` fires.
-    async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Session> {
+    async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Sessions> {
         let mut delay = Duration::from_millis(100);
         loop {
-            match self.open_session().await {
-                Ok(s) => {
+            match self.open_sessions().await {
+                Ok(ss) => {
                     // Notifications sent while we were away are lost; the
                     // loop claims at once, which covers them.
                     info!("relay reconnected");
-                    self.learn_next_retry(&s).await;
-                    return Some(s);
+                    return Some(ss);
                 }
                 Err(error) => warn!(error = %error, retry_in = ?delay, "reconnecting to postgres"),
             }
@@ -365,209 +592,6 @@ impl Relay {
             }
             delay = (delay * 2).min(Duration::from_secs(5));
         }
-    }
-
-    /// One transaction: claim (unless `prefetched` holds the rows of an open
-    /// one), deliver, take back the mark of failed rows, commit.
-    ///
-    /// The transaction is driven by hand rather than through
-    /// `tokio_postgres::Transaction` so that BEGIN travels with the claim and
-    /// COMMIT with the failure marks and the next claim: tokio-postgres
-    /// pipelines requests whose futures are polled together. If a statement
-    /// fails, PostgreSQL answers the pipelined COMMIT with a rollback, so
-    /// nothing is marked and the batch is redelivered.
-    async fn run_batch(
-        &mut self,
-        s: &mut Session,
-        prefetched: Option<Vec<OutboxRow>>,
-    ) -> Result<Batch, tokio_postgres::Error> {
-        let result = self.run_batch_pipelined(s, prefetched).await;
-        if result.is_err() && !s.client.is_closed() {
-            // Leave no transaction open for the next batch (the failed one,
-            // or the next claim that travelled with a failed commit); outside
-            // a transaction this is a harmless warning.
-            let _ = s.client.batch_execute("ROLLBACK").await;
-        }
-        result
-    }
-
-    async fn run_batch_pipelined(
-        &mut self,
-        s: &mut Session,
-        prefetched: Option<Vec<OutboxRow>>,
-    ) -> Result<Batch, tokio_postgres::Error> {
-        let started = Instant::now();
-        let client = &s.client;
-        let limit = i64::from(self.config.batch_size);
-        let max_attempts = self.config.backoff.max_attempts;
-        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&max_attempts, &limit];
-        let rows = match prefetched {
-            Some(rows) => rows,
-            None => {
-                let (begun, claimed) = tokio::join!(
-                    client.batch_execute("BEGIN"),
-                    client.query(&s.claim, &claim_params)
-                );
-                begun?;
-                let rows = to_rows(claimed?)?;
-                if rows.is_empty() {
-                    client.batch_execute("COMMIT").await?;
-                    return Ok(Batch {
-                        claimed: 0,
-                        next: None,
-                    });
-                }
-                rows
-            }
-        };
-
-        let deliveries = self.sink.deliver(&rows).await;
-        if let Some(failpoint) = self.config.failpoint {
-            failpoint.park(rows.len()).await;
-        }
-
-        let (published, failures) = self.plan(&rows, deliveries);
-        // A full batch says more rows are waiting: claim the next batch in the
-        // same round trip as this commit. Notifications up to here are
-        // covered by that claim.
-        let chain = rows.len() == self.config.batch_size as usize && s.wakeups.drain();
-        // Polled in this order, so sent in this order.
-        let (failed, committed, begun, next) = tokio::join!(
-            async {
-                if failures.ids.is_empty() {
-                    return Ok(0);
-                }
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
-                    &failures.ids,
-                    &failures.errors,
-                    &failures.attempts,
-                    &failures.delay_ms,
-                ];
-                client.execute(&s.mark_failed, &params).await
-            },
-            client.batch_execute("COMMIT"),
-            async {
-                if chain {
-                    client.batch_execute("BEGIN").await?;
-                }
-                Ok::<_, tokio_postgres::Error>(())
-            },
-            async {
-                if chain {
-                    return client.query(&s.claim, &claim_params).await.map(Some);
-                }
-                Ok(None)
-            },
-        );
-        failed?;
-        committed?;
-        if let Some(soonest) = failures.soonest {
-            // Measured from after the commit, so the wake-up is never before
-            // the time PostgreSQL recorded.
-            let at = Instant::now() + soonest;
-            self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
-        }
-
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .delivered
-            .fetch_add(published as u64, Ordering::Relaxed);
-        debug!(
-            claimed = rows.len(),
-            delivered = published,
-            failed = failures.ids.len(),
-            elapsed = ?started.elapsed(),
-            "batch committed"
-        );
-
-        begun?;
-        let next = match next? {
-            Some(claimed) => Some(to_rows(claimed)?),
-            None => None,
-        };
-        let next = match next {
-            Some(rows) if rows.is_empty() => {
-                client.batch_execute("COMMIT").await?;
-                None
-            }
-            other => other,
-        };
-        Ok(Batch {
-            claimed: rows.len(),
-            next,
-        })
-    }
-
-    /// Splits a batch's outcomes into rows to mark published and failures to
-    /// record, computing each failure's attempts and retry delay.
-    /// Returns how many rows were delivered.
-    fn plan(&self, rows: &[OutboxRow], deliveries: Vec<Delivery>) -> (usize, Failures) {
-        let backoff = self.config.backoff;
-        let mut published = 0;
-        let mut failures = Failures::default();
-        // The delay given to the last failed row of each aggregate, which rows
-        // held back behind it inherit so they come due together, in order.
-        let mut blocked: HashMap<(&str, &str), Duration> = HashMap::new();
-        let mut first_error: Option<String> = None;
-        let mut dead = 0u64;
-        for (row, delivery) in rows.iter().zip(deliveries) {
-            let key = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
-            let (message, attempts, delay) = match delivery {
-                Ok(()) => {
-                    published += 1;
-                    continue;
-                }
-                Err(DeliveryError::Retryable { message, retry_after }) => {
-                    let attempts = row.attempts.saturating_add(1);
-                    // Never due before an earlier failed row of the same
-                    // aggregate in this batch, whatever the jitter drew.
-                    let delay = backoff
-                        .delay(attempts)
-                        .max(retry_after.unwrap_or_default())
-                        .max(blocked.get(&key).copied().unwrap_or_default());
-                    (message, attempts, delay)
-                }
-                Err(DeliveryError::Permanent { message }) => {
-                    let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
-                    (format!("permanent: {message}"), attempts, Duration::ZERO)
-                }
-                Err(DeliveryError::HeldBack { message }) => {
-                    let delay = blocked.get(&key).copied().unwrap_or_default();
-                    failures.push(row.id, message, row.attempts, delay);
-                    continue;
-                }
-            };
-            blocked.insert(key, delay);
-            self.counters.failed.fetch_add(1, Ordering::Relaxed);
-            if backoff.is_dead(attempts) {
-                dead += 1;
-                warn!(id = row.id, event_id = %row.event_id, attempts, error = %message, "dead letter");
-            } else {
-                failures.soonest = Some(failures.soonest.map_or(delay, |s| s.min(delay)));
-            }
-            first_error.get_or_insert_with(|| message.clone());
-            failures.push(row.id, message, attempts, delay);
-        }
-        if let Some(error) = first_error {
-            self.counters.dead_lettered.fetch_add(dead, Ordering::Relaxed);
-            warn!(
-                failed = failures.ids.len(),
-                delivered = published,
-                sink = self.sink.name(),
-                %error,
-                "delivery failed; rows will be retried"
-            );
-        }
-        (published, failures)
-    }
-}
-
-impl Failures {
-    fn push(&mut self, id: i64, error: String, attempts: i32, delay: Duration) {
-        self.ids.push(id);
-        self.errors.push(error);
-        self.attempts.push(attempts);
-        self.delay_ms.push(delay.as_secs_f64() * 1000.0);
     }
 }
 

@@ -133,9 +133,10 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     let distinct = distinct_events(&events);
     assert_eq!(distinct, 4_000, "nothing lost");
-    // kill -9 interrupts at most the one batch in flight.
+    // kill -9 interrupts at most two batches: the one at the sink and the
+    // one delivered but not yet committed.
     assert!(
-        events.len() - distinct <= 50,
+        events.len() - distinct <= 2 * 50,
         "{} duplicates",
         events.len() - distinct
     );
@@ -166,8 +167,10 @@ async fn redis_down_becomes_retries_and_nothing_is_lost() {
     redis.stop().await.unwrap();
     db.insert_events(500, 5).await;
     // 10 attempts at 100 ms doubling, capped at 1 s: Redis stays down ~10 s.
-    wait_until("every row failed 10 times while Redis is down", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE attempts >= 10").await == 500
+    // Events behind a failed one of the same aggregate may be held back
+    // rather than attempted, so not every row reaches 10.
+    wait_until("a row failed 10 times while Redis is down", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE attempts >= 10").await > 0
     })
     .await;
     assert_eq!(
@@ -175,13 +178,19 @@ async fn redis_down_becomes_retries_and_nothing_is_lost() {
         500,
         "nothing marked while the sink is down"
     );
-    let error: String = db
-        .client
-        .query_one("SELECT last_error FROM outbox LIMIT 1", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(error.contains("redis"), "{error}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE last_error LIKE '%redis%'")
+            .await
+            + db.count("SELECT count(*) FROM outbox WHERE last_error LIKE 'held back%'")
+                .await,
+        500,
+        "every row failed or was held back behind a failure"
+    );
+    assert!(
+        db.count("SELECT count(*) FROM outbox WHERE last_error LIKE '%redis%'")
+            .await
+            >= 100
+    );
 
     redis.restart().await.unwrap();
     wait_until("everything published once Redis is back", LONG, || async {
