@@ -68,6 +68,10 @@ pub(crate) enum Command {
     Relay(RelayArgs),
     /// Backlog, dead letters and oldest unpublished age, per aggregate type.
     Stats(StatsArgs),
+    /// Delete published rows (or, with --inbox, processed-event records)
+    /// older than --older-than, in short batches. Never touches unpublished
+    /// rows or dead letters.
+    Cleanup(CleanupArgs),
     /// Inspect and requeue dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
@@ -127,6 +131,25 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) http_concurrency: u16,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct CleanupArgs {
+    /// Age past which rows go, e.g. 7d, 12h.
+    #[arg(long, value_parser = positive_duration)]
+    pub(crate) older_than: Duration,
+    /// Rows deleted per transaction.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub(crate) batch_size: i64,
+    /// Clean the consumer's processed_events table instead of the outbox.
+    #[arg(long)]
+    pub(crate) inbox: bool,
+    /// Schema of the processed_events table.
+    #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
+    pub(crate) inbox_schema: String,
+    /// Name of the processed_events table.
+    #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = "processed_events")]
+    pub(crate) inbox_table: String,
 }
 
 #[derive(Debug, Args)]

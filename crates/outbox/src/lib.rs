@@ -15,6 +15,7 @@
 //! | [`Outbox`] | the writer: `enqueue`, `enqueue_all` in your transaction |
 //! | [`Inbox`] | the idempotent consumer: record + side effect in one transaction |
 //! | [`migrate`], [`migrate_inbox`], [`check`] | versioned, embedded migrations |
+//! | [`retention`] | batched deletion of published rows and old inbox records |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
 //! | [`sql`] | every statement, named |
 //!
@@ -42,6 +43,8 @@ mod error;
 mod event;
 mod ident;
 mod inbox;
+#[cfg(feature = "tokio-postgres")]
+pub mod retention;
 mod schema;
 pub mod sql;
 mod writer;

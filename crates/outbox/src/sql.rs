@@ -103,6 +103,28 @@ const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";
 /// `$1` channel. Wakes relays after a requeue, which the insert trigger does not see.
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, '')";
 
+/// `$1` interval in seconds. The retention cutoff, read once per cleanup so
+/// every batch uses the same one.
+pub(crate) const CUTOFF: &str = "SELECT clock_timestamp() - make_interval(secs => $1)";
+
+/// `$1` last id deleted (0 to start), `$2` cutoff, `$3` batch size. One
+/// short transaction of published rows older than the cutoff, walked by
+/// primary key so each batch starts where the last ended instead of
+/// rescanning. `published_at < $2` never matches an unpublished row or a
+/// dead letter (their `published_at` is NULL). Returns rows deleted and the
+/// last id.
+const DELETE_PUBLISHED: &str = "WITH batch AS ( \
+        SELECT id FROM {t} WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3), \
+     gone AS (DELETE FROM {t} AS o USING batch WHERE o.id = batch.id RETURNING o.id) \
+     SELECT count(*), coalesce(max(id), $1) FROM gone";
+
+/// `$1` cutoff, `$2` batch size. Oldest processed events first, through the
+/// `processed_at` index. Returns rows deleted.
+const DELETE_PROCESSED: &str = "WITH batch AS ( \
+        SELECT event_id FROM {t} WHERE processed_at < $1 ORDER BY processed_at LIMIT $2), \
+     gone AS (DELETE FROM {t} AS i USING batch WHERE i.event_id = batch.event_id RETURNING 1) \
+     SELECT count(*) FROM gone";
+
 /// `$1` event_id. The inbox's whole trick: a conflict means "seen before".
 const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (event_id) DO NOTHING";
 
@@ -123,6 +145,7 @@ pub struct OutboxSql {
     pub notify: &'static str,
     pub claim_and_mark: String,
     pub mark_one: String,
+    pub delete_published: String,
 }
 
 impl OutboxSql {
@@ -155,6 +178,7 @@ impl OutboxSql {
             notify: NOTIFY,
             claim_and_mark: render(CLAIM_AND_MARK),
             mark_one: render(MARK_ONE),
+            delete_published: render(DELETE_PUBLISHED),
         }
     }
 }
@@ -164,13 +188,17 @@ impl OutboxSql {
 pub struct InboxSql {
     /// See `INBOX_RECORD`.
     pub record: String,
+    /// See `DELETE_PROCESSED`.
+    pub delete_processed: String,
 }
 
 impl InboxSql {
     /// Renders the statements for `config`'s table.
     pub fn new(config: &InboxConfig) -> Self {
+        let t = config.qualified();
         Self {
-            record: INBOX_RECORD.replace("{t}", &config.qualified()),
+            record: INBOX_RECORD.replace("{t}", &t),
+            delete_processed: DELETE_PROCESSED.replace("{t}", &t),
         }
     }
 }

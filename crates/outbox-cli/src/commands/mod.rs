@@ -2,6 +2,7 @@
 //! flags into validated configs and a PostgreSQL connection.
 
 mod bench;
+mod cleanup;
 mod demo;
 mod dlq;
 mod migrate;
@@ -21,6 +22,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Migrate(args) => migrate::run(g, args).await,
         Command::Relay(args) => relay::run(g, args).await,
         Command::Stats(args) => stats::run(g, args).await,
+        Command::Cleanup(args) => cleanup::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => bench::run(g, args).await,

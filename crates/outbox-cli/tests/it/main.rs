@@ -7,6 +7,7 @@
 mod cli;
 mod crash;
 mod relay;
+mod retention;
 mod retry;
 mod support;
 mod writer;
