@@ -115,6 +115,10 @@ pub(crate) struct RelayArgs {
     /// Deliver everything that is due, then exit 0 (for cron jobs and scripts).
     #[arg(long)]
     pub(crate) drain: bool,
+    /// Per-aggregate ordering: `partition` (id order while nothing fails) or
+    /// `strict` (never past an undelivered earlier event of the aggregate).
+    #[arg(long, env = "OUTBOX_ORDERING", value_enum, default_value = "partition")]
+    pub(crate) ordering: Ordering,
     /// Delay after the first failed attempt; doubles per attempt.
     #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
     pub(crate) backoff_base: Duration,
@@ -172,6 +176,13 @@ pub(crate) enum DlqCommand {
     },
     /// Requeue dead letters: attempts = 0, due now.
     Retry(RetryArgs),
+    /// Give up on dead letters: they stay for inspection but no longer hold
+    /// their aggregate back under `--ordering strict`.
+    Skip {
+        /// These outbox ids.
+        #[arg(long, num_args = 1.., required = true)]
+        id: Vec<i64>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -246,6 +257,15 @@ pub(crate) struct BenchArgs {
     /// 100-event shapes commit a hundredth as many transactions).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(10..=1_000_000))]
     pub(crate) writer_transactions: u32,
+}
+
+/// `relay --ordering`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Ordering {
+    /// Id order while nothing fails; a retry may be overtaken.
+    Partition,
+    /// An aggregate waits for its earliest undelivered event.
+    Strict,
 }
 
 /// A part of `outbox bench`.

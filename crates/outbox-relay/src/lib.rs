@@ -22,5 +22,5 @@ mod wake;
 
 pub use backoff::Backoff;
 pub use failpoint::Failpoint;
-pub use relay::{Counters, Relay, RelayConfig, RelayError};
+pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use sink::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};

@@ -65,6 +65,8 @@ pub struct RelayConfig {
     /// Exit once nothing is due instead of waiting for more (cron jobs,
     /// scripts, `outbox bench`).
     pub drain: bool,
+    /// Per-aggregate ordering.
+    pub ordering: OrderMode,
     /// A test-only pause point.
     pub failpoint: Option<Failpoint>,
 }
@@ -79,9 +81,25 @@ impl Default for RelayConfig {
             notify: true,
             connect_timeout: Duration::from_secs(10),
             drain: false,
+            ordering: OrderMode::Partition,
             failpoint: None,
         }
     }
+}
+
+/// How strictly the relay keeps each aggregate's events in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrderMode {
+    /// Id order while nothing fails. Events behind a failed event of the
+    /// same aggregate in the same or the next batch are held back with it;
+    /// events claimed after its batch committed may overtake its retry.
+    #[default]
+    Partition,
+    /// An event is never delivered while an earlier event of its aggregate
+    /// is pending: due later, waiting for a retry, a dead letter nobody gave
+    /// up on (`outbox dlq skip`), or in flight. At most one event per
+    /// aggregate per batch.
+    Strict,
 }
 
 /// Why the relay stopped.
@@ -220,6 +238,7 @@ impl Relay {
             sink = self.sink.name(),
             batch_size = self.config.batch_size,
             notify = self.config.notify,
+            ordering = ?self.config.ordering,
             "relay ready"
         );
         let started = Instant::now();
@@ -507,7 +526,12 @@ impl Relay {
                 .map_err(SessionError::Schema)?;
         }
         Ok(Session {
-            claim: client.prepare(&self.sql.claim_batch).await?,
+            claim: client
+                .prepare(match self.config.ordering {
+                    OrderMode::Partition => &self.sql.claim_batch,
+                    OrderMode::Strict => &self.sql.claim_batch_strict,
+                })
+                .await?,
             mark_failed: client.prepare(&self.sql.mark_failed).await?,
             next_retry: client.prepare(&self.sql.next_retry).await?,
             client,

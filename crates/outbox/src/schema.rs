@@ -24,11 +24,18 @@ struct Migration {
     template: &'static str,
 }
 
-const OUTBOX_MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "create_outbox",
-    template: include_str!("../migrations/outbox/0001_create_outbox.sql"),
-}];
+const OUTBOX_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "create_outbox",
+        template: include_str!("../migrations/outbox/0001_create_outbox.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "strict_order",
+        template: include_str!("../migrations/outbox/0002_strict_order.sql"),
+    },
+];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
     version: 1,
@@ -37,7 +44,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 1;
+pub const OUTBOX_VERSION: i32 = 2;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 
@@ -74,6 +81,10 @@ impl Target {
                 (
                     "{unpublished_idx}",
                     t.suffixed("--table", "_unpublished_idx")?.quoted(),
+                ),
+                (
+                    "{pending_by_aggregate_idx}",
+                    t.suffixed("--table", "_pending_by_aggregate_idx")?.quoted(),
                 ),
                 (
                     "{notify_fn}",
@@ -292,7 +303,9 @@ mod tests {
             let sql = target.render(m);
             assert!(!sql.contains("{table}") && !sql.contains("_idx}"), "{sql}");
             assert!(sql.contains("\"app\".\"events\""));
-            assert!(sql.contains("('outbox_new')"));
+            if m.version == 1 {
+                assert!(sql.contains("('outbox_new')"));
+            }
         }
         assert_eq!(target.latest(), OUTBOX_VERSION);
         let inbox = Target::inbox(&InboxConfig::default()).unwrap();

@@ -39,6 +39,27 @@ const CLAIM_BATCH: &str = "WITH claimed AS ( \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
      RETURNING {ocols}";
 
+/// `CLAIM_BATCH` for strict per-aggregate order: a row is claimed only if
+/// no earlier event of its aggregate is still pending: not due yet, waiting
+/// for a retry, a dead letter nobody gave up on, or locked by a batch in
+/// flight (whose mark is not committed). So at most one event per aggregate
+/// per batch, and an aggregate stops at its first undelivered event. The
+/// `NOT EXISTS` is one probe of `<table>_pending_by_aggregate_idx`.
+const CLAIM_BATCH_STRICT: &str = "WITH claimed AS ( \
+        SELECT c.id FROM {t} AS c \
+         WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 \
+           AND NOT EXISTS (SELECT 1 FROM {t} AS e \
+                 WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
+                   AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
+         ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     RETURNING {ocols}";
+
+/// `$1` max attempts, `$2` ids. Gives up on dead letters: they stay for
+/// inspection but no longer hold their aggregate back in strict mode.
+const GIVE_UP_DEAD: &str = "UPDATE {t} SET given_up_at = clock_timestamp() \
+      WHERE id = ANY($2::int8[]) AND published_at IS NULL AND attempts >= $1 AND given_up_at IS NULL";
+
 /// The claim as a plain locking read, for the naive baseline of `outbox
 /// bench`, which marks row by row as the reference relay does.
 const SELECT_BATCH: &str = "SELECT {cols} FROM {t} \
@@ -75,15 +96,18 @@ const CLAIM_AND_MARK: &str = "UPDATE {t} SET published_at = clock_timestamp() WH
 const MARK_ONE: &str = "UPDATE {t} SET published_at = clock_timestamp() WHERE id = $1";
 
 /// `$1` max attempts. Unpublished rows per aggregate type: pending, dead
-/// letters, oldest pending. Scans the partial index only.
+/// letters, given up, aggregates a dead letter blocks in strict mode,
+/// oldest pending. Scans the partial index only.
 const STATS: &str = "SELECT aggregate_type, \
             count(*) FILTER (WHERE attempts < $1) AS pending, \
-            count(*) FILTER (WHERE attempts >= $1) AS dead, \
+            count(*) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS dead, \
+            count(*) FILTER (WHERE given_up_at IS NOT NULL) AS given_up, \
+            count(DISTINCT aggregate_id) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS blocked, \
             min(created_at) FILTER (WHERE attempts < $1) AS oldest_pending \
        FROM {t} WHERE published_at IS NULL GROUP BY aggregate_type ORDER BY aggregate_type";
 
 /// `$1` max attempts, `$2` limit. Dead letters oldest first.
-const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at \
+const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, given_up_at \
        FROM {t} WHERE published_at IS NULL AND attempts >= $1 ORDER BY id LIMIT $2";
 
 /// The dead-letter filter shared by requeue and its dry run: `$1` max
@@ -94,8 +118,10 @@ const DEAD_FILTER: &str = "published_at IS NULL AND attempts >= $1 \
         AND ($3::text IS NULL OR aggregate_type = $3::text) \
         AND ($4::text IS NULL OR strpos(last_error, $4::text) > 0)";
 
-/// Puts matching dead letters back in line; `last_error` stays for the record.
-const REQUEUE_DEAD: &str = "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp() WHERE {dead}";
+/// Puts matching dead letters (given up on or not) back in line;
+/// `last_error` stays for the record.
+const REQUEUE_DEAD: &str =
+    "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp(), given_up_at = NULL WHERE {dead}";
 
 /// What [`REQUEUE_DEAD`] would touch.
 const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";
@@ -135,6 +161,8 @@ pub struct OutboxSql {
     pub insert_event: String,
     pub insert_events: String,
     pub claim_batch: String,
+    pub claim_batch_strict: String,
+    pub give_up_dead: String,
     pub select_batch: String,
     pub next_retry: String,
     pub mark_failed: String,
@@ -168,6 +196,8 @@ impl OutboxSql {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
             claim_batch: render(CLAIM_BATCH),
+            claim_batch_strict: render(CLAIM_BATCH_STRICT),
+            give_up_dead: render(GIVE_UP_DEAD),
             select_batch: render(SELECT_BATCH),
             next_retry: render(NEXT_RETRY),
             mark_failed: render(MARK_FAILED),

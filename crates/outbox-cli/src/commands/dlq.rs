@@ -1,5 +1,6 @@
-//! `outbox dlq`: list dead letters and requeue them once the cause is fixed.
-//! Dead letters never expire on their own; only `retry` moves them.
+//! `outbox dlq`: list dead letters, requeue them once the cause is fixed, or
+//! give up on them so they stop blocking their aggregate. Dead letters never
+//! expire on their own.
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -18,6 +19,8 @@ struct DeadLetter {
     attempts: i32,
     last_error: Option<String>,
     created_at: DateTime<Utc>,
+    /// Set by `dlq skip`: kept for the record, no longer blocking.
+    given_up_at: Option<DateTime<Utc>>,
 }
 
 pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
@@ -42,6 +45,7 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                     attempts: r.get("attempts"),
                     last_error: r.get("last_error"),
                     created_at: r.get("created_at"),
+                    given_up_at: r.get("given_up_at"),
                 })
                 .collect();
             if json {
@@ -55,18 +59,37 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                 );
                 for d in &dead {
                     println!(
-                        "{:>10}  {:<36}  {:<24}  {:<20}  {:>8}  {}",
+                        "{:>10}  {:<36}  {:<24}  {:<20}  {:>8}  {}{}",
                         d.id,
                         d.event_id,
                         format!("{}/{}", d.aggregate_type, d.aggregate_id),
                         d.event_type,
                         d.attempts,
+                        if d.given_up_at.is_some() {
+                            "[given up] "
+                        } else {
+                            ""
+                        },
                         d.last_error.as_deref().unwrap_or("")
                     );
                 }
             }
         }
         DlqCommand::Retry(args) => retry(&client, &sql, &config, g.max_attempts, args).await?,
+        DlqCommand::Skip { id } => {
+            let n = client
+                .execute(&sql.give_up_dead, &[&g.max_attempts, &id])
+                .await
+                .context("giving up on dead letters")?;
+            if n > 0 {
+                // The aggregates' later events may be claimable now.
+                client
+                    .execute(sql.notify, &[&config.channel.as_str()])
+                    .await
+                    .context("notifying relays")?;
+            }
+            println!("gave up on {n} dead letters in {}", config.display_name());
+        }
     }
     Ok(())
 }

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backoff, Failpoint, Relay, RelayConfig, SinkOptions};
+use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig, SinkOptions};
 
-use crate::cli::{Global, RelayArgs};
+use crate::cli::{Global, Ordering, RelayArgs};
 use crate::exit::ConfigError;
 
 /// With no NOTIFY the poll interval is the delivery latency, so the default
@@ -50,6 +50,10 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         notify: !args.no_notify,
         connect_timeout: g.connect_timeout,
         drain: args.drain,
+        ordering: match args.ordering {
+            Ordering::Partition => OrderMode::Partition,
+            Ordering::Strict => OrderMode::Strict,
+        },
         failpoint,
     };
     let cancel = super::shutdown_token()?;

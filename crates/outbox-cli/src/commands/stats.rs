@@ -11,6 +11,9 @@ struct TypeStats {
     aggregate_type: String,
     unpublished: i64,
     dead_letters: i64,
+    given_up: i64,
+    /// Aggregates a dead letter holds back under `--ordering strict`.
+    blocked_aggregates: i64,
     oldest_unpublished: Option<DateTime<Utc>>,
 }
 
@@ -19,6 +22,8 @@ struct Stats {
     table: String,
     unpublished: i64,
     dead_letters: i64,
+    given_up: i64,
+    blocked_aggregates: i64,
     oldest_unpublished: Option<DateTime<Utc>>,
     oldest_unpublished_age_seconds: Option<f64>,
     by_aggregate_type: Vec<TypeStats>,
@@ -39,6 +44,8 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
             aggregate_type: r.get("aggregate_type"),
             unpublished: r.get("pending"),
             dead_letters: r.get("dead"),
+            given_up: r.get("given_up"),
+            blocked_aggregates: r.get("blocked"),
             oldest_unpublished: r.get("oldest_pending"),
         })
         .collect();
@@ -47,6 +54,8 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         table: config.display_name(),
         unpublished: by_type.iter().map(|t| t.unpublished).sum(),
         dead_letters: by_type.iter().map(|t| t.dead_letters).sum(),
+        given_up: by_type.iter().map(|t| t.given_up).sum(),
+        blocked_aggregates: by_type.iter().map(|t| t.blocked_aggregates).sum(),
         oldest_unpublished: oldest,
         oldest_unpublished_age_seconds: oldest.map(|o| (Utc::now() - o).num_milliseconds() as f64 / 1000.0),
         by_aggregate_type: by_type,
@@ -58,17 +67,25 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     println!("outbox {}", stats.table);
     println!("  unpublished      {}", stats.unpublished);
     println!("  dead letters     {}", stats.dead_letters);
+    println!("  given up         {}", stats.given_up);
+    println!(
+        "  blocked aggregates  {} (held back by a dead letter under --ordering strict)",
+        stats.blocked_aggregates
+    );
     match stats.oldest_unpublished_age_seconds {
         Some(age) => println!("  oldest unpublished  {age:.1}s ago"),
         None => println!("  oldest unpublished  -"),
     }
     if !stats.by_aggregate_type.is_empty() {
         println!();
-        println!("  {:<24} {:>12} {:>12}", "aggregate_type", "unpublished", "dead");
+        println!(
+            "  {:<24} {:>12} {:>12} {:>10} {:>8}",
+            "aggregate_type", "unpublished", "dead", "given up", "blocked"
+        );
         for t in &stats.by_aggregate_type {
             println!(
-                "  {:<24} {:>12} {:>12}",
-                t.aggregate_type, t.unpublished, t.dead_letters
+                "  {:<24} {:>12} {:>12} {:>10} {:>8}",
+                t.aggregate_type, t.unpublished, t.dead_letters, t.given_up, t.blocked_aggregates
             );
         }
     }

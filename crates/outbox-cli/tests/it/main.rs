@@ -6,6 +6,7 @@
 
 mod cli;
 mod crash;
+mod ordering;
 mod relay;
 mod retention;
 mod retry;
