@@ -131,6 +131,9 @@ pub(crate) struct RelayArgs {
     /// Timeout of one HTTP request (and of one Redis round trip).
     #[arg(long, env = "OUTBOX_HTTP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
     pub(crate) http_timeout: Duration,
+    /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
+    #[arg(long, env = "OUTBOX_HTTP_SECRET", hide_env_values = true)]
+    pub(crate) http_secret: Option<String>,
     /// Aggregates an HTTP batch sends to concurrently.
     #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]

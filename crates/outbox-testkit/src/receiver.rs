@@ -63,6 +63,8 @@ pub struct Received {
     pub headers: Vec<(String, String)>,
     /// The body parsed as JSON; `Null` if it was not JSON.
     pub body: serde_json::Value,
+    /// The body as it arrived, for signature checks.
+    pub raw: Vec<u8>,
     /// The status we answered.
     pub status: u16,
 }
@@ -254,6 +256,7 @@ async fn record(
             })
             .collect(),
         body: serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+        raw: body.to_vec(),
         status: status.as_u16(),
     };
     {

@@ -16,6 +16,7 @@
 //! | [`Inbox`] | the idempotent consumer: record + side effect in one transaction |
 //! | [`migrate`], [`migrate_inbox`], [`check`] | versioned, embedded migrations |
 //! | [`retention`] | batched deletion of published rows and old inbox records |
+//! | [`webhooks`] | Standard Webhooks signatures: the HTTP sink signs, receivers verify |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
 //! | [`sql`] | every statement, named |
 //!
@@ -47,6 +48,7 @@ mod inbox;
 pub mod retention;
 mod schema;
 pub mod sql;
+pub mod webhooks;
 mod writer;
 
 pub use config::{Config, InboxConfig};

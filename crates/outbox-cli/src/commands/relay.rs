@@ -28,6 +28,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         stream_prefix: args.stream_prefix,
         timeout: args.http_timeout,
         http_concurrency: usize::from(args.http_concurrency),
+        http_secret: args.http_secret,
     };
     let sink = outbox_relay::sink::from_url(&args.sink, &options)?;
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {

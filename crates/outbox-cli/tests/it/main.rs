@@ -11,4 +11,5 @@ mod relay;
 mod retention;
 mod retry;
 mod support;
+mod webhooks;
 mod writer;

@@ -15,7 +15,8 @@ use std::time::{Duration, SystemTime};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use outbox::OutboxRow;
-use reqwest::header::{HeaderMap, RETRY_AFTER};
+use outbox::webhooks::{self, WebhookSecret};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, RETRY_AFTER};
 use reqwest::{Client, StatusCode};
 use serde_json::json;
 use url::Url;
@@ -27,6 +28,7 @@ pub struct HttpSink {
     client: Client,
     url: Url,
     concurrency: usize,
+    secret: Option<WebhookSecret>,
 }
 
 impl HttpSink {
@@ -41,10 +43,20 @@ impl HttpSink {
                 url: url.to_string(),
                 reason: format!("building the HTTP client: {e}"),
             })?;
+        let secret = options
+            .http_secret
+            .as_deref()
+            .map(WebhookSecret::parse)
+            .transpose()
+            .map_err(|e| SinkError::InvalidOption {
+                option: "--http-secret",
+                reason: e.to_string(),
+            })?;
         Ok(Self {
             client,
             url,
             concurrency: options.http_concurrency.max(1),
+            secret,
         })
     }
 
@@ -59,13 +71,29 @@ impl HttpSink {
             "outbox_id": row.id,
             "created_at": row.created_at,
         });
-        let response = self
+        let body = match serde_json::to_vec(&body) {
+            Ok(b) => b,
+            Err(e) => return Err(DeliveryError::permanent(format!("encoding the body: {e}"))),
+        };
+        let event_id = row.event_id.to_string();
+        let mut request = self
             .client
             .post(self.url.clone())
-            .header("Idempotency-Key", row.event_id.to_string())
-            .json(&body)
-            .send()
-            .await;
+            .header("Idempotency-Key", &event_id)
+            .header(CONTENT_TYPE, "application/json");
+        if let Some(secret) = &self.secret {
+            // A fresh timestamp and signature per attempt, the same id on
+            // every one, as the specification asks.
+            let timestamp = chrono::Utc::now().timestamp();
+            request = request
+                .header(webhooks::ID_HEADER, &event_id)
+                .header(webhooks::TIMESTAMP_HEADER, timestamp.to_string())
+                .header(
+                    webhooks::SIGNATURE_HEADER,
+                    secret.sign(&event_id, timestamp, &body),
+                );
+        }
+        let response = request.body(body).send().await;
         let response = match response {
             Ok(r) => r,
             Err(e) if e.is_builder() => {

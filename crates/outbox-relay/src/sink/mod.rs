@@ -93,6 +93,8 @@ pub struct SinkOptions {
     pub timeout: Duration,
     /// How many aggregates an HTTP batch sends to at once.
     pub http_concurrency: usize,
+    /// Standard Webhooks secret (`whsec_…`); when set, HTTP requests are signed.
+    pub http_secret: Option<String>,
 }
 
 impl Default for SinkOptions {
@@ -101,6 +103,7 @@ impl Default for SinkOptions {
             stream_prefix: "outbox.event".to_owned(),
             timeout: Duration::from_secs(10),
             http_concurrency: 16,
+            http_secret: None,
         }
     }
 }
@@ -114,6 +117,14 @@ pub enum SinkError {
     InvalidUrl {
         /// The refused value.
         url: String,
+        /// Why.
+        reason: String,
+    },
+    /// A sink option that cannot be used.
+    #[error("invalid {option}: {reason}")]
+    InvalidOption {
+        /// The flag, e.g. `--http-secret`.
+        option: &'static str,
         /// Why.
         reason: String,
     },
