@@ -17,6 +17,7 @@
 //! | [`migrate`], [`migrate_inbox`], [`check`] | versioned, embedded migrations |
 //! | [`retention`] | batched deletion of published rows and old inbox records |
 //! | [`webhooks`] | Standard Webhooks signatures: the HTTP sink signs, receivers verify |
+//! | [`worker`] | consumer workers: effect through the inbox, acknowledge after commit |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
 //! | [`sql`] | every statement, named |
 //!
@@ -24,6 +25,7 @@
 //! |---|---|---|
 //! | `tokio-postgres` | yes | writer, inbox and migrations on any `GenericClient` |
 //! | `sqlx` | no | writer and inbox on `&mut PgConnection` |
+//! | `redis` | no | [`worker::redis`]: a Redis Streams consumer worker with the inbox |
 //!
 //! ```no_run
 //! # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
@@ -49,6 +51,8 @@ pub mod retention;
 mod schema;
 pub mod sql;
 pub mod webhooks;
+#[cfg(feature = "tokio-postgres")]
+pub mod worker;
 mod writer;
 
 pub use config::{Config, InboxConfig};

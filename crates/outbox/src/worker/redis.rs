@@ -1,0 +1,256 @@
+//! A Redis Streams consumer-group worker.
+//!
+//! It reads with `XREADGROUP`, runs each entry through the inbox and sends
+//! `XACK` only after the inbox transaction committed. Entries another
+//! consumer read but never acknowledged (it crashed, or its effect failed)
+//! are taken over with `XAUTOCLAIM` once idle for `claim_idle`, and so are
+//! this consumer's own, so a failed effect is retried after `claim_idle`.
+//! An entry that is not an outbox event (no parsable `event_id`) is copied
+//! to `<stream>.malformed` and acknowledged, so it cannot block the group.
+
+use std::time::Duration;
+
+use redis::AsyncCommands;
+use redis::aio::MultiplexedConnection;
+use redis::streams::{StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply};
+use tokio_postgres::{Client, Transaction};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{Message, WorkerError, WorkerStats};
+use crate::{Inbox, Processed};
+
+/// A consumer in a Redis consumer group.
+#[derive(Debug, Clone)]
+pub struct RedisWorker {
+    client: redis::Client,
+    stream: String,
+    group: String,
+    consumer: String,
+    inbox: Inbox,
+    /// How long an entry may stay unacknowledged before it is taken over.
+    pub claim_idle: Duration,
+    /// Entries per read.
+    pub count: usize,
+    /// How long one `XREADGROUP` blocks.
+    pub block: Duration,
+    /// Test hook: park forever after a commit, before the `XACK`.
+    #[doc(hidden)]
+    pub pause_after_commit: bool,
+}
+
+impl RedisWorker {
+    /// A worker `consumer` of `group` on `stream`, recording into `inbox`.
+    pub fn new(
+        redis_url: &str,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+        consumer: impl Into<String>,
+        inbox: Inbox,
+    ) -> Result<Self, WorkerError> {
+        let client = redis::Client::open(redis_url).map_err(|e| broker("opening the Redis URL", &e))?;
+        Ok(Self {
+            client,
+            stream: stream.into(),
+            group: group.into(),
+            consumer: consumer.into(),
+            inbox,
+            claim_idle: Duration::from_secs(30),
+            count: 100,
+            block: Duration::from_secs(1),
+            pause_after_commit: false,
+        })
+    }
+
+    /// Runs until `cancel` fires. `effect` runs once per event_id, inside
+    /// the inbox transaction; an `Err` rolls it back and leaves the entry
+    /// unacknowledged, to be retried after `claim_idle`.
+    pub async fn run<E>(
+        &self,
+        db: &mut Client,
+        cancel: CancellationToken,
+        mut effect: impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+    ) -> Result<WorkerStats, WorkerError>
+    where
+        E: std::fmt::Display,
+    {
+        let mut redis = self
+            .client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| broker("connecting to Redis", &e))?;
+        self.create_group(&mut redis).await?;
+        let mut stats = WorkerStats::default();
+        let mut next_claim = tokio::time::Instant::now();
+        while !cancel.is_cancelled() {
+            let mut entries = Vec::new();
+            if tokio::time::Instant::now() >= next_claim {
+                let claimed = self.autoclaim(&mut redis).await?;
+                stats.claimed += claimed.len() as u64;
+                entries.extend(claimed);
+                next_claim = tokio::time::Instant::now() + self.claim_idle / 2;
+            }
+            if entries.is_empty() {
+                entries = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    read = self.read_new(&mut redis) => read?,
+                };
+            }
+            for entry in entries {
+                self.handle(db, &mut redis, entry, &mut effect, &mut stats).await?;
+            }
+        }
+        Ok(stats)
+    }
+
+    async fn handle<E: std::fmt::Display>(
+        &self,
+        db: &mut Client,
+        redis: &mut MultiplexedConnection,
+        entry: StreamId,
+        effect: &mut impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        stats: &mut WorkerStats,
+    ) -> Result<(), WorkerError> {
+        let Some(message) = parse(&entry) else {
+            let aside = format!("{}.malformed", self.stream);
+            let fields: Vec<(String, String)> = entry
+                .map
+                .iter()
+                .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap_or_default()))
+                .collect();
+            let _: String = redis
+                .xadd(&aside, "*", &fields)
+                .await
+                .map_err(|e| broker("moving a malformed entry aside", &e))?;
+            self.ack(redis, &entry.id).await?;
+            stats.malformed += 1;
+            tracing::warn!(entry = %entry.id, stream = %self.stream, to = %aside, "not an outbox event; moved aside");
+            return Ok(());
+        };
+        let tx = db
+            .transaction()
+            .await
+            .map_err(crate::Error::pg("starting the inbox transaction"))?;
+        let outcome = self
+            .inbox
+            .process(&tx, message.event_id, async |tx| -> Result<(), Failed> {
+                effect(tx, &message).await.map_err(|e| Failed::Effect(e.to_string()))
+            })
+            .await;
+        match outcome {
+            Ok(done) => {
+                tx.commit()
+                    .await
+                    .map_err(crate::Error::pg("committing the inbox transaction"))?;
+                match done {
+                    Processed::New(()) => stats.processed += 1,
+                    Processed::Duplicate => stats.duplicates += 1,
+                }
+                if self.pause_after_commit {
+                    tracing::warn!(entry = %entry.id, "failpoint: committed, parked before XACK");
+                    std::future::pending::<()>().await;
+                }
+                self.ack(redis, &entry.id).await
+            }
+            Err(Failed::Outbox(e)) => Err(e.into()),
+            Err(Failed::Effect(error)) => {
+                // Dropping the transaction rolls it back; the entry stays
+                // pending and is retried after `claim_idle`.
+                drop(tx);
+                tracing::warn!(entry = %entry.id, event_id = %message.event_id, %error, "side effect failed; will retry");
+                Ok(())
+            }
+        }
+    }
+
+    async fn create_group(&self, redis: &mut MultiplexedConnection) -> Result<(), WorkerError> {
+        let created: redis::RedisResult<()> = redis.xgroup_create_mkstream(&self.stream, &self.group, "0").await;
+        match created {
+            Err(e) if e.code() != Some("BUSYGROUP") => Err(broker("creating the consumer group", &e)),
+            _ => Ok(()),
+        }
+    }
+
+    async fn read_new(&self, redis: &mut MultiplexedConnection) -> Result<Vec<StreamId>, WorkerError> {
+        let options = StreamReadOptions::default()
+            .group(&self.group, &self.consumer)
+            .count(self.count)
+            .block(self.block.as_millis() as usize);
+        let reply: Option<StreamReadReply> = redis
+            .xread_options(&[&self.stream], &[">"], &options)
+            .await
+            .map_err(|e| broker("XREADGROUP", &e))?;
+        Ok(reply
+            .into_iter()
+            .flat_map(|r| r.keys)
+            .flat_map(|k| k.ids)
+            .collect())
+    }
+
+    /// Entries idle for `claim_idle` in anyone's pending list, this
+    /// consumer's own included.
+    async fn autoclaim(&self, redis: &mut MultiplexedConnection) -> Result<Vec<StreamId>, WorkerError> {
+        let mut start = "0-0".to_owned();
+        let mut claimed = Vec::new();
+        loop {
+            let reply: StreamAutoClaimReply = redis
+                .xautoclaim_options(
+                    &self.stream,
+                    &self.group,
+                    &self.consumer,
+                    self.claim_idle.as_millis() as u64,
+                    &start,
+                    StreamAutoClaimOptions::default().count(self.count),
+                )
+                .await
+                .map_err(|e| broker("XAUTOCLAIM", &e))?;
+            claimed.extend(reply.claimed);
+            if reply.next_stream_id == "0-0" || claimed.len() >= self.count {
+                return Ok(claimed);
+            }
+            start = reply.next_stream_id;
+        }
+    }
+
+    async fn ack(&self, redis: &mut MultiplexedConnection, id: &str) -> Result<(), WorkerError> {
+        let _: i64 = redis
+            .xack(&self.stream, &self.group, &[id])
+            .await
+            .map_err(|e| broker("XACK", &e))?;
+        Ok(())
+    }
+}
+
+/// The inbox's error or the effect's, kept apart so only the second is
+/// retried quietly.
+enum Failed {
+    Outbox(crate::Error),
+    Effect(String),
+}
+
+impl From<crate::Error> for Failed {
+    fn from(e: crate::Error) -> Self {
+        Failed::Outbox(e)
+    }
+}
+
+/// An entry as the relay's Redis sink writes it.
+fn parse(entry: &StreamId) -> Option<Message> {
+    let text = |name: &str| entry.get::<String>(name);
+    let json = |name: &str| text(name).and_then(|s| serde_json::from_str(&s).ok());
+    Some(Message {
+        event_id: text("event_id")?.parse::<Uuid>().ok()?,
+        aggregate_id: text("aggregate_id").unwrap_or_default(),
+        event_type: text("event_type").unwrap_or_default(),
+        payload: json("payload").unwrap_or(serde_json::Value::Null),
+        headers: json("headers").unwrap_or_else(|| serde_json::json!({})),
+        position: entry.id.clone(),
+    })
+}
+
+fn broker(doing: &'static str, e: &redis::RedisError) -> WorkerError {
+    WorkerError::Broker {
+        doing,
+        message: e.to_string(),
+    }
+}
