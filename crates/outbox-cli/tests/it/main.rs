@@ -4,8 +4,10 @@
 
 #![allow(unreachable_pub, missing_docs)]
 
+mod amqp;
 mod cli;
 mod crash;
+mod nats;
 mod relay;
 mod retry;
 mod support;

@@ -192,7 +192,7 @@ impl AmqpSink {
         let deadline = Instant::now() + self.timeout;
         let mut healthy = true;
 
-        let mut routes: Vec<Result<(Route, BasicProperties), DeliveryError>> = batch
+        let routes: Vec<Result<(Route, BasicProperties), DeliveryError>> = batch
             .iter()
             .map(|row| Ok((self.route_of(row)?, Self::properties(row)?)))
             .collect();
@@ -228,8 +228,8 @@ impl AmqpSink {
         }
 
         let mut confirms = Vec::with_capacity(batch.len());
-        for (row, route) in batch.iter().zip(routes.iter_mut()) {
-            let sent = match std::mem::replace(route, Err(DeliveryError::retryable(""))) {
+        for (row, route) in batch.iter().zip(routes) {
+            let sent = match route {
                 Err(e) => Err(e),
                 Ok((route, properties)) if healthy => {
                     let body = message_body(row);
@@ -332,10 +332,10 @@ fn collect_return(
     returned: &mut HashMap<String, (u16, String)>,
     message: Option<lapin::message::BasicReturnMessage>,
 ) {
-    if let Some(m) = message {
-        if let Some(id) = m.delivery.properties.message_id() {
-            returned.insert(id.to_string(), (m.reply_code, m.reply_text.to_string()));
-        }
+    if let Some(m) = message
+        && let Some(id) = m.delivery.properties.message_id()
+    {
+        returned.insert(id.to_string(), (m.reply_code, m.reply_text.to_string()));
     }
 }
 

@@ -82,15 +82,15 @@ impl NatsSink {
             reason: e.to_string(),
         })?;
         let subject = Template::parse(&options.nats_subject, "--nats-subject")?;
-        if subject.is_constant() {
-            let fixed = options.nats_subject.as_str();
-            subject_problem(fixed).map_or(Ok(()), |reason| {
-                Err(SinkError::InvalidTemplate {
-                    flag: "--nats-subject",
-                    template: fixed.to_owned(),
-                    reason,
-                })
-            })?;
+        // A subject without placeholders can be checked now rather than per row.
+        if subject.is_constant()
+            && let Some(reason) = subject_problem(&options.nats_subject)
+        {
+            return Err(SinkError::InvalidTemplate {
+                flag: "--nats-subject",
+                template: options.nats_subject.clone(),
+                reason,
+            });
         }
         Ok(Self {
             url: url.to_owned(),
