@@ -122,13 +122,21 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "OUTBOX_STREAM_PREFIX", default_value = "outbox.event")]
     pub(crate) stream_prefix: String,
     /// NATS subject; {aggregate_type} and {event_type} are replaced per event.
-    #[arg(long, env = "OUTBOX_NATS_SUBJECT", default_value = "outbox.event.{aggregate_type}")]
+    #[arg(
+        long,
+        env = "OUTBOX_NATS_SUBJECT",
+        default_value = "outbox.event.{aggregate_type}"
+    )]
     pub(crate) nats_subject: String,
     /// AMQP exchange, declared durable topic if missing; same placeholders.
     #[arg(long, env = "OUTBOX_AMQP_EXCHANGE", default_value = "outbox")]
     pub(crate) amqp_exchange: String,
     /// AMQP routing key; same placeholders.
-    #[arg(long, env = "OUTBOX_AMQP_ROUTING_KEY", default_value = "{aggregate_type}.{event_type}")]
+    #[arg(
+        long,
+        env = "OUTBOX_AMQP_ROUTING_KEY",
+        default_value = "{aggregate_type}.{event_type}"
+    )]
     pub(crate) amqp_routing_key: String,
     /// Timeout of one HTTP request (and of one Redis round trip, NATS ack or
     /// AMQP confirm).

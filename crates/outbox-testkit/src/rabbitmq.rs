@@ -167,26 +167,29 @@ impl RabbitMq {
         let (log, stderr) = support::log_handles(&self.log)?;
         let dir = self.dir.path();
         let mut cmd = std::process::Command::new(&self.exe);
-        cmd.env("RABBITMQ_NODENAME", format!("outbox-testkit-{}@localhost", self.port))
-            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
-            .env("RABBITMQ_NODE_PORT", self.port.to_string())
-            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env("RABBITMQ_PID_FILE", dir.join("rabbitmq.pid"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
-            .env("RABBITMQ_PLUGINS_EXPAND_DIR", dir.join("plugins-expand"))
-            // Files that do not exist: the machine's configuration stays out.
-            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq"))
-            .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
-            .env("RABBITMQ_CONF_ENV_FILE", dir.join("rabbitmq-env.conf"))
-            // The Erlang cookie goes to $HOME; ours is private.
-            .env("HOME", dir)
-            .current_dir(dir)
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(stderr);
+        cmd.env(
+            "RABBITMQ_NODENAME",
+            format!("outbox-testkit-{}@localhost", self.port),
+        )
+        .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+        .env("RABBITMQ_NODE_PORT", self.port.to_string())
+        .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+        .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
+        .env("RABBITMQ_LOG_BASE", dir.join("log"))
+        .env("RABBITMQ_PID_FILE", dir.join("rabbitmq.pid"))
+        .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
+        .env("RABBITMQ_PLUGINS_EXPAND_DIR", dir.join("plugins-expand"))
+        // Files that do not exist: the machine's configuration stays out.
+        .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq"))
+        .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
+        .env("RABBITMQ_CONF_ENV_FILE", dir.join("rabbitmq-env.conf"))
+        // The Erlang cookie goes to $HOME; ours is private.
+        .env("HOME", dir)
+        .current_dir(dir)
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(stderr);
         cmd.spawn().map_err(Error::io(format!(
             "spawning {} on port {}",
             self.exe.display(),

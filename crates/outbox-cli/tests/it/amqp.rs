@@ -10,8 +10,7 @@ use std::collections::HashSet;
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -198,7 +197,10 @@ async fn amqp_delivers_5000_events_exactly_once_in_aggregate_order() {
     assert_eq!(aggregates.len(), 500);
     for r in &received {
         let p = &r.properties;
-        assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some(r.event.event_id.as_str()));
+        assert_eq!(
+            p.message_id().as_ref().map(|m| m.as_str()),
+            Some(r.event.event_id.as_str())
+        );
         assert_eq!(p.delivery_mode(), &Some(2), "persistent");
         assert_eq!(
             p.content_type().as_ref().map(|c| c.as_str()),
@@ -240,7 +242,9 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
     )
     .await;
     wait_until("3 orders published, 2 invoices failed", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await == 3
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await
+            == 3
             && db.count("SELECT count(*) FROM outbox WHERE attempts = 1").await == 2
     })
     .await;
@@ -272,7 +276,10 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
     assert_eq!(received.len(), 3, "only the orders were routed");
     for r in &received {
         let p = &r.properties;
-        assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some(r.event.event_id.as_str()));
+        assert_eq!(
+            p.message_id().as_ref().map(|m| m.as_str()),
+            Some(r.event.event_id.as_str())
+        );
         let headers = p.headers().as_ref().expect("headers");
         let value = headers.inner().get("traceparent").expect("traceparent header");
         let AMQPValue::LongString(value) = value else {
@@ -305,25 +312,37 @@ async fn amqp_broker_down_10s_loses_nothing() {
             "1000",
             "--http-timeout",
             "2s",
+            // Retries are due every second at most; claim them when due.
+            "--poll-interval",
+            "200ms",
         ],
         &[],
     )
     .await;
     wait_until("the relay under way", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await >= 200
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await
+            >= 200
     })
     .await;
 
     broker.stop().await.unwrap();
     // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.
-    wait_until("every remaining row failed 12 times while RabbitMQ is down", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts < 12")
-            .await
-            == 0
-    })
+    wait_until(
+        "every remaining row failed 12 times while RabbitMQ is down",
+        LONG,
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts < 12")
+                .await
+                == 0
+        },
+    )
     .await;
     let left = db.unpublished().await;
-    assert!(left > 0 && left < 2_000, "{left} rows left while RabbitMQ is down");
+    assert!(
+        left > 0 && left < 2_000,
+        "{left} rows left while RabbitMQ is down"
+    );
     let error: String = db
         .client
         .query_one(
@@ -348,11 +367,7 @@ async fn amqp_broker_down_10s_loses_nothing() {
     assert_eq!(distinct_events(&events), 2_000, "nothing lost");
     // RabbitMQ does not deduplicate: only the batch whose confirms were lost
     // when the broker stopped can be sent twice.
-    assert!(
-        events.len() - 2_000 <= 50,
-        "{} duplicates",
-        events.len() - 2_000
-    );
+    assert!(events.len() - 2_000 <= 50, "{} duplicates", events.len() - 2_000);
 }
 
 #[tokio::test]
@@ -367,13 +382,25 @@ async fn amqp_bad_urls_and_templates_exit_2() {
     )
     .await;
     expect_config_error(
-        &["relay", "--sink", MACHINE_BROKER, "--amqp-routing-key", "{aggregate}.x"],
+        &[
+            "relay",
+            "--sink",
+            MACHINE_BROKER,
+            "--amqp-routing-key",
+            "{aggregate}.x",
+        ],
         &env,
         "--amqp-routing-key",
     )
     .await;
     expect_config_error(
-        &["relay", "--sink", MACHINE_BROKER, "--amqp-exchange", "outbox.{event_type"],
+        &[
+            "relay",
+            "--sink",
+            MACHINE_BROKER,
+            "--amqp-exchange",
+            "outbox.{event_type",
+        ],
         &env,
         "--amqp-exchange",
     )

@@ -43,7 +43,11 @@ async fn create_stream(nats: &Nats) -> Stream {
 
 /// How many messages the stream holds (the server's count, not ours).
 async fn stored(nats: &Nats) -> u64 {
-    let stream = jetstream(nats).await.get_stream(STREAM).await.expect("get stream");
+    let stream = jetstream(nats)
+        .await
+        .get_stream(STREAM)
+        .await
+        .expect("get stream");
     stream.get_info().await.expect("stream info").state.messages
 }
 
@@ -107,7 +111,10 @@ async fn nats_delivers_5000_events_exactly_once_in_aggregate_order() {
     let aggregates: std::collections::HashSet<&str> =
         events.iter().map(|e| e.aggregate_id.as_str()).collect();
     assert_eq!(aggregates.len(), 500);
-    assert!(received.iter().all(|r| r.msg_id == r.event.event_id), "Nats-Msg-Id is the event_id");
+    assert!(
+        received.iter().all(|r| r.msg_id == r.event.event_id),
+        "Nats-Msg-Id is the event_id"
+    );
 }
 
 #[tokio::test]
@@ -130,22 +137,31 @@ async fn nats_down_10s_loses_nothing_and_resends_are_deduplicated() {
             "1000",
             "--http-timeout",
             "2s",
+            // Retries are due every second at most; claim them when due.
+            "--poll-interval",
+            "200ms",
         ],
         &[],
     )
     .await;
     wait_until("the relay under way", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await >= 200
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await
+            >= 200
     })
     .await;
 
     nats.stop().await.unwrap();
     // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.
-    wait_until("every remaining row failed 12 times while NATS is down", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts < 12")
-            .await
-            == 0
-    })
+    wait_until(
+        "every remaining row failed 12 times while NATS is down",
+        LONG,
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts < 12")
+                .await
+                == 0
+        },
+    )
     .await;
     let left = db.unpublished().await;
     assert!(left > 0 && left < 2_000, "{left} rows left while NATS is down");
@@ -167,7 +183,11 @@ async fn nats_down_10s_loses_nothing_and_resends_are_deduplicated() {
     .await;
     stop_relay(relay).await;
 
-    assert_eq!(stored(&nats).await, 2_000, "exactly N: re-sends were dropped by Nats-Msg-Id");
+    assert_eq!(
+        stored(&nats).await,
+        2_000,
+        "exactly N: re-sends were dropped by Nats-Msg-Id"
+    );
     let events = events(&read_all(&nats).await);
     assert_eq!(distinct_events(&events), 2_000);
 }
@@ -180,8 +200,13 @@ async fn nats_resend_after_a_kill_is_dropped_by_msg_id_and_headers_arrive() {
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let outbox = Outbox::default();
     for order in 1..=5 {
-        let event = Event::new("orders", order.to_string(), "OrderPlaced", json!({"order": order}))
-            .with_header("traceparent", traceparent);
+        let event = Event::new(
+            "orders",
+            order.to_string(),
+            "OrderPlaced",
+            json!({"order": order}),
+        )
+        .with_header("traceparent", traceparent);
         outbox.enqueue(&db.client, &event).await.unwrap();
     }
 
@@ -260,9 +285,11 @@ async fn nats_without_a_stream_retries_until_one_is_created() {
     assert_eq!(db.unpublished().await, 1);
 
     create_stream(&nats).await;
-    wait_until("published once the stream exists", Duration::from_secs(30), || async {
-        db.unpublished().await == 0
-    })
+    wait_until(
+        "published once the stream exists",
+        Duration::from_secs(30),
+        || async { db.unpublished().await == 0 },
+    )
     .await;
     stop_relay(relay).await;
     assert_eq!(stored(&nats).await, 1);
@@ -273,15 +300,32 @@ async fn nats_bad_urls_and_subjects_exit_2() {
     let db = Db::start().await;
     let env = [("DATABASE_URL", db.url.as_str())];
     expect_config_error(&["relay", "--sink", "nats://"], &env, "nats://").await;
-    expect_config_error(&["relay", "--sink", "nats://127.0.0.1:notaport"], &env, "notaport").await;
     expect_config_error(
-        &["relay", "--sink", "nats://127.0.0.1:4222", "--nats-subject", "a.{aggregate}"],
+        &["relay", "--sink", "nats://127.0.0.1:notaport"],
+        &env,
+        "notaport",
+    )
+    .await;
+    expect_config_error(
+        &[
+            "relay",
+            "--sink",
+            "nats://127.0.0.1:4222",
+            "--nats-subject",
+            "a.{aggregate}",
+        ],
         &env,
         "--nats-subject",
     )
     .await;
     expect_config_error(
-        &["relay", "--sink", "nats://127.0.0.1:4222", "--nats-subject", "outbox.>"],
+        &[
+            "relay",
+            "--sink",
+            "nats://127.0.0.1:4222",
+            "--nats-subject",
+            "outbox.>",
+        ],
         &env,
         "wildcard",
     )

@@ -203,9 +203,7 @@ impl NatsSink {
         });
         let outcomes = futures::future::join_all(acks).await;
 
-        if outcomes.iter().any(Result::is_err)
-            && conn.client.connection_state() == State::Disconnected
-        {
+        if outcomes.iter().any(Result::is_err) && conn.client.connection_state() == State::Disconnected {
             *self.connection.lock().await = None;
         }
         outcomes
@@ -237,15 +235,13 @@ fn classify(kind: PublishErrorKind, subject: &str, detail: &str, timeout: Durati
             "nats: no JetStream stream captures subject {subject:?} (no responders); \
              create one, e.g. `nats stream add OUTBOX --subjects 'outbox.event.>'`"
         )),
-        PublishErrorKind::TimedOut => DeliveryError::retryable(format!(
-            "nats: no ack for subject {subject:?} within {timeout:?}"
-        )),
+        PublishErrorKind::TimedOut => {
+            DeliveryError::retryable(format!("nats: no ack for subject {subject:?} within {timeout:?}"))
+        }
         PublishErrorKind::BrokenPipe => {
             DeliveryError::retryable("nats: connection lost before the ack".to_owned())
         }
-        PublishErrorKind::MaxPayloadExceeded => {
-            DeliveryError::permanent(format!("nats: {detail}"))
-        }
+        PublishErrorKind::MaxPayloadExceeded => DeliveryError::permanent(format!("nats: {detail}")),
         _ => DeliveryError::retryable(format!("nats publish to {subject:?}: {detail}")),
     }
 }
