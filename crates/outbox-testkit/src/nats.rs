@@ -220,10 +220,10 @@ impl Nats {
 
 impl Drop for Nats {
     fn drop(&mut self) {
-        if let Some(mut server) = self.server.take() {
-            if let Err(e) = support::kill_and_reap(&mut server, "nats-server") {
-                tracing::warn!(error = %e, "killing a testkit nats-server on drop");
-            }
+        if let Some(mut server) = self.server.take()
+            && let Err(e) = support::kill_and_reap(&mut server, "nats-server")
+        {
+            tracing::warn!(error = %e, "killing a testkit nats-server on drop");
         }
     }
 }
