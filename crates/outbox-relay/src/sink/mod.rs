@@ -94,7 +94,8 @@ pub trait Sink: Send + Sync {
 pub struct SinkOptions {
     /// Redis stream name prefix; the stream is `<prefix>.<aggregate_type>`.
     pub stream_prefix: String,
-    /// Timeout of one HTTP request, and of one Redis round trip.
+    /// Timeout of one HTTP request, Redis round trip, NATS ack or AMQP
+    /// confirm (and of making a connection).
     pub timeout: Duration,
     /// How many aggregates an HTTP batch sends to at once.
     pub http_concurrency: usize,
