@@ -216,16 +216,20 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
     // Only orders are bound; invoices have nowhere to go.
     let topology = Topology::new(MACHINE_BROKER, "orders.#", false).await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    for i in 1..=5 {
-        let (aggregate_type, event_type) = if i % 2 == 0 {
-            ("invoices", "InvoiceSent")
-        } else {
-            ("orders", "OrderPlaced")
-        };
-        let event = Event::new(aggregate_type, i.to_string(), event_type, json!({"i": i}))
-            .with_header("traceparent", traceparent);
-        outbox::enqueue(&db.client, &event).await.unwrap();
-    }
+    // Interleaved in one batch, so the broker's acks (often one `multiple`
+    // ack for a run of messages) cover routed and returned messages alike.
+    let events: Vec<Event> = (1..=200)
+        .map(|i| {
+            let (aggregate_type, event_type) = if i % 2 == 0 {
+                ("invoices", "InvoiceSent")
+            } else {
+                ("orders", "OrderPlaced")
+            };
+            Event::new(aggregate_type, i.to_string(), event_type, json!({"i": i}))
+                .with_header("traceparent", traceparent)
+        })
+        .collect();
+    outbox::enqueue_all(&db.client, &events).await.unwrap();
 
     let relay = start_relay(
         &db.url,
@@ -233,6 +237,8 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
         &[
             "--amqp-exchange",
             &topology.exchange,
+            "--batch-size",
+            "200",
             "--backoff-base",
             "1h",
             "--backoff-max",
@@ -241,11 +247,11 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
         &[],
     )
     .await;
-    wait_until("3 orders published, 2 invoices failed", LONG, || async {
+    wait_until("100 orders published, 100 invoices failed", LONG, || async {
         db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
             .await
-            == 3
-            && db.count("SELECT count(*) FROM outbox WHERE attempts = 1").await == 2
+            == 100
+            && db.count("SELECT count(*) FROM outbox WHERE attempts = 1").await == 100
     })
     .await;
     stop_relay(relay).await;
@@ -258,7 +264,7 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
         )
         .await
         .unwrap();
-    assert_eq!(rows.len(), 2);
+    assert_eq!(rows.len(), 100);
     for row in rows {
         assert_eq!(row.get::<_, String>(0), "invoices");
         let error: String = row.get(1);
@@ -273,7 +279,20 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
     }
 
     let received = topology.read_all().await;
-    assert_eq!(received.len(), 3, "only the orders were routed");
+    assert_eq!(received.len(), 100, "only the orders were routed");
+    let published: HashSet<String> = db
+        .client
+        .query(
+            "SELECT event_id::text FROM outbox WHERE published_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let queued: HashSet<String> = received.iter().map(|r| r.event.event_id.clone()).collect();
+    assert_eq!(published, queued, "marked published = in the queue");
     for r in &received {
         let p = &r.properties;
         assert_eq!(
