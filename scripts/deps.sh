@@ -1,6 +1,7 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes sure the PostgreSQL
-# server binaries and redis-server exist. As root on Debian it installs the
-# missing packages; otherwise it prints the exact command and exits 1.
+# server binaries, redis-server, nats-server and rabbitmq-server exist. As
+# root on Debian it installs the missing packages; otherwise it prints the
+# exact command and exits 1.
 
 find_initdb() {
     if [ -n "${OUTBOX_PG_BIN:-}" ] && [ -x "$OUTBOX_PG_BIN/initdb" ]; then return 0; fi
@@ -13,6 +14,9 @@ ensure_deps() {
     local missing=()
     find_initdb || missing+=(postgresql)
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
+    command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+    command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
     command -v cargo >/dev/null 2>&1 || {
         echo "cargo not found: install Rust from your distribution or rustup, then re-run" >&2
         exit 1
@@ -27,4 +31,24 @@ ensure_deps() {
         echo "install them with:  sudo apt-get install -y ${missing[*]}" >&2
         exit 1
     fi
+}
+
+# The RabbitMQ tests that need no private node use the machine's broker on
+# 127.0.0.1:5672 (guest/guest, vhost /); start it if nothing listens there.
+rabbitmq_listening() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
+
+ensure_rabbitmq() {
+    rabbitmq_listening && return 0
+    local server=rabbitmq-server
+    command -v rabbitmq-server >/dev/null 2>&1 || server=/usr/sbin/rabbitmq-server
+    echo "starting rabbitmq-server (the tests use the broker on 127.0.0.1:5672)" >&2
+    "$server" -detached
+    # RabbitMQ opens its AMQP listener as the last boot step; a first boot
+    # (creating its database) can take a minute on a small machine.
+    for _ in $(seq 1 600); do
+        rabbitmq_listening && return 0
+        sleep 0.2
+    done
+    echo "rabbitmq-server did not listen on 127.0.0.1:5672 within 120 s; see /var/log/rabbitmq/" >&2
+    exit 1
 }

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Quick start, command 2: the whole test suite against real PostgreSQL, Redis
-# and HTTP receivers that the tests start themselves. `.ci/run` runs this.
+# Quick start, command 2: the whole test suite against real PostgreSQL, Redis,
+# NATS, RabbitMQ and HTTP receivers that the tests start themselves (and the
+# machine's RabbitMQ, started here if it is not running). `.ci/run` runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
 ensure_deps
+ensure_rabbitmq
 # Doc examples first (they compile every public example), then every test.
 cargo test --workspace --doc --quiet
 if cargo nextest --version >/dev/null 2>&1; then

@@ -99,7 +99,8 @@ pub(crate) struct MigrateArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct RelayArgs {
-    /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…
+    /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…,
+    /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…
     #[arg(long, env = "OUTBOX_SINK")]
     pub(crate) sink: String,
     /// Rows claimed and delivered per transaction.
@@ -128,7 +129,25 @@ pub(crate) struct RelayArgs {
     /// Redis stream name prefix: streams are <prefix>.<aggregate_type>.
     #[arg(long, env = "OUTBOX_STREAM_PREFIX", default_value = "outbox.event")]
     pub(crate) stream_prefix: String,
-    /// Timeout of one HTTP request (and of one Redis round trip).
+    /// NATS subject; {aggregate_type} and {event_type} are replaced per event.
+    #[arg(
+        long,
+        env = "OUTBOX_NATS_SUBJECT",
+        default_value = "outbox.event.{aggregate_type}"
+    )]
+    pub(crate) nats_subject: String,
+    /// AMQP exchange, declared durable topic if missing; same placeholders.
+    #[arg(long, env = "OUTBOX_AMQP_EXCHANGE", default_value = "outbox")]
+    pub(crate) amqp_exchange: String,
+    /// AMQP routing key; same placeholders.
+    #[arg(
+        long,
+        env = "OUTBOX_AMQP_ROUTING_KEY",
+        default_value = "{aggregate_type}.{event_type}"
+    )]
+    pub(crate) amqp_routing_key: String,
+    /// Timeout of one HTTP request (and of one Redis round trip, NATS ack or
+    /// AMQP confirm).
     #[arg(long, env = "OUTBOX_HTTP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
     pub(crate) http_timeout: Duration,
     /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).

@@ -18,7 +18,9 @@ fn main() -> ExitCode {
     // The demo prints its own story; relay info lines would interleave with it.
     let default_filter = match cli.command {
         cli::Command::Demo(_) | cli::Command::Bench(_) => "warn",
-        _ => "info,tokio_postgres=warn",
+        // lapin warns with the whole message, payload included, for each
+        // unroutable one; the row's last_error already says so.
+        _ => "info,tokio_postgres=warn,lapin=error",
     };
     logging::init(cli.global.log_format, default_filter);
     // The relay is one flow of awaits over three sockets: on one thread it

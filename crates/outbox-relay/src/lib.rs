@@ -12,6 +12,15 @@
 //! | [`backoff`] | retry delays and the dead-letter limit |
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
+//!
+//! Each sink is a feature, all on by default:
+//!
+//! | feature | URL schemes | sink |
+//! |---|---|---|
+//! | `redis` | `redis://`, `rediss://` | Redis Streams (`XADD`) |
+//! | `http` | `http://`, `https://` | one `POST` per event |
+//! | `nats` | `nats://` | NATS JetStream, dedup by `Nats-Msg-Id` |
+//! | `amqp` | `amqp://`, `amqps://` | RabbitMQ with publisher confirms |
 
 pub mod backoff;
 pub mod failpoint;

@@ -22,6 +22,12 @@ pub enum Error {
     /// `redis-server` is not on `PATH`.
     #[error("redis-server not found on PATH; install it with `apt-get install redis-server`")]
     RedisNotInstalled,
+    /// `nats-server` is neither on `PATH` nor in `/usr/sbin`.
+    #[error("nats-server not found on PATH or in /usr/sbin; install it with `apt-get install nats-server`")]
+    NatsNotInstalled,
+    /// `rabbitmq-server` is not installed.
+    #[error("rabbitmq-server not found; install it with `apt-get install rabbitmq-server`")]
+    RabbitMqNotInstalled,
     /// An I/O operation (a file, a socket, spawning a process) failed.
     #[error("{doing}")]
     Io {

@@ -8,6 +8,8 @@
 //! |---|---|
 //! | [`Postgres`] | a PostgreSQL cluster: start, fresh databases, stop, crash, restart |
 //! | [`Redis`] | a redis-server without persistence: start, stop, restart |
+//! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
+//! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
 //! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
 //! | [`Spawned`] | a child process with captured output lines |
 //! | [`free_port`] | a port nobody listens on |
@@ -36,14 +38,18 @@
 //! ```
 
 mod error;
+mod nats;
 mod postgres;
+mod rabbitmq;
 mod receiver;
 mod redis;
 mod spawned;
 mod support;
 
 pub use error::Error;
+pub use nats::Nats;
 pub use postgres::Postgres;
+pub use rabbitmq::RabbitMq;
 pub use receiver::{Received, Receiver, Respond};
 pub use redis::Redis;
 pub use spawned::Spawned;

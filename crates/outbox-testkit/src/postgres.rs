@@ -367,10 +367,10 @@ impl Postgres {
 
 impl Drop for Postgres {
     fn drop(&mut self) {
-        if let Some(server) = lock(&self.server).take() {
-            if let Err(e) = kill_cluster(server, "PostgreSQL") {
-                tracing::warn!(error = %e, "killing a testkit PostgreSQL on drop");
-            }
+        if let Some(server) = lock(&self.server).take()
+            && let Err(e) = kill_cluster(server, "PostgreSQL")
+        {
+            tracing::warn!(error = %e, "killing a testkit PostgreSQL on drop");
         }
     }
 }
@@ -561,13 +561,13 @@ async fn template(bin: &PgBin, run_as: RunAs) -> Result<PathBuf, Error> {
     run_as.own(staging.path())?;
     let data = staging.path().join("data");
     initdb(bin, run_as, &data, staging.path()).await?;
-    if let Err(e) = std::fs::rename(&data, &path) {
-        if !is_template(&path, run_as) {
-            return Err(Error::Io {
-                doing: format!("moving the new PostgreSQL template to {}", path.display()),
-                source: e,
-            });
-        }
+    if let Err(e) = std::fs::rename(&data, &path)
+        && !is_template(&path, run_as)
+    {
+        return Err(Error::Io {
+            doing: format!("moving the new PostgreSQL template to {}", path.display()),
+            source: e,
+        });
     }
     tracing::debug!(elapsed = ?started.elapsed(), template = %path.display(), "created a PostgreSQL template");
     Ok(path)

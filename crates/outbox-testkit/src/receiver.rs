@@ -203,10 +203,10 @@ impl Receiver {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        if let Some(mut server) = self.server.take() {
-            if tokio::time::timeout(SHUTDOWN_TIMEOUT, &mut server).await.is_err() {
-                server.abort();
-            }
+        if let Some(mut server) = self.server.take()
+            && tokio::time::timeout(SHUTDOWN_TIMEOUT, &mut server).await.is_err()
+        {
+            server.abort();
         }
     }
 }

@@ -211,10 +211,10 @@ impl Redis {
 
 impl Drop for Redis {
     fn drop(&mut self) {
-        if let Some(mut server) = self.server.take() {
-            if let Err(e) = support::kill_and_reap(&mut server, "redis-server") {
-                tracing::warn!(error = %e, "killing a testkit redis-server on drop");
-            }
+        if let Some(mut server) = self.server.take()
+            && let Err(e) = support::kill_and_reap(&mut server, "redis-server")
+        {
+            tracing::warn!(error = %e, "killing a testkit redis-server on drop");
         }
     }
 }

@@ -29,6 +29,9 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         timeout: args.http_timeout,
         http_concurrency: usize::from(args.http_concurrency),
         http_secret: args.http_secret,
+        nats_subject: args.nats_subject,
+        amqp_exchange: args.amqp_exchange,
+        amqp_routing_key: args.amqp_routing_key,
     };
     let sink = outbox_relay::sink::from_url(&args.sink, &options)?;
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {

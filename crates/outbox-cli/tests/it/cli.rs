@@ -5,7 +5,7 @@ use outbox_testkit::{Postgres, free_port};
 use crate::support::{Db, run_cli, text};
 
 /// Runs `args` and asserts exit code 2 with `needle` in the message.
-async fn expect_config_error(args: &[&str], envs: &[(&str, &str)], needle: &str) {
+pub async fn expect_config_error(args: &[&str], envs: &[(&str, &str)], needle: &str) {
     let out = run_cli(args, envs).await;
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");

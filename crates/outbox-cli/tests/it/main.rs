@@ -4,9 +4,11 @@
 
 #![allow(unreachable_pub, missing_docs)]
 
+mod amqp;
 mod cli;
 mod crash;
 mod ordering;
+mod nats;
 mod relay;
 mod retention;
 mod retry;

@@ -16,10 +16,15 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod template;
 
 /// The outcome of delivering one row.
 pub type Delivery = Result<(), DeliveryError>;
@@ -89,12 +94,19 @@ pub trait Sink: Send + Sync {
 pub struct SinkOptions {
     /// Redis stream name prefix; the stream is `<prefix>.<aggregate_type>`.
     pub stream_prefix: String,
-    /// Timeout of one HTTP request, and of one Redis round trip.
+    /// Timeout of one HTTP request, Redis round trip, NATS ack or AMQP
+    /// confirm (and of making a connection).
     pub timeout: Duration,
     /// How many aggregates an HTTP batch sends to at once.
     pub http_concurrency: usize,
     /// Standard Webhooks secret (`whsec_…`); when set, HTTP requests are signed.
     pub http_secret: Option<String>,
+    /// NATS subject, with `{aggregate_type}` / `{event_type}` placeholders.
+    pub nats_subject: String,
+    /// AMQP exchange, with the same placeholders.
+    pub amqp_exchange: String,
+    /// AMQP routing key, with the same placeholders.
+    pub amqp_routing_key: String,
 }
 
 impl Default for SinkOptions {
@@ -104,6 +116,9 @@ impl Default for SinkOptions {
             timeout: Duration::from_secs(10),
             http_concurrency: 16,
             http_secret: None,
+            nats_subject: "outbox.event.{aggregate_type}".to_owned(),
+            amqp_exchange: "outbox".to_owned(),
+            amqp_routing_key: "{aggregate_type}.{event_type}".to_owned(),
         }
     }
 }
@@ -138,10 +153,20 @@ pub enum SinkError {
         /// The schemes this build knows.
         known: &'static str,
     },
+    /// A subject, exchange or routing key template that cannot be rendered.
+    #[error("invalid {flag} {template:?}: {reason}")]
+    InvalidTemplate {
+        /// The flag it came from, e.g. `--nats-subject`.
+        flag: &'static str,
+        /// The refused value.
+        template: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// The schemes this build handles, for messages.
-pub const KNOWN_SCHEMES: &str = "redis, rediss, http, https";
+pub const KNOWN_SCHEMES: &str = "redis, rediss, http, https, nats, amqp, amqps";
 
 /// Builds the sink a URL names. Builds no connection: an unreachable sink is
 /// a delivery failure later, never a startup crash.
@@ -161,10 +186,44 @@ pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkE
         "redis" | "rediss" => Ok(Box::new(redis::RedisSink::new(url, options)?)),
         #[cfg(feature = "http")]
         "http" | "https" => Ok(Box::new(http::HttpSink::new(parsed, options)?)),
+        #[cfg(feature = "nats")]
+        "nats" => Ok(Box::new(nats::NatsSink::new(url, options)?)),
+        #[cfg(feature = "amqp")]
+        "amqp" | "amqps" => Ok(Box::new(amqp::AmqpSink::new(url, options)?)),
         scheme => Err(SinkError::UnknownScheme {
             scheme: scheme.to_owned(),
             url: url.to_owned(),
             known: KNOWN_SCHEMES,
         }),
     }
+}
+
+/// The JSON body the message brokers get: the row without its headers, which
+/// travel as message headers.
+#[cfg(any(feature = "nats", feature = "amqp"))]
+fn message_body(row: &OutboxRow) -> Vec<u8> {
+    let body = serde_json::json!({
+        "event_id": row.event_id,
+        "aggregate_type": row.aggregate_type,
+        "aggregate_id": row.aggregate_id,
+        "event_type": row.event_type,
+        "payload": row.payload,
+        "created_at": row.created_at,
+        "outbox_id": row.id,
+    });
+    body.to_string().into_bytes()
+}
+
+/// The row's `headers` as (name, value) pairs. The writer stores strings;
+/// any other JSON value travels as its JSON text rather than being dropped.
+#[cfg(any(feature = "nats", feature = "amqp"))]
+fn header_pairs(row: &OutboxRow) -> impl Iterator<Item = (&str, std::borrow::Cow<'_, str>)> {
+    row.headers
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => (k.as_str(), std::borrow::Cow::Borrowed(s.as_str())),
+            other => (k.as_str(), std::borrow::Cow::Owned(other.to_string())),
+        })
 }

@@ -1,7 +1,9 @@
-//! The testkit against the real programs: PostgreSQL, redis-server, an HTTP
-//! client and `sh`. Every wait is bounded.
+//! The testkit against the real programs: PostgreSQL, redis-server,
+//! nats-server, rabbitmq-server, an HTTP client and `sh`. Every wait is bounded.
 
+mod nats;
 mod postgres;
+mod rabbitmq;
 mod receiver;
 mod redis;
 mod spawned;

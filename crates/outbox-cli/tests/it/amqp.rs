@@ -1,0 +1,427 @@
+//! The relay to RabbitMQ: volume and per-aggregate order, an unroutable
+//! message, headers and message_id, the broker going away, bad URLs.
+//!
+//! Tests that only need a broker use the machine's (`scripts/test.sh` starts
+//! it), each with its own exchange and an exclusive queue, named with a
+//! random suffix. The one that stops the broker boots a private node from
+//! the testkit, so no other test loses its broker.
+
+use std::collections::HashSet;
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use outbox::Event;
+use outbox_testkit::RabbitMq;
+use serde_json::json;
+
+use crate::cli::expect_config_error;
+use crate::support::{
+    Db, LONG, StreamEvent, distinct_events, order_violations, start_relay, stop_relay, wait_until,
+};
+
+/// The machine's broker, as `scripts/test.sh` ensures it.
+const MACHINE_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// One message as a consumer sees it.
+struct Received {
+    event: StreamEvent,
+    properties: BasicProperties,
+}
+
+/// A broker connection with an exchange declared as the sink declares it
+/// and a queue bound to it with `binding`.
+struct Topology {
+    _connection: Connection,
+    channel: Channel,
+    exchange: String,
+    queue: String,
+}
+
+impl Topology {
+    /// `durable`: a durable queue that survives a broker restart; otherwise
+    /// an exclusive one that goes with this connection.
+    async fn new(url: &str, binding: &str, durable: bool) -> Topology {
+        let suffix = uuid::Uuid::new_v4().simple().to_string();
+        let exchange = format!("outbox-test-{suffix}");
+        let queue = format!("outbox-test-{suffix}");
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .expect("connect to rabbitmq");
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let options = QueueDeclareOptions {
+            durable,
+            exclusive: !durable,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(queue.as_str().into(), options, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                binding.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        Topology {
+            _connection: connection,
+            channel,
+            exchange,
+            queue,
+        }
+    }
+
+    /// Messages in the queue, by the broker's count.
+    async fn depth(&self) -> u32 {
+        self.channel
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("passive queue declare")
+            .message_count()
+    }
+
+    /// Every message in the queue, in queue order.
+    async fn read_all(&self) -> Vec<Received> {
+        let n = self.depth().await as usize;
+        let consumer = self
+            .channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let mut consumer = consumer.take(n);
+        let mut out = Vec::with_capacity(n);
+        while let Some(d) = tokio::time::timeout(LONG, consumer.next())
+            .await
+            .expect("the consumer got every queued message")
+        {
+            let d = d.expect("delivery");
+            let body: serde_json::Value = serde_json::from_slice(&d.data).expect("JSON body");
+            out.push(Received {
+                event: StreamEvent {
+                    event_id: body["event_id"].as_str().unwrap().to_owned(),
+                    aggregate_id: body["aggregate_id"].as_str().unwrap().to_owned(),
+                    outbox_id: body["outbox_id"].as_i64().unwrap(),
+                },
+                properties: d.properties.clone(),
+            });
+        }
+        out
+    }
+
+    /// The same names on a new connection, after the broker restarted.
+    async fn reconnect(self, url: &str) -> Topology {
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .expect("reconnect to rabbitmq");
+        let channel = connection.create_channel().await.unwrap();
+        Topology {
+            _connection: connection,
+            channel,
+            ..self
+        }
+    }
+
+    async fn delete_exchange(&self) {
+        self.channel
+            .exchange_delete(self.exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+}
+
+fn events(received: &[Received]) -> Vec<StreamEvent> {
+    received.iter().map(|r| r.event.clone()).collect()
+}
+
+#[tokio::test]
+async fn amqp_delivers_5000_events_exactly_once_in_aggregate_order() {
+    let mut db = Db::start().await;
+    let topology = Topology::new(MACHINE_BROKER, "#", false).await;
+    db.insert_events(5_000, 10).await;
+
+    let relay = start_relay(
+        &db.url,
+        MACHINE_BROKER,
+        &["--batch-size", "500", "--amqp-exchange", &topology.exchange],
+        &[],
+    )
+    .await;
+    wait_until("all 5,000 events published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    stop_relay(relay).await;
+
+    assert_eq!(topology.depth().await, 5_000, "the queue's own count");
+    let received = topology.read_all().await;
+    let events = events(&received);
+    assert_eq!(events.len(), 5_000);
+    assert_eq!(distinct_events(&events), 5_000);
+    assert_eq!(order_violations(&events), 0);
+    let aggregates: HashSet<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
+    assert_eq!(aggregates.len(), 500);
+    for r in &received {
+        let p = &r.properties;
+        assert_eq!(
+            p.message_id().as_ref().map(|m| m.as_str()),
+            Some(r.event.event_id.as_str())
+        );
+        assert_eq!(p.delivery_mode(), &Some(2), "persistent");
+        assert_eq!(
+            p.content_type().as_ref().map(|c| c.as_str()),
+            Some("application/json")
+        );
+    }
+    topology.delete_exchange().await;
+}
+
+#[tokio::test]
+async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
+    let db = Db::start().await;
+    // Only orders are bound; invoices have nowhere to go.
+    let topology = Topology::new(MACHINE_BROKER, "orders.#", false).await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    // Interleaved in one batch, so the broker's acks (often one `multiple`
+    // ack for a run of messages) cover routed and returned messages alike.
+    let events: Vec<Event> = (1..=200)
+        .map(|i| {
+            let (aggregate_type, event_type) = if i % 2 == 0 {
+                ("invoices", "InvoiceSent")
+            } else {
+                ("orders", "OrderPlaced")
+            };
+            Event::new(aggregate_type, i.to_string(), event_type, json!({"i": i}))
+                .with_header("traceparent", traceparent)
+        })
+        .collect();
+    outbox::enqueue_all(&db.client, &events).await.unwrap();
+
+    let relay = start_relay(
+        &db.url,
+        MACHINE_BROKER,
+        &[
+            "--amqp-exchange",
+            &topology.exchange,
+            "--batch-size",
+            "200",
+            "--backoff-base",
+            "1h",
+            "--backoff-max",
+            "2h",
+        ],
+        &[],
+    )
+    .await;
+    wait_until("100 orders published, 100 invoices failed", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await
+            == 100
+            && db.count("SELECT count(*) FROM outbox WHERE attempts = 1").await == 100
+    })
+    .await;
+    stop_relay(relay).await;
+
+    let rows = db
+        .client
+        .query(
+            "SELECT aggregate_type, last_error FROM outbox WHERE published_at IS NULL ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 100);
+    for row in rows {
+        assert_eq!(row.get::<_, String>(0), "invoices");
+        let error: String = row.get(1);
+        assert_eq!(
+            error,
+            format!(
+                "unroutable: no queue bound to exchange \"{}\" for routing key \
+                 \"invoices.InvoiceSent\" (312 NO_ROUTE)",
+                topology.exchange
+            )
+        );
+    }
+
+    let received = topology.read_all().await;
+    assert_eq!(received.len(), 100, "only the orders were routed");
+    let published: HashSet<String> = db
+        .client
+        .query(
+            "SELECT event_id::text FROM outbox WHERE published_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let queued: HashSet<String> = received.iter().map(|r| r.event.event_id.clone()).collect();
+    assert_eq!(published, queued, "marked published = in the queue");
+    for r in &received {
+        let p = &r.properties;
+        assert_eq!(
+            p.message_id().as_ref().map(|m| m.as_str()),
+            Some(r.event.event_id.as_str())
+        );
+        let headers = p.headers().as_ref().expect("headers");
+        let value = headers.inner().get("traceparent").expect("traceparent header");
+        let AMQPValue::LongString(value) = value else {
+            panic!("traceparent is {value:?}");
+        };
+        assert_eq!(value.to_string(), traceparent);
+    }
+    topology.delete_exchange().await;
+}
+
+#[tokio::test]
+async fn amqp_broker_down_10s_loses_nothing() {
+    let mut db = Db::start().await;
+    let mut broker = RabbitMq::start().await.unwrap();
+    let topology = Topology::new(&broker.url(), "#", true).await;
+    db.insert_events(2_000, 4).await;
+    let relay = start_relay(
+        &db.url,
+        &broker.url(),
+        &[
+            "--amqp-exchange",
+            &topology.exchange,
+            "--batch-size",
+            "50",
+            "--backoff-base",
+            "100ms",
+            "--backoff-max",
+            "1s",
+            "--max-attempts",
+            "1000",
+            "--http-timeout",
+            "2s",
+            // Retries are due every second at most; claim them when due.
+            "--poll-interval",
+            "200ms",
+        ],
+        &[],
+    )
+    .await;
+    wait_until("the relay under way", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await
+            >= 200
+    })
+    .await;
+
+    broker.stop().await.unwrap();
+    // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.
+    wait_until(
+        "every remaining row failed 12 times while RabbitMQ is down",
+        LONG,
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts < 12")
+                .await
+                == 0
+        },
+    )
+    .await;
+    let left = db.unpublished().await;
+    assert!(
+        left > 0 && left < 2_000,
+        "{left} rows left while RabbitMQ is down"
+    );
+    let error: String = db
+        .client
+        .query_one(
+            "SELECT last_error FROM outbox WHERE published_at IS NULL LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(error.contains("amqp"), "{error}");
+
+    broker.restart().await.unwrap();
+    wait_until("everything published once RabbitMQ is back", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    stop_relay(relay).await;
+
+    // The durable queue and its persistent messages survived the restart.
+    let topology = topology.reconnect(&broker.url()).await;
+    let events = events(&topology.read_all().await);
+    assert_eq!(distinct_events(&events), 2_000, "nothing lost");
+    // RabbitMQ does not deduplicate: only the batch whose confirms were lost
+    // when the broker stopped can be sent twice.
+    assert!(events.len() - 2_000 <= 50, "{} duplicates", events.len() - 2_000);
+}
+
+#[tokio::test]
+async fn amqp_bad_urls_and_templates_exit_2() {
+    let db = Db::start().await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    expect_config_error(&["relay", "--sink", "amqp://"], &env, "amqp://").await;
+    expect_config_error(
+        &["relay", "--sink", "amqp://guest:guest@127.0.0.1:notaport/%2f"],
+        &env,
+        "notaport",
+    )
+    .await;
+    expect_config_error(
+        &[
+            "relay",
+            "--sink",
+            MACHINE_BROKER,
+            "--amqp-routing-key",
+            "{aggregate}.x",
+        ],
+        &env,
+        "--amqp-routing-key",
+    )
+    .await;
+    expect_config_error(
+        &[
+            "relay",
+            "--sink",
+            MACHINE_BROKER,
+            "--amqp-exchange",
+            "outbox.{event_type",
+        ],
+        &env,
+        "--amqp-exchange",
+    )
+    .await;
+}

@@ -1,0 +1,259 @@
+//! A throwaway `nats-server -js`: one child process on a free port with its
+//! own JetStream store directory, which survives a restart (so do streams).
+//! Readiness is read from the server's `INFO` line, so no NATS client is
+//! needed.
+
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tempfile::TempDir;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
+
+use crate::Error;
+use crate::support::{self, POLL};
+
+/// How long a start or restart may take.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long SIGTERM may take before SIGKILL.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the port may keep accepting after the server was reaped.
+const PORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many fresh ports `start` tries when the chosen one gets taken.
+const PORT_ATTEMPTS: usize = 5;
+/// Lines of server log quoted in errors.
+const LOG_LINES: usize = 30;
+
+/// One throwaway nats-server with JetStream on 127.0.0.1, owned by this value.
+///
+/// Its store (`-sd`) and log are in a temporary directory removed on drop;
+/// a restart keeps them, so streams and their messages survive it. Dropping
+/// it SIGKILLs the server.
+#[derive(Debug)]
+pub struct Nats {
+    exe: PathBuf,
+    port: u16,
+    log: PathBuf,
+    server: Option<Child>,
+    // Declared last so the directory goes after `Drop` has killed the server.
+    dir: TempDir,
+}
+
+impl Nats {
+    /// Starts a nats-server with JetStream on a free port and returns once
+    /// it greets clients with JetStream enabled (up to 20 s). If the port
+    /// picked is taken before the server binds it, a new one is tried.
+    pub async fn start() -> Result<Nats, Error> {
+        let exe = find_exe().ok_or(Error::NatsNotInstalled)?;
+        let base = support::base_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-testkit-nats-")
+            .tempdir_in(base)
+            .map_err(Error::io(format!(
+                "creating a temporary directory for nats-server in {}",
+                base.display()
+            )))?;
+        let mut nats = Nats {
+            exe,
+            port: 0,
+            log: dir.path().join("nats.log"),
+            server: None,
+            dir,
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut last = String::new();
+        for _ in 0..PORT_ATTEMPTS {
+            nats.port = support::try_free_port()?;
+            match nats.boot(deadline).await? {
+                Boot::Ready => return Ok(nats),
+                Boot::PortTaken(why) => last = why,
+            }
+        }
+        Err(Error::Failed {
+            doing: "starting nats-server".into(),
+            detail: format!("{PORT_ATTEMPTS} ports in a row were taken; last attempt: {last}"),
+        })
+    }
+
+    /// The TCP port the server listens on (127.0.0.1); it stays the same
+    /// across restarts.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server (SIGTERM, SIGKILL after 10 s), reaps it and waits
+    /// until its port refuses connections. Stopping a stopped server does
+    /// nothing.
+    pub async fn stop(&mut self) -> Result<(), Error> {
+        let Some(mut server) = self.server.take() else {
+            return Ok(());
+        };
+        let what = format!("nats-server on port {}", self.port);
+        support::signal_child(&server, Signal::SIGTERM, &what)?;
+        if support::wait_exit(&mut server, STOP_TIMEOUT, &what)
+            .await?
+            .is_none()
+        {
+            support::kill_and_reap(&mut server, &what)?;
+        }
+        self.wait_port_closed().await
+    }
+
+    /// Starts the server again on the same port and store (a running one is
+    /// stopped first) and waits until it is ready. Streams survive.
+    pub async fn restart(&mut self) -> Result<(), Error> {
+        self.stop().await?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match self.boot(deadline).await? {
+                Boot::Ready => return Ok(()),
+                Boot::PortTaken(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+                Boot::PortTaken(why) => {
+                    return Err(Error::Timeout {
+                        waiting_for: format!("nats-server to restart on port {}", self.port),
+                        timeout: READY_TIMEOUT,
+                        detail: why,
+                    });
+                }
+            }
+        }
+    }
+
+    async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
+        let offset = support::file_len(&self.log);
+        self.server = Some(self.spawn()?);
+        loop {
+            let server = self.server.as_mut().ok_or_else(|| Error::Failed {
+                doing: format!("starting nats-server on port {}", self.port),
+                detail: "the server vanished while starting".into(),
+            })?;
+            let status = server.try_wait().map_err(Error::io(format!(
+                "watching nats-server start on port {}",
+                self.port
+            )))?;
+            if let Some(status) = status {
+                self.server = None;
+                let log = support::log_since(&self.log, offset);
+                if log.contains("address already in use") {
+                    return Ok(Boot::PortTaken(format!("port {} is in use", self.port)));
+                }
+                return Err(Error::Failed {
+                    doing: format!("starting nats-server on port {}", self.port),
+                    detail: format!(
+                        "it exited during startup ({status}); last lines of {}:\n{}",
+                        self.log.display(),
+                        support::last_lines(&log, LOG_LINES)
+                    ),
+                });
+            }
+            if matches!(
+                tokio::time::timeout(Duration::from_secs(2), probe(self.port, &self.name())).await,
+                Ok(Ok(true))
+            ) {
+                return Ok(Boot::Ready);
+            }
+            if Instant::now() >= deadline {
+                if let Some(mut server) = self.server.take() {
+                    support::kill_and_reap(&mut server, "nats-server")?;
+                }
+                return Err(support::not_ready(
+                    format!("nats-server on 127.0.0.1:{} to enable JetStream", self.port),
+                    READY_TIMEOUT,
+                    &self.log,
+                    LOG_LINES,
+                ));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// A server name unique to this value, so the probe can tell our server
+    /// from another test's that won a race for the port.
+    fn name(&self) -> String {
+        let dir = self.dir.path().file_name().unwrap_or_default();
+        format!("{}-{}", dir.to_string_lossy(), self.port)
+    }
+
+    fn spawn(&self) -> Result<Child, Error> {
+        let (log, stderr) = support::log_handles(&self.log)?;
+        std::process::Command::new(&self.exe)
+            .args(["-js", "-a", "127.0.0.1", "-p"])
+            .arg(self.port.to_string())
+            .arg("-n")
+            .arg(self.name())
+            .arg("-sd")
+            .arg(self.dir.path().join("store"))
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(stderr)
+            .spawn()
+            .map_err(Error::io(format!(
+                "spawning {} on port {}",
+                self.exe.display(),
+                self.port
+            )))
+    }
+
+    async fn wait_port_closed(&self) -> Result<(), Error> {
+        let deadline = Instant::now() + PORT_TIMEOUT;
+        while TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    waiting_for: format!("port {} to refuse connections", self.port),
+                    timeout: PORT_TIMEOUT,
+                    detail: "nats-server has exited, so another process is listening there".into(),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        if let Some(mut server) = self.server.take()
+            && let Err(e) = support::kill_and_reap(&mut server, "nats-server")
+        {
+            tracing::warn!(error = %e, "killing a testkit nats-server on drop");
+        }
+    }
+}
+
+enum Boot {
+    Ready,
+    PortTaken(String),
+}
+
+/// nats-server on `PATH`, else where Debian puts it (`/usr/sbin`, which is
+/// not on a normal user's `PATH`).
+fn find_exe() -> Option<PathBuf> {
+    support::find_on_path("nats-server").or_else(|| {
+        let sbin = PathBuf::from("/usr/sbin/nats-server");
+        support::is_executable(&sbin).then_some(sbin)
+    })
+}
+
+/// Whether the nats-server named `name` answers on `port` with JetStream on:
+/// a server greets every client with one `INFO {json}` line.
+async fn probe(port: u16, name: &str) -> std::io::Result<bool> {
+    let stream = TcpStream::connect(("127.0.0.1", port)).await?;
+    let mut stream = BufReader::new(stream);
+    let mut line = String::new();
+    stream.read_line(&mut line).await?;
+    let Some(info) = line.strip_prefix("INFO ") else {
+        return Ok(false);
+    };
+    let Ok(info) = serde_json::from_str::<serde_json::Value>(info.trim_end()) else {
+        return Ok(false);
+    };
+    Ok(info["server_name"] == name && info["jetstream"] == true)
+}
