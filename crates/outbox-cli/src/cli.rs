@@ -75,6 +75,9 @@ pub(crate) enum Command {
     /// Inspect and requeue dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Apply events from a Redis stream to PostgreSQL exactly once: run
+    /// --apply per event inside the inbox transaction, XACK after commit.
+    Consume(ConsumeArgs),
     /// Run the whole pattern end to end on a throwaway PostgreSQL and Redis
     /// (or on DATABASE_URL / OUTBOX_SINK when set).
     Demo(DemoArgs),
@@ -170,6 +173,36 @@ pub(crate) struct CleanupArgs {
     /// Clean the consumer's processed_events table instead of the outbox.
     #[arg(long)]
     pub(crate) inbox: bool,
+    /// Schema of the processed_events table.
+    #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
+    pub(crate) inbox_schema: String,
+    /// Name of the processed_events table.
+    #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = "processed_events")]
+    pub(crate) inbox_table: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ConsumeArgs {
+    /// The Redis to read: redis://host:port[/db].
+    #[arg(long)]
+    pub(crate) from: String,
+    /// The stream, e.g. outbox.event.orders.
+    #[arg(long)]
+    pub(crate) stream: String,
+    /// The consumer group (created at the stream's start if missing).
+    #[arg(long)]
+    pub(crate) group: String,
+    /// This consumer's name in the group [default: <hostname>-<pid>].
+    #[arg(long)]
+    pub(crate) consumer: Option<String>,
+    /// The side effect: one SQL statement run once per event, in the inbox
+    /// transaction, with $1 event_id (uuid), $2 aggregate_id (text),
+    /// $3 event_type (text), $4 payload (jsonb), $5 headers (jsonb).
+    #[arg(long)]
+    pub(crate) apply: String,
+    /// Take over entries left unacknowledged this long by a dead consumer.
+    #[arg(long, default_value = "30s", value_parser = positive_duration)]
+    pub(crate) claim_idle: Duration,
     /// Schema of the processed_events table.
     #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
     pub(crate) inbox_schema: String,

@@ -3,6 +3,7 @@
 
 mod bench;
 mod cleanup;
+mod consume;
 mod demo;
 mod dlq;
 mod migrate;
@@ -23,6 +24,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Relay(args) => relay::run(g, args).await,
         Command::Stats(args) => stats::run(g, args).await,
         Command::Cleanup(args) => cleanup::run(g, args).await,
+        Command::Consume(args) => consume::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => bench::run(g, args).await,

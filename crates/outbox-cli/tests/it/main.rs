@@ -6,9 +6,10 @@
 
 mod amqp;
 mod cli;
+mod consume;
 mod crash;
-mod ordering;
 mod nats;
+mod ordering;
 mod relay;
 mod retention;
 mod retry;

@@ -10,9 +10,11 @@
 
 use std::time::Duration;
 
-use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
-use redis::streams::{StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply};
+use redis::streams::{
+    StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply,
+};
+use redis::{AsyncCommands, AsyncConnectionConfig};
 use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -64,7 +66,9 @@ impl RedisWorker {
 
     /// Runs until `cancel` fires. `effect` runs once per event_id, inside
     /// the inbox transaction; an `Err` rolls it back and leaves the entry
-    /// unacknowledged, to be retried after `claim_idle`.
+    /// unacknowledged, to be retried after `claim_idle`. A Redis that is
+    /// down or restarts means waiting and reconnecting; a PostgreSQL error
+    /// ends the run (the caller owns that connection).
     pub async fn run<E>(
         &self,
         db: &mut Client,
@@ -74,33 +78,89 @@ impl RedisWorker {
     where
         E: std::fmt::Display,
     {
-        let mut redis = self
-            .client
-            .get_multiplexed_async_connection()
-            .await
-            .map_err(|e| broker("connecting to Redis", &e))?;
-        self.create_group(&mut redis).await?;
         let mut stats = WorkerStats::default();
+        let mut redis = None;
         let mut next_claim = tokio::time::Instant::now();
         while !cancel.is_cancelled() {
-            let mut entries = Vec::new();
-            if tokio::time::Instant::now() >= next_claim {
-                let claimed = self.autoclaim(&mut redis).await?;
-                stats.claimed += claimed.len() as u64;
-                entries.extend(claimed);
-                next_claim = tokio::time::Instant::now() + self.claim_idle / 2;
-            }
-            if entries.is_empty() {
-                entries = tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    read = self.read_new(&mut redis) => read?,
-                };
-            }
-            for entry in entries {
-                self.handle(db, &mut redis, entry, &mut effect, &mut stats).await?;
+            let conn = match redis.as_mut() {
+                Some(c) => c,
+                None => match self.connect().await {
+                    Ok(c) => redis.insert(c),
+                    Err(error) => {
+                        tracing::warn!(%error, "Redis unavailable; retrying in 1 s");
+                        if pause(&cancel).await {
+                            break;
+                        }
+                        continue;
+                    }
+                },
+            };
+            match self
+                .round(db, conn, &mut next_claim, &mut effect, &mut stats, &cancel)
+                .await
+            {
+                Ok(()) => {}
+                // PostgreSQL errors end the worker: the connection is the
+                // caller's, and nothing was acknowledged that is not done.
+                Err(e @ WorkerError::Outbox(_)) => return Err(e),
+                Err(error) => {
+                    // Unacknowledged entries stay pending and come back.
+                    tracing::warn!(%error, "Redis failed; reconnecting in 1 s");
+                    redis = None;
+                    if pause(&cancel).await {
+                        break;
+                    }
+                }
             }
         }
         Ok(stats)
+    }
+
+    async fn connect(&self) -> Result<MultiplexedConnection, WorkerError> {
+        // XREADGROUP blocks for `block`: the response timeout must outlast it.
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(10)))
+            .set_response_timeout(Some(self.block + Duration::from_secs(10)));
+        let mut redis = self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| broker("connecting to Redis", &e))?;
+        self.create_group(&mut redis).await?;
+        Ok(redis)
+    }
+
+    /// Takes over idle entries when due, else reads new ones, and handles them.
+    async fn round<E: std::fmt::Display>(
+        &self,
+        db: &mut Client,
+        redis: &mut MultiplexedConnection,
+        next_claim: &mut tokio::time::Instant,
+        effect: &mut impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        stats: &mut WorkerStats,
+        cancel: &CancellationToken,
+    ) -> Result<(), WorkerError> {
+        let mut entries = Vec::new();
+        if tokio::time::Instant::now() >= *next_claim {
+            let claimed = self.autoclaim(redis).await?;
+            stats.claimed += claimed.len() as u64;
+            entries.extend(claimed);
+            *next_claim = tokio::time::Instant::now() + self.claim_idle / 2;
+        }
+        if entries.is_empty() {
+            entries = tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                read = self.read_new(redis) => read?,
+            };
+        }
+        for entry in entries {
+            if cancel.is_cancelled() {
+                // The rest stay pending for this consumer or another.
+                break;
+            }
+            self.handle(db, redis, entry, effect, stats).await?;
+        }
+        Ok(())
     }
 
     async fn handle<E: std::fmt::Display>(
@@ -116,7 +176,12 @@ impl RedisWorker {
             let fields: Vec<(String, String)> = entry
                 .map
                 .iter()
-                .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap_or_default()))
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        redis::from_redis_value_ref::<String>(v).unwrap_or_default(),
+                    )
+                })
                 .collect();
             let _: String = redis
                 .xadd(&aside, "*", &fields)
@@ -134,7 +199,9 @@ impl RedisWorker {
         let outcome = self
             .inbox
             .process(&tx, message.event_id, async |tx| -> Result<(), Failed> {
-                effect(tx, &message).await.map_err(|e| Failed::Effect(e.to_string()))
+                effect(tx, &message)
+                    .await
+                    .map_err(|e| Failed::Effect(e.to_string()))
             })
             .await;
         match outcome {
@@ -164,7 +231,8 @@ impl RedisWorker {
     }
 
     async fn create_group(&self, redis: &mut MultiplexedConnection) -> Result<(), WorkerError> {
-        let created: redis::RedisResult<()> = redis.xgroup_create_mkstream(&self.stream, &self.group, "0").await;
+        let created: redis::RedisResult<()> =
+            redis.xgroup_create_mkstream(&self.stream, &self.group, "0").await;
         match created {
             Err(e) if e.code() != Some("BUSYGROUP") => Err(broker("creating the consumer group", &e)),
             _ => Ok(()),
@@ -246,6 +314,14 @@ fn parse(entry: &StreamId) -> Option<Message> {
         headers: json("headers").unwrap_or_else(|| serde_json::json!({})),
         position: entry.id.clone(),
     })
+}
+
+/// Sleeps a second; true if `cancel` fired first.
+async fn pause(cancel: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = cancel.cancelled() => true,
+        _ = tokio::time::sleep(Duration::from_secs(1)) => false,
+    }
 }
 
 fn broker(doing: &'static str, e: &redis::RedisError) -> WorkerError {

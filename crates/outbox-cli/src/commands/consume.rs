@@ -1,0 +1,76 @@
+//! `outbox consume`: a Redis Streams consumer-group worker whose side effect
+//! is one SQL statement, applied once per event through the inbox and
+//! acknowledged only after it committed (`outbox::worker::redis`).
+
+use anyhow::Context;
+use outbox::worker::Message;
+use outbox::worker::redis::RedisWorker;
+use outbox::{Inbox, InboxConfig};
+use tokio_postgres::types::Type;
+use tracing::info;
+
+use crate::cli::{ConsumeArgs, Global};
+use crate::exit::ConfigError;
+
+pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
+    if !args.from.starts_with("redis://") && !args.from.starts_with("rediss://") {
+        return Err(ConfigError(format!("--from must be a redis:// URL, not {:?}", args.from)).into());
+    }
+    let inbox = Inbox::new(InboxConfig::new(&args.inbox_schema, &args.inbox_table)?);
+    let mut db = super::connect(&super::pg_config(g)?).await?;
+    outbox::check_inbox(&db, inbox.config()).await?;
+    // Typed, so `$4->>'field'` needs no casts; unused parameters are fine.
+    let apply = db
+        .prepare_typed(
+            &args.apply,
+            &[Type::UUID, Type::TEXT, Type::TEXT, Type::JSONB, Type::JSONB],
+        )
+        .await
+        .map_err(|e| {
+            ConfigError(format!(
+                "--apply does not prepare: {}",
+                e.as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+            ))
+        })?;
+    let consumer = args
+        .consumer
+        .unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
+    let mut worker = RedisWorker::new(&args.from, &args.stream, &args.group, &consumer, inbox)
+        .map_err(|e| ConfigError(e.to_string()))?;
+    worker.claim_idle = args.claim_idle;
+    worker.pause_after_commit = std::env::var("OUTBOX_FAILPOINT").is_ok_and(|v| v == "pause-after-commit");
+    let cancel = super::shutdown_token()?;
+    info!(stream = %args.stream, group = %args.group, %consumer, "consumer ready");
+    let stats = worker
+        .run(&mut db, cancel, async |tx, m: &Message| {
+            tx.execute(
+                &apply,
+                &[
+                    &m.event_id,
+                    &m.aggregate_id,
+                    &m.event_type,
+                    &m.payload,
+                    &m.headers,
+                ],
+            )
+            .await
+            .map(drop)
+        })
+        .await
+        .context("consuming")?;
+    info!(
+        processed = stats.processed,
+        duplicates = stats.duplicates,
+        claimed = stats.claimed,
+        malformed = stats.malformed,
+        "consumer stopped"
+    );
+    Ok(())
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "consumer".to_owned())
+}

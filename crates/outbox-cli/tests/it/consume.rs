@@ -1,0 +1,133 @@
+//! `outbox consume` (the Redis Streams worker): a worker killed with SIGKILL
+//! after its side effect committed and before its XACK leaves the entry
+//! pending; another worker takes it over with XAUTOCLAIM, the inbox knows
+//! it, and the side effect happened exactly once per event.
+
+use outbox::InboxConfig;
+use outbox_testkit::{Redis, Spawned};
+use redis::AsyncCommands;
+
+use crate::support::{Db, LONG, outbox_cmd, run_cli, text, wait_until};
+
+const STREAM: &str = "outbox.event.orders";
+const APPLY: &str = "INSERT INTO shipments (event_id, order_id, kind) VALUES ($1, $2, $3)";
+
+async fn worker(db: &Db, redis: &Redis, name: &str, envs: &[(&str, &str)]) -> Spawned {
+    let mut cmd = outbox_cmd();
+    cmd.args([
+        "consume",
+        "--from",
+        &redis.url(),
+        "--stream",
+        STREAM,
+        "--group",
+        "shipping",
+    ])
+    .args(["--consumer", name, "--claim-idle", "1s", "--apply", APPLY])
+    .args(["--log-format", "json"])
+    .env("DATABASE_URL", &db.url)
+    .envs(envs.iter().copied());
+    let w = Spawned::spawn(cmd).expect("spawn consumer");
+    w.wait_for_line("consumer ready", LONG)
+        .await
+        .expect("consumer ready");
+    w
+}
+
+#[tokio::test]
+async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
+        .await
+        .unwrap();
+    db.client
+        .batch_execute("CREATE TABLE shipments (id bigserial, event_id uuid, order_id text, kind text)")
+        .await
+        .unwrap();
+    db.insert_events(20, 2).await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let relay = run_cli(&["relay", "--sink", &redis.url(), "--drain"], &env).await;
+    assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+    // Not an outbox event: must be moved aside, not block the group.
+    let mut r = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = r.xadd(STREAM, "*", &[("junk", "1")]).await.unwrap();
+
+    let mut first = worker(&db, &redis, "a", &[("OUTBOX_FAILPOINT", "pause-after-commit")]).await;
+    first
+        .wait_for_line("committed, parked before XACK", LONG)
+        .await
+        .unwrap();
+    first.kill().unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM shipments").await,
+        1,
+        "the effect committed"
+    );
+
+    let second = worker(&db, &redis, "b", &[]).await;
+    wait_until("every event shipped and nothing pending", LONG, || async {
+        let mut r = r.clone();
+        let pending: redis::streams::StreamPendingReply = r.xpending(STREAM, "shipping").await.unwrap();
+        db.count("SELECT count(*) FROM shipments").await == 20 && pending.count() == 0
+    })
+    .await;
+    second.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    let mut second = second;
+    assert!(second.wait(LONG).await.unwrap().success());
+
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) FROM shipments").await,
+        20
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 20);
+    let stopped = second
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("consumer stopped"))
+        .expect("a summary line");
+    // The first worker had read all 21 entries in one XREADGROUP, so the
+    // second took over all of them: 19 new, the one already shipped
+    // recognised by the inbox, the junk one moved aside.
+    let stopped: serde_json::Value = serde_json::from_str(&stopped).expect(&stopped);
+    let fields = &stopped["fields"];
+    for (field, n) in [
+        ("processed", 19),
+        ("duplicates", 1),
+        ("claimed", 21),
+        ("malformed", 1),
+    ] {
+        assert_eq!(fields[field], n, "{field}: {stopped}");
+    }
+    let malformed: i64 = r.xlen(format!("{STREAM}.malformed")).await.unwrap();
+    assert_eq!(malformed, 1);
+}
+
+#[tokio::test]
+async fn an_apply_statement_that_does_not_prepare_is_a_configuration_error() {
+    let mut db = Db::start().await;
+    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
+        .await
+        .unwrap();
+    let out = run_cli(
+        &[
+            "consume",
+            "--from",
+            "redis://127.0.0.1:1",
+            "--stream",
+            "s",
+            "--group",
+            "g",
+            "--apply",
+            "INSERT INTO nowhere VALUES ($1)",
+        ],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("nowhere"), "{}", text(&out.stderr));
+}
