@@ -92,12 +92,8 @@ pub(crate) struct MigrateArgs {
     /// Migrate the consumer's processed_events table instead of the outbox.
     #[arg(long)]
     pub(crate) inbox: bool,
-    /// Schema of the processed_events table.
-    #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
-    pub(crate) inbox_schema: String,
-    /// Name of the processed_events table.
-    #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = "processed_events")]
-    pub(crate) inbox_table: String,
+    #[command(flatten)]
+    pub(crate) inbox_table: InboxTableArgs,
 }
 
 #[derive(Debug, Args)]
@@ -173,12 +169,8 @@ pub(crate) struct CleanupArgs {
     /// Clean the consumer's processed_events table instead of the outbox.
     #[arg(long)]
     pub(crate) inbox: bool,
-    /// Schema of the processed_events table.
-    #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
-    pub(crate) inbox_schema: String,
-    /// Name of the processed_events table.
-    #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = "processed_events")]
-    pub(crate) inbox_table: String,
+    #[command(flatten)]
+    pub(crate) inbox_table: InboxTableArgs,
 }
 
 #[derive(Debug, Args)]
@@ -203,12 +195,26 @@ pub(crate) struct ConsumeArgs {
     /// Take over entries left unacknowledged this long by a dead consumer.
     #[arg(long, default_value = "30s", value_parser = positive_duration)]
     pub(crate) claim_idle: Duration,
+    #[command(flatten)]
+    pub(crate) inbox_table: InboxTableArgs,
+}
+
+/// Where the consumer's processed_events table is.
+#[derive(Debug, Args)]
+pub(crate) struct InboxTableArgs {
     /// Schema of the processed_events table.
     #[arg(long, env = "OUTBOX_INBOX_SCHEMA", default_value = "public")]
     pub(crate) inbox_schema: String,
     /// Name of the processed_events table.
     #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = "processed_events")]
     pub(crate) inbox_table: String,
+}
+
+impl InboxTableArgs {
+    /// The validated table names.
+    pub(crate) fn config(&self) -> Result<outbox::InboxConfig, outbox::Error> {
+        outbox::InboxConfig::new(&self.inbox_schema, &self.inbox_table)
+    }
 }
 
 #[derive(Debug, Args)]

@@ -18,7 +18,7 @@ pub(crate) async fn run(g: &Global, args: CleanupArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let show = |n: u64| progress.set_message(format!("{n} rows deleted"));
     let (table, done) = if args.inbox {
-        let config = outbox::InboxConfig::new(&args.inbox_schema, &args.inbox_table)?;
+        let config = args.inbox_table.config()?;
         outbox::check_inbox(&client, &config).await?;
         let done =
             outbox::retention::delete_processed(&client, &config, args.older_than, args.batch_size, show)

@@ -3,9 +3,9 @@
 //! acknowledged only after it committed (`outbox::worker::redis`).
 
 use anyhow::Context;
+use outbox::Inbox;
 use outbox::worker::Message;
 use outbox::worker::redis::RedisWorker;
-use outbox::{Inbox, InboxConfig};
 use tokio_postgres::types::Type;
 use tracing::info;
 
@@ -16,7 +16,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
     if !args.from.starts_with("redis://") && !args.from.starts_with("rediss://") {
         return Err(ConfigError(format!("--from must be a redis:// URL, not {:?}", args.from)).into());
     }
-    let inbox = Inbox::new(InboxConfig::new(&args.inbox_schema, &args.inbox_table)?);
+    let inbox = Inbox::new(args.inbox_table.config()?);
     let mut db = super::connect(&super::pg_config(g)?).await?;
     outbox::check_inbox(&db, inbox.config()).await?;
     // Typed, so `$4->>'field'` needs no casts; unused parameters are fine.

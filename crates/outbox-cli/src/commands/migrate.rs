@@ -7,7 +7,7 @@ use crate::cli::{Global, MigrateArgs};
 pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
     let pg = super::pg_config(g)?;
     let report = if args.inbox {
-        let config = outbox::InboxConfig::new(&args.inbox_schema, &args.inbox_table)?;
+        let config = args.inbox_table.config()?;
         let mut client = super::connect(&pg).await?;
         outbox::migrate_inbox(&mut client, &config)
             .await
