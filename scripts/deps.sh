@@ -10,13 +10,17 @@ find_initdb() {
     command -v initdb >/dev/null 2>&1
 }
 
+# ensure_deps [brokers]: PostgreSQL and redis-server always (the demo needs
+# no more); with `brokers`, nats-server and rabbitmq-server too (the tests).
 ensure_deps() {
     local missing=()
     find_initdb || missing+=(postgresql)
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-    # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
-    command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
-    command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
+    if [ "${1:-}" = brokers ]; then
+        # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
+        command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+        command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
+    fi
     command -v cargo >/dev/null 2>&1 || {
         echo "cargo not found: install Rust from your distribution or rustup, then re-run" >&2
         exit 1

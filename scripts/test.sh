@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
-ensure_deps
+ensure_deps brokers
 ensure_rabbitmq
 # Doc examples first (they compile every public example), then every test.
 cargo test --workspace --doc --quiet
