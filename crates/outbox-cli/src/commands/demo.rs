@@ -11,21 +11,20 @@
 //! `DATABASE_URL` everything lives in the schema `outbox_demo`, dropped at
 //! the end, so the demo never touches other tables.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use outbox::worker::redis::RedisWorker;
+use outbox::worker::{Message, WorkerStats};
 use outbox::{Config, Event, Inbox, InboxConfig, Outbox, Processed};
 use outbox_relay::{Relay, RelayConfig, SinkOptions};
 use outbox_testkit::{Postgres, Redis};
 use redis::AsyncCommands;
-use redis::streams::{StreamId, StreamReadOptions, StreamReadReply};
 use serde_json::json;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 use crate::cli::{DemoArgs, Global};
 use crate::exit::ConfigError;
@@ -33,14 +32,6 @@ use crate::exit::ConfigError;
 const SCHEMA: &str = "outbox_demo";
 const STREAM_PREFIX: &str = "outbox_demo.event";
 const GROUP: &str = "shipping";
-
-/// What the shipping consumer saw.
-#[derive(Debug, Default)]
-struct Consumed {
-    entries: u64,
-    processed: u64,
-    duplicates: u64,
-}
 
 pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     let started = Instant::now();
@@ -126,32 +117,61 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     let relay_task = tokio::spawn(relay.run(cancel.clone()));
 
     println!("\n3. consumer: group {GROUP:?} ships each paid order through the inbox");
-    let redis_client = redis::Client::open(sink_url.as_str()).context("opening the Redis URL")?;
-    let mut redis = redis_client
-        .get_multiplexed_async_connection()
-        .await
-        .context("connecting to Redis")?;
     let stream = format!("{STREAM_PREFIX}.orders");
     let inbox = Inbox::new(inbox_config.clone());
-    let consumed = consume(&mut redis, &stream, &mut db, &inbox, written as u64).await?;
+    let mut worker = RedisWorker::new(&sink_url, &stream, GROUP, "demo-1", inbox.clone())?;
+    worker.block = Duration::from_millis(200);
+    // The worker runs until cancelled: stop it after the last event's effect
+    // (its commit and XACK still complete).
+    let all_read = CancellationToken::new();
+    let mut shipped_events = 0;
+    let consumed = tokio::time::timeout(
+        Duration::from_secs(60),
+        worker.run(&mut db, all_read.clone(), async |tx, event| {
+            ship(tx, event).await?;
+            shipped_events += 1;
+            if shipped_events == written {
+                all_read.cancel();
+            }
+            Ok::<(), anyhow::Error>(())
+        }),
+    )
+    .await
+    .context("not every event arrived within 60 s")??;
     println!(
         "   {} entries read, {} processed, {} duplicates",
-        consumed.entries, consumed.processed, consumed.duplicates
+        consumed.processed + consumed.duplicates,
+        consumed.processed,
+        consumed.duplicates
     );
 
     println!("\n4. at-least-once: replaying the first 5 stream entries to the consumer");
+    let mut redis = redis::Client::open(sink_url.as_str())
+        .context("opening the Redis URL")?
+        .get_multiplexed_async_connection()
+        .await
+        .context("connecting to Redis")?;
     let replay: redis::streams::StreamRangeReply = redis
         .xrange_count(&stream, "-", "+", 5)
         .await
         .context("reading the stream for the replay")?;
-    let replay: Vec<StreamId> = replay.ids;
-    let mut replayed = Consumed::default();
-    for entry in &replay {
-        handle(&mut db, &inbox, entry, &mut replayed).await?;
+    let mut replayed = WorkerStats::default();
+    for event in replay.ids.iter().filter_map(outbox::worker::redis::message) {
+        let tx = db.transaction().await?;
+        let outcome = inbox
+            .process(&tx, event.event_id, async |tx| ship(tx, &event).await)
+            .await?;
+        tx.commit().await?;
+        match outcome {
+            Processed::New(()) => replayed.processed += 1,
+            Processed::Duplicate => replayed.duplicates += 1,
+        }
     }
     println!(
         "   {} replayed, {} processed again, {} answered as duplicates",
-        replayed.entries, replayed.processed, replayed.duplicates
+        replayed.processed + replayed.duplicates,
+        replayed.processed,
+        replayed.duplicates
     );
 
     cancel.cancel();
@@ -181,7 +201,7 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     );
     println!(
         "  stream entries consumed   {}",
-        consumed.entries + replayed.entries
+        consumed.processed + consumed.duplicates + replayed.processed + replayed.duplicates
     );
     println!("  processed_events rows     {processed}");
     println!("  shipments                 {shipments} for {distinct_shipped} orders ({paid} paid)");
@@ -258,76 +278,15 @@ async fn place_orders(db: &mut Client, outbox: &Outbox, n: u32) -> anyhow::Resul
     Ok((committed, rolled_back))
 }
 
-async fn consume(
-    redis: &mut redis::aio::MultiplexedConnection,
-    stream: &str,
-    db: &mut Client,
-    inbox: &Inbox,
-    expected: u64,
-) -> anyhow::Result<Consumed> {
-    let created: redis::RedisResult<()> = redis.xgroup_create_mkstream(stream, GROUP, "0").await;
-    if let Err(e) = created
-        && e.code() != Some("BUSYGROUP")
-    {
-        return Err(e).context("creating the consumer group");
-    }
-    let options = StreamReadOptions::default()
-        .group(GROUP, "demo-1")
-        .count(100)
-        .block(500);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut consumed = Consumed::default();
-    while consumed.entries < expected {
-        if Instant::now() > deadline {
-            bail!(
-                "only {} of {expected} events arrived within 60s",
-                consumed.entries
-            );
-        }
-        let reply: Option<StreamReadReply> = redis
-            .xread_options(&[stream], &[">"], &options)
-            .await
-            .context("reading the stream")?;
-        for key in reply.map(|r| r.keys).unwrap_or_default() {
-            for entry in &key.ids {
-                handle(db, inbox, entry, &mut consumed).await?;
-                let _: i64 = redis.xack(stream, GROUP, &[&entry.id]).await?;
-            }
-        }
-    }
-    Ok(consumed)
-}
-
-/// One stream entry through the inbox: the shipment and the processed_events
-/// row commit together, so a redelivered entry ships nothing.
-async fn handle(db: &mut Client, inbox: &Inbox, entry: &StreamId, seen: &mut Consumed) -> anyhow::Result<()> {
-    let field = |name: &str| -> anyhow::Result<String> {
-        entry
-            .get::<String>(name)
-            .with_context(|| format!("stream entry {} has no {name}", entry.id))
-    };
-    let event_id: Uuid = field("event_id")?.parse().context("parsing event_id")?;
-    let event_type = field("event_type")?;
-    let payload: HashMap<String, serde_json::Value> = serde_json::from_str(&field("payload")?)?;
-    let order_id = payload.get("order_id").and_then(serde_json::Value::as_i64);
-    let tx = db.transaction().await?;
-    let outcome = inbox
-        .process(&tx, event_id, async |tx| -> anyhow::Result<()> {
-            if let ("OrderPaid", Some(order_id)) = (event_type.as_str(), order_id) {
-                tx.execute(
-                    &format!("INSERT INTO {SCHEMA}.shipments (order_id, event_id) VALUES ($1, $2)"),
-                    &[&order_id, &event_id],
-                )
-                .await?;
-            }
-            Ok(())
-        })
+/// The shipping side effect: an `OrderPaid` event ships its order. Run
+/// inside the inbox transaction, so a redelivered event ships nothing.
+async fn ship(tx: &tokio_postgres::Transaction<'_>, event: &Message) -> anyhow::Result<()> {
+    if let ("OrderPaid", Some(order_id)) = (event.event_type.as_str(), event.payload["order_id"].as_i64()) {
+        tx.execute(
+            &format!("INSERT INTO {SCHEMA}.shipments (order_id, event_id) VALUES ($1, $2)"),
+            &[&order_id, &event.event_id],
+        )
         .await?;
-    tx.commit().await?;
-    seen.entries += 1;
-    match outcome {
-        Processed::New(()) => seen.processed += 1,
-        Processed::Duplicate => seen.duplicates += 1,
     }
     Ok(())
 }

@@ -171,7 +171,7 @@ impl RedisWorker {
         effect: &mut impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
         stats: &mut WorkerStats,
     ) -> Result<(), WorkerError> {
-        let Some(message) = parse(&entry) else {
+        let Some(message) = message(&entry) else {
             let aside = format!("{}.malformed", self.stream);
             let fields: Vec<(String, String)> = entry
                 .map
@@ -302,8 +302,9 @@ impl From<crate::Error> for Failed {
     }
 }
 
-/// An entry as the relay's Redis sink writes it.
-fn parse(entry: &StreamId) -> Option<Message> {
+/// An entry as the relay's Redis sink writes it; `None` if it is not an
+/// outbox event (no parsable `event_id`).
+pub fn message(entry: &StreamId) -> Option<Message> {
     let text = |name: &str| entry.get::<String>(name);
     let json = |name: &str| text(name).and_then(|s| serde_json::from_str(&s).ok());
     Some(Message {
