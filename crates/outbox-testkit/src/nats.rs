@@ -13,7 +13,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::Error;
-use crate::support::{self, POLL};
+use crate::support::{self, Boot, POLL};
 
 /// How long a start or restart may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -127,51 +127,21 @@ impl Nats {
     }
 
     async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
-        let offset = support::file_len(&self.log);
-        self.server = Some(self.spawn()?);
-        loop {
-            let server = self.server.as_mut().ok_or_else(|| Error::Failed {
-                doing: format!("starting nats-server on port {}", self.port),
-                detail: "the server vanished while starting".into(),
-            })?;
-            let status = server.try_wait().map_err(Error::io(format!(
-                "watching nats-server start on port {}",
-                self.port
-            )))?;
-            if let Some(status) = status {
-                self.server = None;
-                let log = support::log_since(&self.log, offset);
-                if log.contains("address already in use") {
-                    return Ok(Boot::PortTaken(format!("port {} is in use", self.port)));
-                }
-                return Err(Error::Failed {
-                    doing: format!("starting nats-server on port {}", self.port),
-                    detail: format!(
-                        "it exited during startup ({status}); last lines of {}:\n{}",
-                        self.log.display(),
-                        support::last_lines(&log, LOG_LINES)
-                    ),
-                });
-            }
-            if matches!(
-                tokio::time::timeout(Duration::from_secs(2), probe(self.port, &self.name())).await,
-                Ok(Ok(true))
-            ) {
-                return Ok(Boot::Ready);
-            }
-            if Instant::now() >= deadline {
-                if let Some(mut server) = self.server.take() {
-                    support::kill_and_reap(&mut server, "nats-server")?;
-                }
-                return Err(support::not_ready(
-                    format!("nats-server on 127.0.0.1:{} to enable JetStream", self.port),
-                    READY_TIMEOUT,
-                    &self.log,
-                    LOG_LINES,
-                ));
-            }
-            tokio::time::sleep(POLL).await;
-        }
+        let log_offset = support::file_len(&self.log);
+        let child = self.spawn()?;
+        let spec = support::BootSpec {
+            name: "nats-server",
+            port: self.port,
+            log: &self.log,
+            port_taken: "address already in use",
+            ready_means: "enable JetStream",
+            timeout: READY_TIMEOUT,
+            deadline,
+            log_lines: LOG_LINES,
+            log_offset,
+        };
+        let (port, name) = (self.port, self.name());
+        support::boot(&mut self.server, child, |_| probe(port, &name), spec).await
     }
 
     /// A server name unique to this value, so the probe can tell our server
@@ -203,18 +173,7 @@ impl Nats {
     }
 
     async fn wait_port_closed(&self) -> Result<(), Error> {
-        let deadline = Instant::now() + PORT_TIMEOUT;
-        while TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    waiting_for: format!("port {} to refuse connections", self.port),
-                    timeout: PORT_TIMEOUT,
-                    detail: "nats-server has exited, so another process is listening there".into(),
-                });
-            }
-            tokio::time::sleep(POLL).await;
-        }
-        Ok(())
+        support::wait_port_closed(self.port, PORT_TIMEOUT, "nats-server").await
     }
 }
 
@@ -226,11 +185,6 @@ impl Drop for Nats {
             tracing::warn!(error = %e, "killing a testkit nats-server on drop");
         }
     }
-}
-
-enum Boot {
-    Ready,
-    PortTaken(String),
 }
 
 /// nats-server on `PATH`, else where Debian puts it (`/usr/sbin`, which is

@@ -198,18 +198,7 @@ impl RabbitMq {
     }
 
     async fn wait_port_closed(&self) -> Result<(), Error> {
-        let deadline = Instant::now() + PORT_TIMEOUT;
-        while TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    waiting_for: format!("port {} to refuse connections", self.port),
-                    timeout: PORT_TIMEOUT,
-                    detail: "the rabbitmq node has exited, so another process is listening there".into(),
-                });
-            }
-            tokio::time::sleep(POLL).await;
-        }
-        Ok(())
+        support::wait_port_closed(self.port, PORT_TIMEOUT, "the rabbitmq node").await
     }
 }
 

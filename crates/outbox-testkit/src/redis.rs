@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::Error;
-use crate::support::{self, POLL};
+use crate::support::{self, Boot, POLL};
 
 /// How long a start or restart may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -125,52 +125,21 @@ impl Redis {
     }
 
     async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
-        let offset = support::file_len(&self.log);
-        self.server = Some(self.spawn()?);
-        loop {
-            let server = self.server.as_mut().ok_or_else(|| Error::Failed {
-                doing: format!("starting redis-server on port {}", self.port),
-                detail: "the server vanished while starting".into(),
-            })?;
-            let pid = server.id();
-            let status = server.try_wait().map_err(Error::io(format!(
-                "watching redis-server start on port {}",
-                self.port
-            )))?;
-            if let Some(status) = status {
-                self.server = None;
-                let log = support::log_since(&self.log, offset);
-                if log.contains("Address already in use") {
-                    return Ok(Boot::PortTaken(format!("port {} is in use", self.port)));
-                }
-                return Err(Error::Failed {
-                    doing: format!("starting redis-server on port {}", self.port),
-                    detail: format!(
-                        "it exited during startup ({status}); last lines of {}:\n{}",
-                        self.log.display(),
-                        support::last_lines(&log, LOG_LINES)
-                    ),
-                });
-            }
-            if matches!(
-                tokio::time::timeout(Duration::from_secs(2), probe(self.port, pid)).await,
-                Ok(Ok(true))
-            ) {
-                return Ok(Boot::Ready);
-            }
-            if Instant::now() >= deadline {
-                if let Some(mut server) = self.server.take() {
-                    support::kill_and_reap(&mut server, "redis-server")?;
-                }
-                return Err(support::not_ready(
-                    format!("redis-server on 127.0.0.1:{} to answer PING", self.port),
-                    READY_TIMEOUT,
-                    &self.log,
-                    LOG_LINES,
-                ));
-            }
-            tokio::time::sleep(POLL).await;
-        }
+        let log_offset = support::file_len(&self.log);
+        let child = self.spawn()?;
+        let spec = support::BootSpec {
+            name: "redis-server",
+            port: self.port,
+            log: &self.log,
+            port_taken: "Address already in use",
+            ready_means: "answer PING",
+            timeout: READY_TIMEOUT,
+            deadline,
+            log_lines: LOG_LINES,
+            log_offset,
+        };
+        let port = self.port;
+        support::boot(&mut self.server, child, |pid| probe(port, pid), spec).await
     }
 
     fn spawn(&self) -> Result<Child, Error> {
@@ -194,18 +163,7 @@ impl Redis {
     }
 
     async fn wait_port_closed(&self) -> Result<(), Error> {
-        let deadline = Instant::now() + PORT_TIMEOUT;
-        while TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    waiting_for: format!("port {} to refuse connections", self.port),
-                    timeout: PORT_TIMEOUT,
-                    detail: "redis-server has exited, so another process is listening there".into(),
-                });
-            }
-            tokio::time::sleep(POLL).await;
-        }
-        Ok(())
+        support::wait_port_closed(self.port, PORT_TIMEOUT, "redis-server").await
     }
 }
 
@@ -217,11 +175,6 @@ impl Drop for Redis {
             tracing::warn!(error = %e, "killing a testkit redis-server on drop");
         }
     }
-}
-
-enum Boot {
-    Ready,
-    PortTaken(String),
 }
 
 /// Whether the redis-server with `pid` answers on `port`: `PING` must get

@@ -300,3 +300,107 @@ pub(crate) fn not_ready(waiting_for: String, timeout: Duration, log: &Path, line
         detail: format!("last lines of {}:\n{}", log.display(), log_tail(log, lines)),
     }
 }
+
+/// Waits until nothing accepts on `port` any more (the server `what` was
+/// reaped, but the kernel may take a moment to release the port).
+pub(crate) async fn wait_port_closed(port: u16, timeout: Duration, what: &str) -> Result<(), Error> {
+    let deadline = Instant::now() + timeout;
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                waiting_for: format!("port {port} to refuse connections"),
+                timeout,
+                detail: format!("{what} has exited, so another process is listening there"),
+            });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    Ok(())
+}
+
+/// How one boot of a server child ended.
+pub(crate) enum Boot {
+    Ready,
+    /// It exited because its port was taken: try another.
+    PortTaken(String),
+}
+
+/// What [`boot`] needs to know about one server.
+pub(crate) struct BootSpec<'a> {
+    /// e.g. `redis-server`.
+    pub(crate) name: &'a str,
+    pub(crate) port: u16,
+    pub(crate) log: &'a Path,
+    /// Text its log shows when the port was taken.
+    pub(crate) port_taken: &'a str,
+    /// What readiness means, for the timeout message.
+    pub(crate) ready_means: &'a str,
+    pub(crate) timeout: Duration,
+    pub(crate) deadline: Instant,
+    pub(crate) log_lines: usize,
+    /// The log's length before the child was spawned: what it writes
+    /// after this is its own.
+    pub(crate) log_offset: u64,
+}
+
+/// Puts a just-spawned server child into `slot` and polls until
+/// `probe(pid)` says it is ready, it exits (port taken, or a startup failure
+/// quoted from its log), or `spec.deadline` passes (the child is killed).
+pub(crate) async fn boot<P, F>(
+    slot: &mut Option<std::process::Child>,
+    child: std::process::Child,
+    probe: P,
+    spec: BootSpec<'_>,
+) -> Result<Boot, Error>
+where
+    P: Fn(u32) -> F,
+    F: std::future::Future<Output = std::io::Result<bool>>,
+{
+    let offset = spec.log_offset;
+    let doing = || format!("starting {} on port {}", spec.name, spec.port);
+    *slot = Some(child);
+    loop {
+        let server = slot.as_mut().ok_or_else(|| Error::Failed {
+            doing: doing(),
+            detail: "the server vanished while starting".into(),
+        })?;
+        let pid = server.id();
+        let status = server.try_wait().map_err(Error::io(format!(
+            "watching {} start on port {}",
+            spec.name, spec.port
+        )))?;
+        if let Some(status) = status {
+            *slot = None;
+            let log = log_since(spec.log, offset);
+            if log.contains(spec.port_taken) {
+                return Ok(Boot::PortTaken(format!("port {} is in use", spec.port)));
+            }
+            return Err(Error::Failed {
+                doing: doing(),
+                detail: format!(
+                    "it exited during startup ({status}); last lines of {}:\n{}",
+                    spec.log.display(),
+                    last_lines(&log, spec.log_lines)
+                ),
+            });
+        }
+        if matches!(
+            tokio::time::timeout(Duration::from_secs(2), probe(pid)).await,
+            Ok(Ok(true))
+        ) {
+            return Ok(Boot::Ready);
+        }
+        if Instant::now() >= spec.deadline {
+            if let Some(mut server) = slot.take() {
+                kill_and_reap(&mut server, spec.name)?;
+            }
+            return Err(not_ready(
+                format!("{} on 127.0.0.1:{} to {}", spec.name, spec.port, spec.ready_means),
+                spec.timeout,
+                spec.log,
+                spec.log_lines,
+            ));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
