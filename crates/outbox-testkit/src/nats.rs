@@ -7,13 +7,12 @@ use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
 use tempfile::TempDir;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::Error;
-use crate::support::{self, Boot, POLL};
+use crate::support::{self, Boot};
 
 /// How long a start or restart may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -62,19 +61,8 @@ impl Nats {
             server: None,
             dir,
         };
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let mut last = String::new();
-        for _ in 0..PORT_ATTEMPTS {
-            nats.port = support::try_free_port()?;
-            match nats.boot(deadline).await? {
-                Boot::Ready => return Ok(nats),
-                Boot::PortTaken(why) => last = why,
-            }
-        }
-        Err(Error::Failed {
-            doing: "starting nats-server".into(),
-            detail: format!("{PORT_ATTEMPTS} ports in a row were taken; last attempt: {last}"),
-        })
+        support::start_on_free_port(&mut nats, PORT_ATTEMPTS).await?;
+        Ok(nats)
     }
 
     /// The TCP port the server listens on (127.0.0.1); it stays the same
@@ -92,56 +80,14 @@ impl Nats {
     /// until its port refuses connections. Stopping a stopped server does
     /// nothing.
     pub async fn stop(&mut self) -> Result<(), Error> {
-        let Some(mut server) = self.server.take() else {
-            return Ok(());
-        };
-        let what = format!("nats-server on port {}", self.port);
-        support::signal_child(&server, Signal::SIGTERM, &what)?;
-        if support::wait_exit(&mut server, STOP_TIMEOUT, &what)
-            .await?
-            .is_none()
-        {
-            support::kill_and_reap(&mut server, &what)?;
-        }
-        self.wait_port_closed().await
+        support::stop_server(self, STOP_TIMEOUT, PORT_TIMEOUT).await
     }
 
     /// Starts the server again on the same port and store (a running one is
     /// stopped first) and waits until it is ready. Streams survive.
     pub async fn restart(&mut self) -> Result<(), Error> {
         self.stop().await?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            match self.boot(deadline).await? {
-                Boot::Ready => return Ok(()),
-                Boot::PortTaken(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Boot::PortTaken(why) => {
-                    return Err(Error::Timeout {
-                        waiting_for: format!("nats-server to restart on port {}", self.port),
-                        timeout: READY_TIMEOUT,
-                        detail: why,
-                    });
-                }
-            }
-        }
-    }
-
-    async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
-        let log_offset = support::file_len(&self.log);
-        let child = self.spawn()?;
-        let spec = support::BootSpec {
-            name: "nats-server",
-            port: self.port,
-            log: &self.log,
-            port_taken: "address already in use",
-            ready_means: "enable JetStream",
-            timeout: READY_TIMEOUT,
-            deadline,
-            log_lines: LOG_LINES,
-            log_offset,
-        };
-        let (port, name) = (self.port, self.name());
-        support::boot(&mut self.server, child, |_| probe(port, &name), spec).await
+        support::restart_server(self).await
     }
 
     /// A server name unique to this value, so the probe can tell our server
@@ -171,9 +117,40 @@ impl Nats {
                 self.port
             )))
     }
+}
 
-    async fn wait_port_closed(&self) -> Result<(), Error> {
-        support::wait_port_closed(self.port, PORT_TIMEOUT, "nats-server").await
+impl support::ChildServer for Nats {
+    const NAME: &'static str = "nats-server";
+    const READY_TIMEOUT: Duration = READY_TIMEOUT;
+
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn set_port(&mut self, port: u16) {
+        self.port = port;
+    }
+
+    fn child(&mut self) -> &mut Option<Child> {
+        &mut self.server
+    }
+
+    async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
+        let log_offset = support::file_len(&self.log);
+        let child = self.spawn()?;
+        let spec = support::BootSpec {
+            name: "nats-server",
+            port: self.port,
+            log: &self.log,
+            port_taken: "address already in use",
+            ready_means: "enable JetStream",
+            timeout: READY_TIMEOUT,
+            deadline,
+            log_lines: LOG_LINES,
+            log_offset,
+        };
+        let (port, name) = (self.port, self.name());
+        support::boot(&mut self.server, child, |_| probe(port, &name), spec).await
     }
 }
 

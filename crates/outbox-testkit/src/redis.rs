@@ -5,13 +5,12 @@ use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
 use tempfile::TempDir;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::Error;
-use crate::support::{self, Boot, POLL};
+use crate::support::{self, Boot};
 
 /// How long a start or restart may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -60,19 +59,8 @@ impl Redis {
             server: None,
             dir,
         };
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let mut last = String::new();
-        for _ in 0..PORT_ATTEMPTS {
-            redis.port = support::try_free_port()?;
-            match redis.boot(deadline).await? {
-                Boot::Ready => return Ok(redis),
-                Boot::PortTaken(why) => last = why,
-            }
-        }
-        Err(Error::Failed {
-            doing: "starting redis-server".into(),
-            detail: format!("{PORT_ATTEMPTS} ports in a row were taken; last attempt: {last}"),
-        })
+        support::start_on_free_port(&mut redis, PORT_ATTEMPTS).await?;
+        Ok(redis)
     }
 
     /// The TCP port the server listens on (127.0.0.1); it stays the same
@@ -90,56 +78,14 @@ impl Redis {
     /// until its port refuses connections. Stopping a stopped server does
     /// nothing.
     pub async fn stop(&mut self) -> Result<(), Error> {
-        let Some(mut server) = self.server.take() else {
-            return Ok(());
-        };
-        let what = format!("redis-server on port {}", self.port);
-        support::signal_child(&server, Signal::SIGTERM, &what)?;
-        if support::wait_exit(&mut server, STOP_TIMEOUT, &what)
-            .await?
-            .is_none()
-        {
-            support::kill_and_reap(&mut server, &what)?;
-        }
-        self.wait_port_closed().await
+        support::stop_server(self, STOP_TIMEOUT, PORT_TIMEOUT).await
     }
 
     /// Starts the server again on the same port (a running one is stopped
     /// first) and waits until it answers `PING`. Data does not survive.
     pub async fn restart(&mut self) -> Result<(), Error> {
         self.stop().await?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            match self.boot(deadline).await? {
-                Boot::Ready => return Ok(()),
-                Boot::PortTaken(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Boot::PortTaken(why) => {
-                    return Err(Error::Timeout {
-                        waiting_for: format!("redis-server to restart on port {}", self.port),
-                        timeout: READY_TIMEOUT,
-                        detail: why,
-                    });
-                }
-            }
-        }
-    }
-
-    async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
-        let log_offset = support::file_len(&self.log);
-        let child = self.spawn()?;
-        let spec = support::BootSpec {
-            name: "redis-server",
-            port: self.port,
-            log: &self.log,
-            port_taken: "Address already in use",
-            ready_means: "answer PING",
-            timeout: READY_TIMEOUT,
-            deadline,
-            log_lines: LOG_LINES,
-            log_offset,
-        };
-        let port = self.port;
-        support::boot(&mut self.server, child, |pid| probe(port, pid), spec).await
+        support::restart_server(self).await
     }
 
     fn spawn(&self) -> Result<Child, Error> {
@@ -161,9 +107,40 @@ impl Redis {
                 self.port
             )))
     }
+}
 
-    async fn wait_port_closed(&self) -> Result<(), Error> {
-        support::wait_port_closed(self.port, PORT_TIMEOUT, "redis-server").await
+impl support::ChildServer for Redis {
+    const NAME: &'static str = "redis-server";
+    const READY_TIMEOUT: Duration = READY_TIMEOUT;
+
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn set_port(&mut self, port: u16) {
+        self.port = port;
+    }
+
+    fn child(&mut self) -> &mut Option<Child> {
+        &mut self.server
+    }
+
+    async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
+        let log_offset = support::file_len(&self.log);
+        let child = self.spawn()?;
+        let spec = support::BootSpec {
+            name: "redis-server",
+            port: self.port,
+            log: &self.log,
+            port_taken: "Address already in use",
+            ready_means: "answer PING",
+            timeout: READY_TIMEOUT,
+            deadline,
+            log_lines: LOG_LINES,
+            log_offset,
+        };
+        let port = self.port;
+        support::boot(&mut self.server, child, |pid| probe(port, pid), spec).await
     }
 }
 

@@ -404,3 +404,73 @@ where
         tokio::time::sleep(POLL).await;
     }
 }
+
+/// A server child the testkit starts on a free port, stops and restarts
+/// on the same port: what [`start_on_free_port`], [`stop_server`] and
+/// [`restart_server`] need from redis-server and nats-server alike.
+pub(crate) trait ChildServer {
+    /// e.g. `redis-server`.
+    const NAME: &'static str;
+    /// How long a boot may take.
+    const READY_TIMEOUT: Duration;
+    fn port(&self) -> u16;
+    fn set_port(&mut self, port: u16);
+    fn child(&mut self) -> &mut Option<Child>;
+    /// Spawns the child and waits for it: [`boot`] with its own spec.
+    fn boot(&mut self, deadline: Instant) -> impl std::future::Future<Output = Result<Boot, Error>>;
+}
+
+/// Boots `server` on a free port, trying a fresh one up to `attempts` times
+/// when the chosen one gets taken before the server binds it.
+pub(crate) async fn start_on_free_port<S: ChildServer>(server: &mut S, attempts: usize) -> Result<(), Error> {
+    let deadline = Instant::now() + S::READY_TIMEOUT;
+    let mut last = String::new();
+    for _ in 0..attempts {
+        server.set_port(try_free_port()?);
+        match server.boot(deadline).await? {
+            Boot::Ready => return Ok(()),
+            Boot::PortTaken(why) => last = why,
+        }
+    }
+    Err(Error::Failed {
+        doing: format!("starting {}", S::NAME),
+        detail: format!("{attempts} ports in a row were taken; last attempt: {last}"),
+    })
+}
+
+/// SIGTERM, SIGKILL after `stop_timeout`, reap, then wait until the port
+/// refuses connections. Stopping a stopped server does nothing.
+pub(crate) async fn stop_server<S: ChildServer>(
+    server: &mut S,
+    stop_timeout: Duration,
+    port_timeout: Duration,
+) -> Result<(), Error> {
+    let Some(mut child) = server.child().take() else {
+        return Ok(());
+    };
+    let what = format!("{} on port {}", S::NAME, server.port());
+    signal_child(&child, Signal::SIGTERM, &what)?;
+    if wait_exit(&mut child, stop_timeout, &what).await?.is_none() {
+        kill_and_reap(&mut child, &what)?;
+    }
+    wait_port_closed(server.port(), port_timeout, S::NAME).await
+}
+
+/// Boots `server` again on its port (stop it first), retrying while the
+/// old process's port is still held, until `S::READY_TIMEOUT`.
+pub(crate) async fn restart_server<S: ChildServer>(server: &mut S) -> Result<(), Error> {
+    let deadline = Instant::now() + S::READY_TIMEOUT;
+    loop {
+        match server.boot(deadline).await? {
+            Boot::Ready => return Ok(()),
+            Boot::PortTaken(_) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+            Boot::PortTaken(why) => {
+                return Err(Error::Timeout {
+                    waiting_for: format!("{} to restart on port {}", S::NAME, server.port()),
+                    timeout: S::READY_TIMEOUT,
+                    detail: why,
+                });
+            }
+        }
+    }
+}
