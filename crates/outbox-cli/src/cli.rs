@@ -75,8 +75,9 @@ pub(crate) enum Command {
     /// Inspect and requeue dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
-    /// Apply events from a Redis stream to PostgreSQL exactly once: run
-    /// --apply per event inside the inbox transaction, XACK after commit.
+    /// Apply events from a Redis stream or a NATS JetStream stream to
+    /// PostgreSQL exactly once: run --apply per event inside the inbox
+    /// transaction, acknowledge after commit.
     Consume(ConsumeArgs),
     /// Run the whole pattern end to end on a throwaway PostgreSQL and Redis
     /// (or on DATABASE_URL / OUTBOX_SINK when set).
@@ -175,16 +176,16 @@ pub(crate) struct CleanupArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct ConsumeArgs {
-    /// The Redis to read: redis://host:port[/db].
+    /// What to read: redis://host:port[/db] or nats://host:port.
     #[arg(long)]
     pub(crate) from: String,
-    /// The stream, e.g. outbox.event.orders.
+    /// The Redis stream (e.g. outbox.event.orders) or JetStream stream (e.g. OUTBOX).
     #[arg(long)]
     pub(crate) stream: String,
-    /// The consumer group (created at the stream's start if missing).
+    /// The Redis consumer group or JetStream durable consumer (created if missing).
     #[arg(long)]
     pub(crate) group: String,
-    /// This consumer's name in the group [default: <hostname>-<pid>].
+    /// This consumer's name in a Redis group [default: <hostname>-<pid>].
     #[arg(long)]
     pub(crate) consumer: Option<String>,
     /// The side effect: one SQL statement run once per event, in the inbox
@@ -192,7 +193,8 @@ pub(crate) struct ConsumeArgs {
     /// $3 event_type (text), $4 payload (jsonb), $5 headers (jsonb).
     #[arg(long)]
     pub(crate) apply: String,
-    /// Take over entries left unacknowledged this long by a dead consumer.
+    /// Take over entries left unacknowledged this long by a dead consumer
+    /// (for NATS: the durable consumer's ack_wait, set when it is created).
     #[arg(long, default_value = "30s", value_parser = positive_duration)]
     pub(crate) claim_idle: Duration,
     #[command(flatten)]

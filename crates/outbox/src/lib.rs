@@ -25,7 +25,8 @@
 //! |---|---|---|
 //! | `tokio-postgres` | yes | writer, inbox and migrations on any `GenericClient` |
 //! | `sqlx` | no | writer and inbox on `&mut PgConnection` |
-//! | `redis` | no | [`worker::redis`]: a Redis Streams consumer worker with the inbox |
+//! | `redis` | no | `worker::redis`: a Redis Streams consumer worker with the inbox |
+//! | `nats` | no | `worker::nats`: a NATS JetStream consumer worker with the inbox |
 //!
 //! ```no_run
 //! # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {

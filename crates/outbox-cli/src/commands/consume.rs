@@ -1,10 +1,12 @@
-//! `outbox consume`: a Redis Streams consumer-group worker whose side effect
-//! is one SQL statement, applied once per event through the inbox and
-//! acknowledged only after it committed (`outbox::worker::redis`).
+//! `outbox consume`: a consumer worker (Redis Streams consumer group or NATS
+//! JetStream durable pull consumer) whose side effect is one SQL statement,
+//! applied once per event through the inbox and acknowledged only after it
+//! committed (`outbox::worker`).
 
 use anyhow::Context;
 use outbox::Inbox;
 use outbox::worker::Message;
+use outbox::worker::nats::NatsWorker;
 use outbox::worker::redis::RedisWorker;
 use tokio_postgres::types::Type;
 use tracing::info;
@@ -13,8 +15,13 @@ use crate::cli::{ConsumeArgs, Global};
 use crate::exit::ConfigError;
 
 pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
-    if !args.from.starts_with("redis://") && !args.from.starts_with("rediss://") {
-        return Err(ConfigError(format!("--from must be a redis:// URL, not {:?}", args.from)).into());
+    let nats = args.from.starts_with("nats://");
+    if !nats && !args.from.starts_with("redis://") && !args.from.starts_with("rediss://") {
+        return Err(ConfigError(format!(
+            "--from must be a redis:// or nats:// URL, not {:?}",
+            args.from
+        ))
+        .into());
     }
     let inbox = Inbox::new(args.inbox_table.config()?);
     let mut db = super::connect(&super::pg_config(g)?).await?;
@@ -36,29 +43,37 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
     let consumer = args
         .consumer
         .unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
-    let mut worker = RedisWorker::new(&args.from, &args.stream, &args.group, &consumer, inbox)
-        .map_err(|e| ConfigError(e.to_string()))?;
-    worker.claim_idle = args.claim_idle;
-    worker.pause_after_commit = std::env::var("OUTBOX_FAILPOINT").is_ok_and(|v| v == "pause-after-commit");
+    let pause_after_commit = std::env::var("OUTBOX_FAILPOINT").is_ok_and(|v| v == "pause-after-commit");
     let cancel = super::shutdown_token()?;
-    info!(stream = %args.stream, group = %args.group, %consumer, "consumer ready");
-    let stats = worker
-        .run(&mut db, cancel, async |tx, m: &Message| {
-            tx.execute(
-                &apply,
-                &[
-                    &m.event_id,
-                    &m.aggregate_id,
-                    &m.event_type,
-                    &m.payload,
-                    &m.headers,
-                ],
-            )
-            .await
-            .map(drop)
-        })
+    let effect = async |tx: &tokio_postgres::Transaction<'_>, m: &Message| {
+        tx.execute(
+            &apply,
+            &[
+                &m.event_id,
+                &m.aggregate_id,
+                &m.event_type,
+                &m.payload,
+                &m.headers,
+            ],
+        )
         .await
-        .context("consuming")?;
+        .map(drop)
+    };
+    let stats = if nats {
+        let mut worker = NatsWorker::new(&args.from, &args.stream, &args.group, inbox);
+        worker.ack_wait = args.claim_idle;
+        worker.pause_after_commit = pause_after_commit;
+        info!(stream = %args.stream, durable = %args.group, "consumer ready");
+        worker.run(&mut db, cancel, effect).await
+    } else {
+        let mut worker = RedisWorker::new(&args.from, &args.stream, &args.group, &consumer, inbox)
+            .map_err(|e| ConfigError(e.to_string()))?;
+        worker.claim_idle = args.claim_idle;
+        worker.pause_after_commit = pause_after_commit;
+        info!(stream = %args.stream, group = %args.group, %consumer, "consumer ready");
+        worker.run(&mut db, cancel, effect).await
+    }
+    .context("consuming")?;
     info!(
         processed = stats.processed,
         duplicates = stats.duplicates,

@@ -4,7 +4,7 @@
 //! it, and the side effect happened exactly once per event.
 
 use outbox::InboxConfig;
-use outbox_testkit::{Redis, Spawned};
+use outbox_testkit::{Nats, Redis, Spawned};
 use redis::AsyncCommands;
 
 use crate::support::{Db, LONG, outbox_cmd, run_cli, text, wait_until};
@@ -130,4 +130,102 @@ async fn an_apply_statement_that_does_not_prepare_is_a_configuration_error() {
     .await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("nowhere"), "{}", text(&out.stderr));
+}
+
+#[tokio::test]
+async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
+    let mut db = Db::start().await;
+    let nats = Nats::start().await.unwrap();
+    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
+        .await
+        .unwrap();
+    db.client
+        .batch_execute("CREATE TABLE shipments (id bigserial, event_id uuid, order_id text, kind text)")
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "OUTBOX".into(),
+        subjects: vec!["outbox.event.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    db.insert_events(20, 2).await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let relay = run_cli(&["relay", "--sink", &nats.url(), "--drain"], &env).await;
+    assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+    js.publish("outbox.event.junk", "not an event".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let worker = |envs: &'static [(&'static str, &'static str)]| {
+        let mut cmd = outbox_cmd();
+        cmd.args([
+            "consume",
+            "--from",
+            &nats.url(),
+            "--stream",
+            "OUTBOX",
+            "--group",
+            "shipping",
+        ])
+        .args(["--claim-idle", "1s", "--apply", APPLY, "--log-format", "json"])
+        .env("DATABASE_URL", &db.url)
+        .envs(envs.iter().copied());
+        Spawned::spawn(cmd).expect("spawn consumer")
+    };
+    let mut first = worker(&[("OUTBOX_FAILPOINT", "pause-after-commit")]);
+    first
+        .wait_for_line("committed, parked before ack", LONG)
+        .await
+        .unwrap();
+    first.kill().unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM shipments").await,
+        1,
+        "the effect committed"
+    );
+
+    let mut second = worker(&[]);
+    second.wait_for_line("consumer ready", LONG).await.unwrap();
+    wait_until("every event shipped", LONG, || async {
+        db.count("SELECT count(*) FROM processed_events").await == 20
+    })
+    .await;
+    // The junk message and the last acks may still be in flight: wait for
+    // the consumer's own account of them before stopping it.
+    wait_until("nothing left unacknowledged", LONG, || async {
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+            .get_stream("OUTBOX")
+            .await
+            .unwrap()
+            .get_consumer("shipping")
+            .await
+            .unwrap();
+        let info = consumer.info().await.unwrap().clone();
+        info.num_ack_pending == 0 && info.num_pending == 0
+    })
+    .await;
+    second.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(second.wait(LONG).await.unwrap().success());
+
+    assert_eq!(db.count("SELECT count(*) FROM shipments").await, 20);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) FROM shipments").await,
+        20
+    );
+    let stopped = second
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("consumer stopped"))
+        .expect("a summary line");
+    let stopped: serde_json::Value = serde_json::from_str(&stopped).expect(&stopped);
+    let fields = &stopped["fields"];
+    assert_eq!(fields["processed"], 19, "{stopped}");
+    assert_eq!(fields["duplicates"], 1, "{stopped}");
+    assert_eq!(fields["malformed"], 1, "{stopped}");
+    assert!(fields["claimed"].as_u64().unwrap() >= 1, "{stopped}");
 }

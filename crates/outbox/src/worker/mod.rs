@@ -9,6 +9,8 @@
 //! before the commit loses nothing either: the transaction rolls back and
 //! the redelivery runs the effect for the first time.
 
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
 
@@ -28,7 +30,7 @@ pub struct Message {
     pub payload: Value,
     /// The `headers` column (trace context and the like); `{}` when absent.
     pub headers: Value,
-    /// Where the broker keeps it (a Redis entry id).
+    /// Where the broker keeps it (a Redis entry id, a JetStream sequence).
     pub position: String,
 }
 
@@ -39,7 +41,8 @@ pub struct WorkerStats {
     pub processed: u64,
     /// Redeliveries the inbox recognised; acknowledged without an effect.
     pub duplicates: u64,
-    /// Messages taken over from a consumer that left them unacknowledged.
+    /// Messages taken over from a consumer that left them unacknowledged
+    /// (Redis: claimed; NATS: delivered more than once).
     pub claimed: u64,
     /// Messages that were not outbox events; moved aside, acknowledged.
     pub malformed: u64,

@@ -1,0 +1,192 @@
+//! A NATS JetStream worker: a durable pull consumer whose messages run
+//! through the inbox and are acknowledged only after the inbox transaction
+//! committed.
+//!
+//! A message not acknowledged within `ack_wait` (its worker died, or its
+//! effect failed and it was negatively acknowledged) is redelivered to a
+//! worker of the same durable consumer; the inbox makes the redelivery of a
+//! message whose effect already committed a no-op. A message that is not an
+//! outbox event (no parsable `event_id`) is terminated (`AckKind::Term`) so
+//! it is not redelivered for ever, and logged.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use futures::StreamExt;
+use tokio_postgres::{Client, Transaction};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{Message, WorkerError, WorkerStats};
+use crate::{Inbox, Processed};
+
+/// A worker of one durable pull consumer on a JetStream stream.
+#[derive(Debug, Clone)]
+pub struct NatsWorker {
+    url: String,
+    stream: String,
+    durable: String,
+    inbox: Inbox,
+    /// How long a delivered message may stay unacknowledged before it is
+    /// delivered again (JetStream's `ack_wait`, set when the consumer is
+    /// created).
+    pub ack_wait: Duration,
+    /// Test hook: park forever after a commit, before the ack.
+    #[doc(hidden)]
+    pub pause_after_commit: bool,
+}
+
+impl NatsWorker {
+    /// A worker of durable consumer `durable` on JetStream stream `stream`.
+    pub fn new(url: &str, stream: impl Into<String>, durable: impl Into<String>, inbox: Inbox) -> Self {
+        Self {
+            url: url.to_owned(),
+            stream: stream.into(),
+            durable: durable.into(),
+            inbox,
+            ack_wait: Duration::from_secs(30),
+            pause_after_commit: false,
+        }
+    }
+
+    /// Runs until `cancel` fires, as [`RedisWorker::run`](super::redis::RedisWorker::run)
+    /// does: `effect` runs once per event_id inside the inbox transaction;
+    /// an `Err` rolls it back and the message is redelivered after a delay.
+    pub async fn run<E>(
+        &self,
+        db: &mut Client,
+        cancel: CancellationToken,
+        mut effect: impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+    ) -> Result<WorkerStats, WorkerError>
+    where
+        E: std::fmt::Display,
+    {
+        let client = async_nats::connect(&self.url)
+            .await
+            .map_err(|e| broker("connecting to NATS", e))?;
+        let js = jetstream::new(client);
+        let stream = js
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| broker("finding the JetStream stream", e))?;
+        let consumer: jetstream::consumer::PullConsumer = stream
+            .get_or_create_consumer(
+                &self.durable,
+                pull::Config {
+                    durable_name: Some(self.durable.clone()),
+                    ack_wait: self.ack_wait,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| broker("creating the durable consumer", e))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| broker("pulling messages", e))?;
+        let mut stats = WorkerStats::default();
+        loop {
+            let next = tokio::select! {
+                _ = cancel.cancelled() => break,
+                next = messages.next() => next,
+            };
+            let Some(next) = next else { break };
+            let msg = next.map_err(|e| broker("receiving a message", e))?;
+            if msg.info().is_ok_and(|i| i.delivered > 1) {
+                stats.claimed += 1;
+            }
+            let Some(message) = message(&msg) else {
+                tracing::warn!(subject = %msg.subject, "not an outbox event; terminated");
+                msg.ack_with(AckKind::Term)
+                    .await
+                    .map_err(|e| broker("terminating a malformed message", e))?;
+                stats.malformed += 1;
+                continue;
+            };
+            let tx = db
+                .transaction()
+                .await
+                .map_err(crate::Error::pg("starting the inbox transaction"))?;
+            let outcome = self
+                .inbox
+                .process(&tx, message.event_id, async |tx| -> Result<(), Failed> {
+                    effect(tx, &message)
+                        .await
+                        .map_err(|e| Failed::Effect(e.to_string()))
+                })
+                .await;
+            match outcome {
+                Ok(done) => {
+                    tx.commit()
+                        .await
+                        .map_err(crate::Error::pg("committing the inbox transaction"))?;
+                    match done {
+                        Processed::New(()) => stats.processed += 1,
+                        Processed::Duplicate => stats.duplicates += 1,
+                    }
+                    if self.pause_after_commit {
+                        tracing::warn!(event_id = %message.event_id, "failpoint: committed, parked before ack");
+                        std::future::pending::<()>().await;
+                    }
+                    // A double ack waits for the server to record it, so a
+                    // crash right after cannot bring the message back.
+                    msg.double_ack().await.map_err(|e| broker("acknowledging", e))?;
+                }
+                Err(Failed::Outbox(e)) => return Err(e.into()),
+                Err(Failed::Effect(error)) => {
+                    drop(tx);
+                    tracing::warn!(event_id = %message.event_id, %error, "side effect failed; will retry");
+                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                        .await
+                        .map_err(|e| broker("negatively acknowledging", e))?;
+                }
+            }
+        }
+        Ok(stats)
+    }
+}
+
+enum Failed {
+    Outbox(crate::Error),
+    Effect(String),
+}
+
+impl From<crate::Error> for Failed {
+    fn from(e: crate::Error) -> Self {
+        Failed::Outbox(e)
+    }
+}
+
+/// A message as the relay's NATS sink publishes it.
+pub fn message(msg: &jetstream::Message) -> Option<Message> {
+    let body: serde_json::Value = serde_json::from_slice(&msg.payload).ok()?;
+    let text = |k: &str| body[k].as_str().map(str::to_owned);
+    let headers = msg
+        .headers
+        .iter()
+        .flat_map(|h| h.iter())
+        .filter(|(name, _)| !name.to_string().starts_with("Nats-"))
+        .filter_map(|(name, values)| {
+            let value = values.first()?.as_str().to_owned();
+            Some((name.to_string(), serde_json::Value::String(value)))
+        })
+        .collect::<serde_json::Map<_, _>>();
+    Some(Message {
+        event_id: text("event_id")?.parse::<Uuid>().ok()?,
+        aggregate_id: text("aggregate_id").unwrap_or_default(),
+        event_type: text("event_type").unwrap_or_default(),
+        payload: body["payload"].clone(),
+        headers: serde_json::Value::Object(headers),
+        position: msg
+            .info()
+            .map(|i| i.stream_sequence.to_string())
+            .unwrap_or_default(),
+    })
+}
+
+fn broker(doing: &'static str, e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Broker {
+        doing,
+        message: e.to_string(),
+    }
+}
