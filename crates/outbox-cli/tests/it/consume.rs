@@ -59,7 +59,7 @@ async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
 
     let mut first = worker(&db, &redis, "a", &[("OUTBOX_FAILPOINT", "pause-after-commit")]).await;
     first
-        .wait_for_line("committed, parked before XACK", LONG)
+        .wait_for_line("committed, parked before the acknowledgement", LONG)
         .await
         .unwrap();
     first.kill().unwrap();
@@ -179,7 +179,7 @@ async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
     };
     let mut first = worker(&[("OUTBOX_FAILPOINT", "pause-after-commit")]);
     first
-        .wait_for_line("committed, parked before ack", LONG)
+        .wait_for_line("committed, parked before the acknowledgement", LONG)
         .await
         .unwrap();
     first.kill().unwrap();

@@ -64,3 +64,76 @@ pub enum WorkerError {
     #[error(transparent)]
     Outbox(#[from] crate::Error),
 }
+
+/// How running one message through the inbox ended.
+#[cfg(any(feature = "redis", feature = "nats"))]
+enum Applied {
+    /// Committed (first time or duplicate): acknowledge it.
+    Committed,
+    /// The effect failed (logged) and was rolled back: leave it for a
+    /// redelivery.
+    EffectFailed,
+}
+
+/// The inbox's error or the effect's, kept apart so only the second is
+/// retried quietly.
+#[cfg(any(feature = "redis", feature = "nats"))]
+enum Failed {
+    Outbox(crate::Error),
+    Effect(String),
+}
+
+#[cfg(any(feature = "redis", feature = "nats"))]
+impl From<crate::Error> for Failed {
+    fn from(e: crate::Error) -> Self {
+        Failed::Outbox(e)
+    }
+}
+
+/// The part every worker shares: `effect` once per event_id inside the
+/// inbox transaction, then commit, counting new and duplicate messages.
+/// With `pause_after_commit` (a test hook) it parks for ever right after the
+/// commit, before the caller could acknowledge.
+#[cfg(any(feature = "redis", feature = "nats"))]
+async fn apply<E: std::fmt::Display>(
+    db: &mut tokio_postgres::Client,
+    inbox: &crate::Inbox,
+    message: &Message,
+    effect: &mut impl AsyncFnMut(&tokio_postgres::Transaction<'_>, &Message) -> Result<(), E>,
+    stats: &mut WorkerStats,
+    pause_after_commit: bool,
+) -> Result<Applied, WorkerError> {
+    let tx = db
+        .transaction()
+        .await
+        .map_err(crate::Error::pg("starting the inbox transaction"))?;
+    let outcome = inbox
+        .process(&tx, message.event_id, async |tx| -> Result<(), Failed> {
+            effect(tx, message)
+                .await
+                .map_err(|e| Failed::Effect(e.to_string()))
+        })
+        .await;
+    match outcome {
+        Ok(done) => {
+            tx.commit()
+                .await
+                .map_err(crate::Error::pg("committing the inbox transaction"))?;
+            match done {
+                crate::Processed::New(()) => stats.processed += 1,
+                crate::Processed::Duplicate => stats.duplicates += 1,
+            }
+            if pause_after_commit {
+                tracing::warn!(event_id = %message.event_id, "failpoint: committed, parked before the acknowledgement");
+                std::future::pending::<()>().await;
+            }
+            Ok(Applied::Committed)
+        }
+        Err(Failed::Outbox(e)) => Err(e.into()),
+        // Dropping the transaction rolls it back.
+        Err(Failed::Effect(error)) => {
+            tracing::warn!(event_id = %message.event_id, %error, "side effect failed; will retry");
+            Ok(Applied::EffectFailed)
+        }
+    }
+}

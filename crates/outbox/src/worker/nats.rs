@@ -17,8 +17,8 @@ use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{Message, WorkerError, WorkerStats};
-use crate::{Inbox, Processed};
+use super::{Applied, Message, WorkerError, WorkerStats};
+use crate::Inbox;
 
 /// A worker of one durable pull consumer on a JetStream stream.
 #[derive(Debug, Clone)]
@@ -103,57 +103,26 @@ impl NatsWorker {
                 stats.malformed += 1;
                 continue;
             };
-            let tx = db
-                .transaction()
-                .await
-                .map_err(crate::Error::pg("starting the inbox transaction"))?;
-            let outcome = self
-                .inbox
-                .process(&tx, message.event_id, async |tx| -> Result<(), Failed> {
-                    effect(tx, &message)
-                        .await
-                        .map_err(|e| Failed::Effect(e.to_string()))
-                })
-                .await;
-            match outcome {
-                Ok(done) => {
-                    tx.commit()
-                        .await
-                        .map_err(crate::Error::pg("committing the inbox transaction"))?;
-                    match done {
-                        Processed::New(()) => stats.processed += 1,
-                        Processed::Duplicate => stats.duplicates += 1,
-                    }
-                    if self.pause_after_commit {
-                        tracing::warn!(event_id = %message.event_id, "failpoint: committed, parked before ack");
-                        std::future::pending::<()>().await;
-                    }
-                    // A double ack waits for the server to record it, so a
-                    // crash right after cannot bring the message back.
-                    msg.double_ack().await.map_err(|e| broker("acknowledging", e))?;
-                }
-                Err(Failed::Outbox(e)) => return Err(e.into()),
-                Err(Failed::Effect(error)) => {
-                    drop(tx);
-                    tracing::warn!(event_id = %message.event_id, %error, "side effect failed; will retry");
-                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                        .await
-                        .map_err(|e| broker("negatively acknowledging", e))?;
-                }
+            match super::apply(
+                db,
+                &self.inbox,
+                &message,
+                &mut effect,
+                &mut stats,
+                self.pause_after_commit,
+            )
+            .await?
+            {
+                // A double ack waits for the server to record it, so a
+                // crash right after cannot bring the message back.
+                Applied::Committed => msg.double_ack().await.map_err(|e| broker("acknowledging", e))?,
+                Applied::EffectFailed => msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await
+                    .map_err(|e| broker("negatively acknowledging", e))?,
             }
         }
         Ok(stats)
-    }
-}
-
-enum Failed {
-    Outbox(crate::Error),
-    Effect(String),
-}
-
-impl From<crate::Error> for Failed {
-    fn from(e: crate::Error) -> Self {
-        Failed::Outbox(e)
     }
 }
 

@@ -19,8 +19,8 @@ use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{Message, WorkerError, WorkerStats};
-use crate::{Inbox, Processed};
+use super::{Applied, Message, WorkerError, WorkerStats};
+use crate::Inbox;
 
 /// A consumer in a Redis consumer group.
 #[derive(Debug, Clone)]
@@ -192,41 +192,10 @@ impl RedisWorker {
             tracing::warn!(entry = %entry.id, stream = %self.stream, to = %aside, "not an outbox event; moved aside");
             return Ok(());
         };
-        let tx = db
-            .transaction()
-            .await
-            .map_err(crate::Error::pg("starting the inbox transaction"))?;
-        let outcome = self
-            .inbox
-            .process(&tx, message.event_id, async |tx| -> Result<(), Failed> {
-                effect(tx, &message)
-                    .await
-                    .map_err(|e| Failed::Effect(e.to_string()))
-            })
-            .await;
-        match outcome {
-            Ok(done) => {
-                tx.commit()
-                    .await
-                    .map_err(crate::Error::pg("committing the inbox transaction"))?;
-                match done {
-                    Processed::New(()) => stats.processed += 1,
-                    Processed::Duplicate => stats.duplicates += 1,
-                }
-                if self.pause_after_commit {
-                    tracing::warn!(entry = %entry.id, "failpoint: committed, parked before XACK");
-                    std::future::pending::<()>().await;
-                }
-                self.ack(redis, &entry.id).await
-            }
-            Err(Failed::Outbox(e)) => Err(e.into()),
-            Err(Failed::Effect(error)) => {
-                // Dropping the transaction rolls it back; the entry stays
-                // pending and is retried after `claim_idle`.
-                drop(tx);
-                tracing::warn!(entry = %entry.id, event_id = %message.event_id, %error, "side effect failed; will retry");
-                Ok(())
-            }
+        match super::apply(db, &self.inbox, &message, effect, stats, self.pause_after_commit).await? {
+            Applied::Committed => self.ack(redis, &entry.id).await,
+            // The entry stays pending and is retried after `claim_idle`.
+            Applied::EffectFailed => Ok(()),
         }
     }
 
@@ -286,19 +255,6 @@ impl RedisWorker {
             .await
             .map_err(|e| broker("XACK", &e))?;
         Ok(())
-    }
-}
-
-/// The inbox's error or the effect's, kept apart so only the second is
-/// retried quietly.
-enum Failed {
-    Outbox(crate::Error),
-    Effect(String),
-}
-
-impl From<crate::Error> for Failed {
-    fn from(e: crate::Error) -> Self {
-        Failed::Outbox(e)
     }
 }
 
