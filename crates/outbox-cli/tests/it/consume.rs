@@ -34,10 +34,9 @@ async fn worker(db: &Db, redis: &Redis, name: &str, envs: &[(&str, &str)]) -> Sp
     w
 }
 
-#[tokio::test]
-async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
-    let mut db = Db::start().await;
-    let redis = Redis::start().await.unwrap();
+/// An inbox, a shipments table the side effect fills, and 20 events (10
+/// aggregates) published to `sink` by the relay.
+async fn publish_twenty(db: &mut Db, sink: &str) {
     outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
         .await
         .unwrap();
@@ -46,9 +45,19 @@ async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
         .await
         .unwrap();
     db.insert_events(20, 2).await;
-    let env = [("DATABASE_URL", db.url.as_str())];
-    let relay = run_cli(&["relay", "--sink", &redis.url(), "--drain"], &env).await;
+    let relay = run_cli(
+        &["relay", "--sink", sink, "--drain"],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
     assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+}
+
+#[tokio::test]
+async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    publish_twenty(&mut db, &redis.url()).await;
     // Not an outbox event: must be moved aside, not block the group.
     let mut r = redis::Client::open(redis.url())
         .unwrap()
@@ -136,13 +145,6 @@ async fn an_apply_statement_that_does_not_prepare_is_a_configuration_error() {
 async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
     let mut db = Db::start().await;
     let nats = Nats::start().await.unwrap();
-    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
-        .await
-        .unwrap();
-    db.client
-        .batch_execute("CREATE TABLE shipments (id bigserial, event_id uuid, order_id text, kind text)")
-        .await
-        .unwrap();
     let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     js.create_stream(async_nats::jetstream::stream::Config {
         name: "OUTBOX".into(),
@@ -151,10 +153,7 @@ async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
     })
     .await
     .unwrap();
-    db.insert_events(20, 2).await;
-    let env = [("DATABASE_URL", db.url.as_str())];
-    let relay = run_cli(&["relay", "--sink", &nats.url(), "--drain"], &env).await;
-    assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+    publish_twenty(&mut db, &nats.url()).await;
     js.publish("outbox.event.junk", "not an event".into())
         .await
         .unwrap()
