@@ -153,22 +153,20 @@ async fn nats_down_10s_loses_nothing_and_resends_are_deduplicated() {
 
     nats.stop().await.unwrap();
     // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.
-    wait_until(
-        "every remaining row failed 12 times while NATS is down",
-        LONG,
-        || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts < 12")
-                .await
-                == 0
-        },
-    )
+    // Events behind a failed one of the same aggregate may be held back
+    // rather than attempted, so not every row reaches 12.
+    wait_until("a row failed 12 times while NATS is down", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts >= 12")
+            .await
+            > 0
+    })
     .await;
     let left = db.unpublished().await;
     assert!(left > 0 && left < 2_000, "{left} rows left while NATS is down");
     let error: String = db
         .client
         .query_one(
-            "SELECT last_error FROM outbox WHERE published_at IS NULL LIMIT 1",
+            "SELECT last_error FROM outbox WHERE published_at IS NULL ORDER BY attempts DESC LIMIT 1",
             &[],
         )
         .await
