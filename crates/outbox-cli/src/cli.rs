@@ -68,6 +68,8 @@ pub(crate) enum Command {
     Relay(RelayArgs),
     /// Backlog, dead letters and oldest unpublished age, per aggregate type.
     Stats(StatsArgs),
+    /// The live relays, the partitions each holds, and per-partition backlog.
+    Relays(StatsArgs),
     /// Delete published rows (or, with --inbox, processed-event records)
     /// older than --older-than, in short batches. Never touches unpublished
     /// rows or dead letters.
@@ -93,6 +95,11 @@ pub(crate) struct MigrateArgs {
     /// Migrate the consumer's processed_events table instead of the outbox.
     #[arg(long)]
     pub(crate) inbox: bool,
+    /// Logical partitions relays share the outbox by; read only when the
+    /// lease table is created (schema version 3).
+    #[arg(long, default_value_t = outbox::DEFAULT_PARTITIONS,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(outbox::MAX_PARTITIONS)))]
+    pub(crate) partitions: u32,
     #[command(flatten)]
     pub(crate) inbox_table: InboxTableArgs,
 }
@@ -116,10 +123,19 @@ pub(crate) struct RelayArgs {
     /// Deliver everything that is due, then exit 0 (for cron jobs and scripts).
     #[arg(long)]
     pub(crate) drain: bool,
-    /// Per-aggregate ordering: `partition` (id order while nothing fails) or
-    /// `strict` (never past an undelivered earlier event of the aggregate).
+    /// Per-aggregate ordering: `partition` (one relay per partition of
+    /// aggregates, id order while nothing fails), `strict` (never past an
+    /// undelivered earlier event of the aggregate) or `none` (any relay, any
+    /// order; no leases).
     #[arg(long, env = "OUTBOX_ORDERING", value_enum, default_value = "partition")]
     pub(crate) ordering: Ordering,
+    /// How soon the partitions of a relay that died (or froze, or lost its
+    /// connection) move to the other relays.
+    #[arg(long, env = "OUTBOX_LEASE_TIMEOUT", default_value = "10s", value_parser = lease_timeout)]
+    pub(crate) lease_timeout: Duration,
+    /// How this relay shows in `outbox relays` [default: host:pid].
+    #[arg(long, env = "OUTBOX_RELAY_NAME")]
+    pub(crate) relay_name: Option<String>,
     /// Delay after the first failed attempt; doubles per attempt.
     #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
     pub(crate) backoff_base: Duration,
@@ -325,7 +341,9 @@ pub(crate) struct BenchArgs {
 /// `relay --ordering`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Ordering {
-    /// Id order while nothing fails; a retry may be overtaken.
+    /// Any relay, any order: no leases, plain SKIP LOCKED.
+    None,
+    /// One relay per partition of aggregates; id order while nothing fails.
     Partition,
     /// An aggregate waits for its earliest undelivered event.
     Strict,
@@ -342,6 +360,16 @@ pub(crate) enum Phase {
     Idle,
     /// Commit rate of the writer API.
     Writer,
+}
+
+/// A lease timeout: ticks come every third of it, so below a second the
+/// heartbeat alone would keep PostgreSQL busy.
+fn lease_timeout(s: &str) -> Result<Duration, String> {
+    let d = positive_duration(s)?;
+    if d < Duration::from_secs(1) {
+        return Err("must be at least 1s".to_owned());
+    }
+    Ok(d)
 }
 
 fn positive_duration(s: &str) -> Result<Duration, String> {

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | [`relay`] | the loop: wait, claim, deliver, mark, commit |
 //! | `wake` | the session, LISTEN/NOTIFY and the fallback poll |
+//! | `lease` | sharing the outbox between relays: heartbeat, rebalancing, partitions held |
 //! | [`backoff`] | retry delays and the dead-letter limit |
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
@@ -24,6 +25,7 @@
 
 pub mod backoff;
 pub mod failpoint;
+mod lease;
 mod plan;
 pub mod relay;
 pub mod sink;

@@ -37,9 +37,11 @@ use outbox::{Config as OutboxConfig, OutboxRow};
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+use uuid::Uuid;
 
 use crate::backoff::Backoff;
 use crate::failpoint::Failpoint;
+use crate::lease::{LeaseSettings, Leases};
 use crate::plan::{self, Blocked, Failures};
 use crate::sink::Sink;
 use crate::wake::{self, Wake, Wakeups};
@@ -65,8 +67,13 @@ pub struct RelayConfig {
     /// Exit once nothing is due instead of waiting for more (cron jobs,
     /// scripts, `outbox bench`).
     pub drain: bool,
-    /// Per-aggregate ordering.
+    /// Per-aggregate ordering. `Partition` and `Strict` share the outbox
+    /// with other relays through partition leases; `None` claims any row.
     pub ordering: OrderMode,
+    /// How soon a dead relay's partitions move to the others (default 10 s).
+    pub lease_timeout: Duration,
+    /// How this relay shows in `outbox relays` (default `host:pid`).
+    pub name: Option<String>,
     /// A test-only pause point.
     pub failpoint: Option<Failpoint>,
 }
@@ -82,6 +89,8 @@ impl Default for RelayConfig {
             connect_timeout: Duration::from_secs(10),
             drain: false,
             ordering: OrderMode::Partition,
+            lease_timeout: Duration::from_secs(10),
+            name: None,
             failpoint: None,
         }
     }
@@ -90,7 +99,12 @@ impl Default for RelayConfig {
 /// How strictly the relay keeps each aggregate's events in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OrderMode {
-    /// Id order while nothing fails. Events behind a failed event of the
+    /// No order promised: every relay claims any row (plain `SKIP LOCKED`),
+    /// so two relays can deliver one aggregate's events at once, in either
+    /// order. The fastest with several relays.
+    None,
+    /// One relay at a time delivers a partition of aggregates (leases), in
+    /// id order while nothing fails. Events behind a failed event of the
     /// same aggregate in the same or the next batch are held back with it;
     /// events claimed after its batch committed may overtake its retry.
     #[default]
@@ -143,6 +157,8 @@ pub struct Counters {
 /// One connection with its prepared statements and notifications.
 struct Session {
     client: Client,
+    /// (pid, backend start), recorded in the relays table.
+    backend: (i32, chrono::DateTime<chrono::Utc>),
     wakeups: Wakeups,
     claim: Statement,
     mark_failed: Statement,
@@ -202,6 +218,8 @@ pub struct Relay {
     /// The earliest `next_attempt_at` this relay set, so it wakes for the
     /// retry instead of waiting out the fallback poll.
     earliest_retry: Option<Instant>,
+    /// Partition leases, unless the ordering is `None`.
+    leases: Option<Leases>,
 }
 
 impl Relay {
@@ -219,7 +237,24 @@ impl Relay {
             sql,
             counters: Arc::default(),
             earliest_retry: None,
+            leases: None,
         }
+    }
+
+    fn start_leases(&mut self) {
+        if self.config.ordering == OrderMode::None {
+            return;
+        }
+        let mut pg = self.pg.clone();
+        pg.application_name("outbox-relay lease");
+        let settings = LeaseSettings {
+            pg,
+            relay_id: Uuid::new_v4(),
+            name: self.config.name.clone().unwrap_or_else(default_name),
+            timeout: self.config.lease_timeout,
+            max_attempts: self.config.backoff.max_attempts,
+        };
+        self.leases = Some(Leases::start(settings, &self.sql));
     }
 
     /// Totals shared with the running relay.
@@ -233,12 +268,17 @@ impl Relay {
         let Some(first) = self.connect_at_startup(&cancel).await? else {
             return Ok(());
         };
+        self.start_leases();
+        if let Some(leases) = &self.leases {
+            leases.set_backends(first.iter().map(|s| s.backend).collect());
+        }
         info!(
             table = %self.config.outbox.display_name(),
             sink = self.sink.name(),
             batch_size = self.config.batch_size,
             notify = self.config.notify,
             ordering = ?self.config.ordering,
+            relay_id = ?self.leases.as_ref().map(Leases::relay_id),
             "relay ready"
         );
         let started = Instant::now();
@@ -248,7 +288,12 @@ impl Relay {
             let ss = match sessions.as_mut() {
                 Some(ss) => ss,
                 None => match self.reconnect(&cancel).await {
-                    Some(ss) => sessions.insert(ss),
+                    Some(ss) => {
+                        if let Some(leases) = &self.leases {
+                            leases.set_backends(ss.iter().map(|s| s.backend).collect());
+                        }
+                        sessions.insert(ss)
+                    }
                     None => break,
                 },
             };
@@ -293,6 +338,9 @@ impl Relay {
         if let Some(ss) = sessions.as_mut() {
             self.finish(ss, flow).await;
         }
+        if let Some(leases) = self.leases.take() {
+            leases.leave().await;
+        }
         info!("relay stopped");
         Ok(())
     }
@@ -333,7 +381,18 @@ impl Relay {
                     self.account(done);
                 }
                 if flow.idle {
-                    match ss[0].wakeups.wait(self.next_wait(), cancel).await {
+                    let wait = self.next_wait();
+                    let woken = async {
+                        match &self.leases {
+                            Some(leases) => leases.woken().await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    let wake = tokio::select! {
+                        wake = ss[0].wakeups.wait(wait, cancel) => wake,
+                        () = woken => Wake::Notified,
+                    };
+                    match wake {
                         Wake::Cancelled => return Ok(Step::Cancelled),
                         Wake::ConnectionLost => return Ok(Step::ConnectionLost),
                         Wake::Notified | Wake::Timer => {}
@@ -346,10 +405,13 @@ impl Relay {
                 // a failure are not due and nothing needs holding back here.
                 flow.blocked.clear();
                 let (_, rows) = self.commit(&ss[0], None, true).await?;
+                let claimed = rows.is_some();
                 let rows = rows.unwrap_or_default();
                 if rows.is_empty() {
-                    ss[0].client.batch_execute("COMMIT").await?;
-                    if self.config.drain {
+                    if claimed {
+                        ss[0].client.batch_execute("COMMIT").await?;
+                    }
+                    if self.config.drain && (claimed || self.holds_nothing()) {
                         return Ok(Step::Drained);
                     }
                     flow.idle = true;
@@ -438,7 +500,16 @@ impl Relay {
         let client = &s.client;
         let limit = i64::from(self.config.batch_size);
         let max_attempts = self.config.backoff.max_attempts;
-        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&max_attempts, &limit];
+        let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
+        let count = lease.as_ref().map_or(0, |(_, v)| i64::from(v.count));
+        type Param<'p> = &'p (dyn tokio_postgres::types::ToSql + Sync);
+        let mut claim_params: Vec<Param<'_>> = vec![&max_attempts, &limit];
+        if let Some((relay_id, view)) = &lease {
+            let leased: [Param<'_>; 3] = [relay_id, &view.claimable, &count];
+            claim_params.extend(leased);
+        }
+        // Holding no partition, there is nothing to claim: no transaction.
+        let claim = claim && lease.as_ref().is_none_or(|(_, v)| !v.claimable.is_empty());
         let failures = delivered.as_ref().map(|d| &d.failures);
         let (failed, committed, begun, claimed) = tokio::join!(
             async {
@@ -502,9 +573,24 @@ impl Relay {
         );
     }
 
+    /// Whether the leases say this relay holds no partition (after the first
+    /// tick), so a `--drain` relay has nothing left to do.
+    fn holds_nothing(&self) -> bool {
+        self.leases.as_ref().is_some_and(|l| {
+            let view = l.view();
+            view.count > 0 && view.claimable.is_empty()
+        })
+    }
+
     /// How long to sleep: the fallback poll, or less if a retry is due sooner.
+    /// With leases and NOTIFY, the lease tick reports due rows, so there is
+    /// no fallback poll of its own.
     fn next_wait(&mut self) -> Duration {
-        let poll = wake::jittered(self.config.poll_interval);
+        let poll = if self.leases.is_some() && self.config.notify {
+            NO_POLL
+        } else {
+            wake::jittered(self.config.poll_interval)
+        };
         match self.earliest_retry {
             Some(at) => {
                 let until = at.saturating_duration_since(Instant::now());
@@ -525,11 +611,19 @@ impl Relay {
                 .await
                 .map_err(SessionError::Schema)?;
         }
+        let me = client
+            .query_one(
+                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+                &[],
+            )
+            .await?;
         Ok(Session {
+            backend: (me.try_get(0)?, me.try_get(1)?),
             claim: client
                 .prepare(match self.config.ordering {
-                    OrderMode::Partition => &self.sql.claim_batch,
-                    OrderMode::Strict => &self.sql.claim_batch_strict,
+                    OrderMode::None => &self.sql.claim_batch,
+                    OrderMode::Partition => &self.sql.claim_batch_leased,
+                    OrderMode::Strict => &self.sql.claim_batch_strict_leased,
                 })
                 .await?,
             mark_failed: client.prepare(&self.sql.mark_failed).await?,
@@ -617,6 +711,21 @@ impl Relay {
             delay = (delay * 2).min(Duration::from_secs(5));
         }
     }
+}
+
+/// The idle wait when nothing but a notification, a retry or a lease tick
+/// should wake the relay.
+const NO_POLL: Duration = Duration::from_secs(3600);
+
+/// `host:pid`, how a relay shows in `outbox relays` unless named.
+fn default_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("{host}:{}", std::process::id())
 }
 
 /// Decodes claimed rows in id order, which is delivery order: the claim's

@@ -14,7 +14,18 @@ pub struct Config {
     pub table: Ident,
     /// Channel the insert trigger notifies (default `outbox_new`).
     pub channel: Ident,
+    /// Logical partitions relays share the outbox by (default 64). Only
+    /// [`migrate`](crate::migrate) reads it, when it creates the lease
+    /// table; from then on that table decides.
+    pub partitions: u32,
 }
+
+/// Partitions [`Config::partitions`] defaults to: enough for dozens of relays
+/// to share evenly, few enough that a relay's lease check stays cheap.
+pub const DEFAULT_PARTITIONS: u32 = 64;
+
+/// The most partitions [`Config::with_partitions`] accepts.
+pub const MAX_PARTITIONS: u32 = 4096;
 
 impl Default for Config {
     fn default() -> Self {
@@ -22,6 +33,7 @@ impl Default for Config {
             schema: Ident::new("--schema", "public").expect("valid literal"),
             table: Ident::new("--table", "outbox").expect("valid literal"),
             channel: Ident::new("--channel", "outbox_new").expect("valid literal"),
+            partitions: DEFAULT_PARTITIONS,
         }
     }
 }
@@ -48,6 +60,16 @@ impl Config {
         Ok(self)
     }
 
+    /// Uses `n` logical partitions (1 to [`MAX_PARTITIONS`]) when the lease
+    /// table is created.
+    pub fn with_partitions(mut self, n: u32) -> Result<Self, Error> {
+        if !(1..=MAX_PARTITIONS).contains(&n) {
+            return Err(Error::InvalidPartitions { value: n, max: MAX_PARTITIONS });
+        }
+        self.partitions = n;
+        Ok(self)
+    }
+
     /// `"schema"."table"`, for SQL text.
     pub fn qualified(&self) -> String {
         format!("{}.{}", self.schema.quoted(), self.table.quoted())
@@ -56,6 +78,15 @@ impl Config {
     /// `schema.table`, for messages.
     pub fn display_name(&self) -> String {
         format!("{}.{}", self.schema, self.table)
+    }
+
+    /// `"schema"."<table><suffix>"`: a companion object of the outbox.
+    pub fn companion(&self, suffix: &str) -> Result<String, Error> {
+        Ok(format!(
+            "{}.{}",
+            self.schema.quoted(),
+            self.table.suffixed("--table", suffix)?.quoted()
+        ))
     }
 }
 

@@ -18,6 +18,14 @@ pub enum Error {
         /// The refused name.
         name: String,
     },
+    /// A partition count out of range.
+    #[error("invalid --partitions {value}: expected 1 to {max}")]
+    InvalidPartitions {
+        /// The refused count.
+        value: u32,
+        /// The largest accepted.
+        max: u32,
+    },
     /// An event is missing a required field or is too large.
     #[error("invalid event: {0}")]
     InvalidEvent(String),
@@ -82,6 +90,7 @@ impl Error {
         matches!(
             self,
             Error::InvalidIdentifier { .. }
+                | Error::InvalidPartitions { .. }
                 | Error::NotMigrated { .. }
                 | Error::SchemaTooNew { .. }
                 | Error::MigrationChanged { .. }

@@ -56,7 +56,7 @@ pub mod webhooks;
 pub mod worker;
 mod writer;
 
-pub use config::{Config, InboxConfig};
+pub use config::{Config, DEFAULT_PARTITIONS, InboxConfig, MAX_PARTITIONS};
 pub use error::Error;
 pub use event::{Event, OutboxRow};
 pub use ident::Ident;

@@ -35,6 +35,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "strict_order",
         template: include_str!("../migrations/outbox/0002_strict_order.sql"),
     },
+    Migration {
+        version: 3,
+        name: "relay_leases",
+        template: include_str!("../migrations/outbox/0003_relay_leases.sql"),
+    },
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -44,7 +49,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 2;
+pub const OUTBOX_VERSION: i32 = 3;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 
@@ -91,6 +96,10 @@ impl Target {
                     format!("{s}.{}", t.suffixed("--table", "_notify")?.quoted()),
                 ),
                 ("{notify_trigger}", t.suffixed("--table", "_notify")?.quoted()),
+                ("{relays}", config.companion("_relays")?),
+                ("{leases}", config.companion("_leases")?),
+                ("{tick_fn}", config.companion("_relay_tick")?),
+                ("{partitions}", config.partitions.to_string()),
                 // A string literal; identifiers cannot contain a quote.
                 ("{channel}", config.channel.as_str().to_owned()),
             ],
@@ -301,7 +310,9 @@ mod tests {
         let target = Target::outbox(&Config::new("app", "events").unwrap()).unwrap();
         for m in target.migrations {
             let sql = target.render(m);
-            assert!(!sql.contains("{table}") && !sql.contains("_idx}"), "{sql}");
+            for (placeholder, _) in &target.vars {
+                assert!(!sql.contains(placeholder), "{placeholder} in {sql}");
+            }
             assert!(sql.contains("\"app\".\"events\""));
             if m.version == 1 {
                 assert!(sql.contains("('outbox_new')"));

@@ -55,6 +55,67 @@ const CLAIM_BATCH_STRICT: &str = "WITH claimed AS ( \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
      RETURNING {ocols}";
 
+/// The logical partition of a row (`$5` partitions): a stable hash of its
+/// aggregate_id, the same expression the tick function uses.
+const PARTITION_OF: &str = "((hashtextextended({a}aggregate_id, 0) % $5::int8 + $5::int8) % $5::int8)::int4";
+
+/// What a relay sharing the outbox adds to its claim: `$3` its id, `$4` the
+/// partitions it may claim, `$5` the partition count. The lease rows are
+/// read `FOR SHARE`, and only those it still owns count: every change of
+/// owner is an UPDATE of a lease row, which now waits for this batch's
+/// commit or rollback, so no other relay can claim these partitions while
+/// the batch is in flight. A hashed subplan: read and locked once per claim.
+const LEASED: &str = "AND {partition_of} IN ( \
+        SELECT l.partition FROM {leases} AS l WHERE l.owner = $3 AND l.partition = ANY($4::int4[]) FOR SHARE)";
+
+/// `CLAIM_BATCH` restricted to the partitions this relay holds.
+const CLAIM_BATCH_LEASED: &str = "WITH claimed AS ( \
+        SELECT id FROM {t} \
+         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 {leased} \
+         ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     RETURNING {ocols}";
+
+/// `CLAIM_BATCH_STRICT` restricted to the partitions this relay holds.
+const CLAIM_BATCH_STRICT_LEASED: &str = "WITH claimed AS ( \
+        SELECT c.id FROM {t} AS c \
+         WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 {leased_c} \
+           AND NOT EXISTS (SELECT 1 FROM {t} AS e \
+                 WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
+                   AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
+         ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     RETURNING {ocols}";
+
+/// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
+/// is dead, `$4` max attempts, `$5`/`$6` its batch connections' pids and
+/// start times. One relay tick (heartbeat and rebalance; see migration
+/// 0003): the partitions it holds, whether each is being released, whether
+/// any of them has a row due, and the partition count.
+const RELAY_TICK: &str = "SELECT partition, releasing, due, partitions \
+       FROM {tick_fn}($1, $2, make_interval(secs => $3), $4, $5::int4[], $6::timestamptz[])";
+
+/// `$1` relay id. A relay leaving: its partitions go to the others at
+/// their next tick, without waiting for the heartbeat to expire.
+const RELAY_LEAVE: &str = "WITH gone AS (DELETE FROM {relays} WHERE relay_id = $1) \
+     UPDATE {leases} SET owner = NULL, acquired_at = NULL WHERE owner = $1";
+
+/// The live relays, oldest first, each with its partitions.
+const RELAYS: &str = "SELECT r.relay_id, r.name, r.started_at, \
+            extract(epoch FROM clock_timestamp() - r.heartbeat_at)::float8 AS silent_for, \
+            coalesce(array_agg(l.partition ORDER BY l.partition) FILTER (WHERE l.partition IS NOT NULL), '{}') AS partitions \
+       FROM {relays} AS r LEFT JOIN {leases} AS l ON l.owner = r.relay_id \
+      GROUP BY r.relay_id ORDER BY r.started_at, r.relay_id";
+
+/// `$1` max attempts. Every partition with its owner (NULL: none) and its
+/// pending rows (not published, not dead). Reads every unpublished row.
+const PARTITION_BACKLOG: &str = "WITH n AS (SELECT count(*)::int8 AS n FROM {leases}), \
+     pending AS ( \
+        SELECT ((hashtextextended(o.aggregate_id, 0) % n.n + n.n) % n.n)::int4 AS partition, count(*) AS rows \
+          FROM {t} AS o, n WHERE o.published_at IS NULL AND o.attempts < $1 GROUP BY 1) \
+     SELECT l.partition, l.owner, coalesce(p.rows, 0) AS rows \
+       FROM {leases} AS l LEFT JOIN pending AS p ON p.partition = l.partition ORDER BY l.partition";
+
 /// `$1` max attempts, `$2` ids. Gives up on dead letters: they stay for
 /// inspection but no longer hold their aggregate back in strict mode.
 const GIVE_UP_DEAD: &str = "UPDATE {t} SET given_up_at = clock_timestamp() \
@@ -162,6 +223,12 @@ pub struct OutboxSql {
     pub insert_events: String,
     pub claim_batch: String,
     pub claim_batch_strict: String,
+    pub claim_batch_leased: String,
+    pub claim_batch_strict_leased: String,
+    pub relay_tick: String,
+    pub relay_leave: String,
+    pub relays: String,
+    pub partition_backlog: String,
     pub give_up_dead: String,
     pub select_batch: String,
     pub next_retry: String,
@@ -185,8 +252,23 @@ impl OutboxSql {
             .map(|c| format!("o.{c}"))
             .collect::<Vec<_>>()
             .join(", ");
+        // Companion names are validated by the migration that creates them;
+        // a table name too long for them fails the schema check first.
+        let companion = |suffix: &str| {
+            format!("{}.\"{}{suffix}\"", config.schema.quoted(), config.table)
+        };
+        let (leases, relays, tick_fn) = (
+            companion("_leases"),
+            companion("_relays"),
+            companion("_relay_tick"),
+        );
         let render = |template: &str| {
             template
+                .replace("{leased_c}", &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "c.")))
+                .replace("{leased}", &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "")))
+                .replace("{leases}", &leases)
+                .replace("{relays}", &relays)
+                .replace("{tick_fn}", &tick_fn)
                 .replace("{dead}", DEAD_FILTER)
                 .replace("{cols}", ROW_COLUMNS)
                 .replace("{ocols}", &o_columns)
@@ -197,6 +279,12 @@ impl OutboxSql {
             insert_events: render(INSERT_EVENTS),
             claim_batch: render(CLAIM_BATCH),
             claim_batch_strict: render(CLAIM_BATCH_STRICT),
+            claim_batch_leased: render(CLAIM_BATCH_LEASED),
+            claim_batch_strict_leased: render(CLAIM_BATCH_STRICT_LEASED),
+            relay_tick: render(RELAY_TICK),
+            relay_leave: render(RELAY_LEAVE),
+            relays: render(RELAYS),
+            partition_backlog: render(PARTITION_BACKLOG),
             give_up_dead: render(GIVE_UP_DEAD),
             select_batch: render(SELECT_BATCH),
             next_retry: render(NEXT_RETRY),
@@ -242,6 +330,9 @@ mod tests {
         let sql = OutboxSql::new(&Config::new("app", "events").unwrap());
         for s in [
             &sql.claim_batch,
+            &sql.claim_batch_leased,
+            &sql.claim_batch_strict_leased,
+            &sql.relay_tick,
             &sql.requeue_dead,
             &sql.count_dead,
             &sql.insert_events,

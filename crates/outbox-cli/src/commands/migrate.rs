@@ -13,7 +13,7 @@ pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("migrating the inbox {}", config.display_name()))?
     } else {
-        let config = super::outbox_config(g)?;
+        let config = super::outbox_config(g)?.with_partitions(args.partitions)?;
         let mut client = super::connect(&pg).await?;
         outbox::migrate(&mut client, &config)
             .await

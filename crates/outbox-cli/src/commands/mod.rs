@@ -8,6 +8,7 @@ mod demo;
 mod dlq;
 mod migrate;
 mod relay;
+mod relays;
 mod stats;
 
 use anyhow::Context;
@@ -23,6 +24,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Migrate(args) => migrate::run(g, args).await,
         Command::Relay(args) => relay::run(g, args).await,
         Command::Stats(args) => stats::run(g, args).await,
+        Command::Relays(args) => relays::run(g, args).await,
         Command::Cleanup(args) => cleanup::run(g, args).await,
         Command::Consume(args) => consume::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,

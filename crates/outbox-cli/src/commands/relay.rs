@@ -55,9 +55,12 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         connect_timeout: g.connect_timeout,
         drain: args.drain,
         ordering: match args.ordering {
+            Ordering::None => OrderMode::None,
             Ordering::Partition => OrderMode::Partition,
             Ordering::Strict => OrderMode::Strict,
         },
+        lease_timeout: args.lease_timeout,
+        name: args.relay_name,
         failpoint,
     };
     let cancel = super::shutdown_token()?;

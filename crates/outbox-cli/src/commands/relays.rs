@@ -1,0 +1,167 @@
+//! `outbox relays`: the live relays, the partitions each holds, and the
+//! backlog of every partition.
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::cli::{Global, StatsArgs};
+
+#[derive(Debug, Serialize)]
+struct LiveRelay {
+    relay_id: Uuid,
+    name: String,
+    started_at: DateTime<Utc>,
+    /// Seconds since its last heartbeat.
+    silent_for_seconds: f64,
+    partitions: Vec<i32>,
+    /// Pending rows (not published, not dead) in its partitions.
+    backlog: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct Partition {
+    partition: i32,
+    owner: Option<Uuid>,
+    backlog: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct Relays {
+    table: String,
+    partitions: usize,
+    /// Partitions no live relay holds (between a relay's death and the
+    /// takeover, or with no relay running).
+    unowned: Vec<i32>,
+    relays: Vec<LiveRelay>,
+    by_partition: Vec<Partition>,
+}
+
+pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
+    let config = super::outbox_config(g)?;
+    let client = super::connect(&super::pg_config(g)?).await?;
+    outbox::check(&client, &config).await?;
+    let sql = outbox::sql::OutboxSql::new(&config);
+    let by_partition: Vec<Partition> = client
+        .query(&sql.partition_backlog, &[&g.max_attempts])
+        .await
+        .context("reading the partition backlog")?
+        .iter()
+        .map(|r| Partition {
+            partition: r.get("partition"),
+            owner: r.get("owner"),
+            backlog: r.get("rows"),
+        })
+        .collect();
+    let relays: Vec<LiveRelay> = client
+        .query(&sql.relays, &[])
+        .await
+        .context("reading the relays")?
+        .iter()
+        .map(|r| {
+            let partitions: Vec<i32> = r.get("partitions");
+            LiveRelay {
+                relay_id: r.get("relay_id"),
+                name: r.get("name"),
+                started_at: r.get("started_at"),
+                silent_for_seconds: r.get("silent_for"),
+                backlog: partitions
+                    .iter()
+                    .filter_map(|p| by_partition.get(usize::try_from(*p).ok()?))
+                    .map(|p| p.backlog)
+                    .sum(),
+                partitions,
+            }
+        })
+        .collect();
+    let unowned = by_partition
+        .iter()
+        .filter(|p| p.owner.is_none_or(|o| !relays.iter().any(|r| r.relay_id == o)))
+        .map(|p| p.partition)
+        .collect();
+    let report = Relays {
+        table: config.display_name(),
+        partitions: by_partition.len(),
+        unowned,
+        relays,
+        by_partition,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "outbox {}: {} partitions, {} live relays",
+        report.table,
+        report.partitions,
+        report.relays.len()
+    );
+    println!();
+    println!(
+        "  {:<36} {:<24} {:>10} {:>10} {:>9}  partitions",
+        "relay_id", "name", "heartbeat", "held", "backlog"
+    );
+    for r in &report.relays {
+        println!(
+            "  {:<36} {:<24} {:>9.1}s {:>10} {:>9}  {}",
+            r.relay_id,
+            r.name,
+            r.silent_for_seconds,
+            r.partitions.len(),
+            r.backlog,
+            ranges(&r.partitions)
+        );
+    }
+    if !report.unowned.is_empty() {
+        let backlog: i64 = report
+            .unowned
+            .iter()
+            .filter_map(|p| report.by_partition.get(usize::try_from(*p).ok()?))
+            .map(|p| p.backlog)
+            .sum();
+        println!(
+            "  {:<36} {:<24} {:>10} {:>10} {:>9}  {}",
+            "(nobody)",
+            "",
+            "",
+            report.unowned.len(),
+            backlog,
+            ranges(&report.unowned)
+        );
+    }
+    Ok(())
+}
+
+/// `0-15,32,40-41`: sorted partitions as ranges, to fit a line.
+fn ranges(partitions: &[i32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < partitions.len() {
+        let start = partitions[i];
+        let mut end = start;
+        while i + 1 < partitions.len() && partitions[i + 1] == end + 1 {
+            i += 1;
+            end = partitions[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    out.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ranges;
+
+    #[test]
+    fn ranges_fold_runs() {
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(ranges(&[]), "");
+        assert_eq!(ranges(&[3]), "3");
+    }
+}

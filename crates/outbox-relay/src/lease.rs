@@ -1,0 +1,254 @@
+//! Sharing one outbox between relays: heartbeat, rebalancing and the set of
+//! partitions this relay may claim.
+//!
+//! The outbox is split into a fixed number of logical partitions by a hash of
+//! `aggregate_id` (migration 0003). A task on its own connection ticks every
+//! third of the lease timeout: one call of the tick function heartbeats,
+//! forgets relays silent for two thirds of the timeout (terminating their
+//! batch connections), and moves this relay towards an even share. So a dead
+//! relay's partitions move within the lease timeout, and a new relay gets
+//! its share within a few ticks.
+//!
+//! What keeps two relays from delivering one aggregate at once is not this
+//! task but the claim: it reads the lease rows `FOR SHARE` and claims only
+//! partitions whose row still names this relay, so ownership cannot change
+//! while a batch is in flight (see `LEASED` in `outbox::sql`). A stale view
+//! here can only make the relay claim less, never claim what it lost.
+//!
+//! The tick also reports whether any held partition has a row due, which
+//! replaces the fallback poll: an idle relay commits one tick per interval
+//! and nothing else.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox::sql::OutboxSql;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use uuid::Uuid;
+
+use crate::relay::error_chain;
+use crate::wake;
+
+/// What the last successful tick said.
+#[derive(Debug, Default)]
+pub(crate) struct LeaseView {
+    /// Partitions this relay holds and is not handing over, ascending.
+    pub(crate) claimable: Vec<i32>,
+    /// The partition count; 0 until the first tick succeeded.
+    pub(crate) count: i32,
+}
+
+/// The batch connections of this relay, as (pid, backend start), which the
+/// tick records so another relay can terminate them if this one is declared
+/// dead while a batch of it still holds locks.
+pub(crate) type Backends = Vec<(i32, DateTime<Utc>)>;
+
+/// Settings of the lease task.
+#[derive(Debug, Clone)]
+pub(crate) struct LeaseSettings {
+    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) relay_id: Uuid,
+    pub(crate) name: String,
+    pub(crate) timeout: Duration,
+    pub(crate) max_attempts: i32,
+}
+
+impl LeaseSettings {
+    /// Ticks come three times per lease timeout.
+    fn interval(&self) -> Duration {
+        self.timeout / 3
+    }
+
+    /// A relay silent this long is dead: with a tick every third of the
+    /// timeout, a dead relay's partitions move within the timeout.
+    fn dead_after(&self) -> Duration {
+        self.timeout * 2 / 3
+    }
+}
+
+/// The running lease task and what it shares with the relay loop.
+pub(crate) struct Leases {
+    relay_id: Uuid,
+    view: watch::Receiver<Arc<LeaseView>>,
+    wake: Arc<Notify>,
+    backends: Arc<Mutex<Backends>>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Leases {
+    /// Starts ticking at once; the first tick wakes the relay loop.
+    pub(crate) fn start(settings: LeaseSettings, sql: &OutboxSql) -> Self {
+        let (tx, view) = watch::channel(Arc::new(LeaseView::default()));
+        let wake = Arc::new(Notify::new());
+        let backends = Arc::new(Mutex::new(Backends::new()));
+        let stop = CancellationToken::new();
+        let ticker = Ticker {
+            relay_id: settings.relay_id,
+            settings,
+            tick_sql: sql.relay_tick.clone(),
+            leave_sql: sql.relay_leave.clone(),
+            view: tx,
+            wake: Arc::clone(&wake),
+            backends: Arc::clone(&backends),
+        };
+        let relay_id = ticker.relay_id;
+        let task = tokio::spawn(ticker.run(stop.clone()));
+        Self {
+            relay_id,
+            view,
+            wake,
+            backends,
+            stop,
+            task,
+        }
+    }
+
+    /// This relay's id, as the lease rows name it.
+    pub(crate) fn relay_id(&self) -> Uuid {
+        self.relay_id
+    }
+
+    /// The latest view.
+    pub(crate) fn view(&self) -> Arc<LeaseView> {
+        Arc::clone(&self.view.borrow())
+    }
+
+    /// Records the relay's batch connections for the next tick.
+    pub(crate) fn set_backends(&self, backends: Backends) {
+        *self.backends.lock().unwrap_or_else(|e| e.into_inner()) = backends;
+    }
+
+    /// Resolves when a tick found a due row or gained partitions.
+    pub(crate) async fn woken(&self) {
+        self.wake.notified().await;
+    }
+
+    /// Stops ticking and hands every partition back, so the others take them
+    /// at their next tick instead of waiting for the heartbeat to expire.
+    /// Call after the last batch committed.
+    pub(crate) async fn leave(self) {
+        self.stop.cancel();
+        if let Err(error) = self.task.await {
+            warn!(%error, "lease task failed");
+        }
+    }
+}
+
+/// The task's side.
+struct Ticker {
+    relay_id: Uuid,
+    settings: LeaseSettings,
+    tick_sql: String,
+    leave_sql: String,
+    view: watch::Sender<Arc<LeaseView>>,
+    wake: Arc<Notify>,
+    backends: Arc<Mutex<Backends>>,
+}
+
+impl Ticker {
+    async fn run(self, stop: CancellationToken) {
+        let mut client: Option<Client> = None;
+        loop {
+            if client.as_ref().is_none_or(Client::is_closed) {
+                client = match wake::connect(&self.settings.pg, None).await {
+                    Ok((c, _)) => Some(c),
+                    Err(error) => {
+                        warn!(error = %error_chain(&error), "lease connection failed; retrying");
+                        None
+                    }
+                };
+            }
+            if let Some(c) = &client {
+                // A tick that hangs must not stop the heartbeat for good.
+                match tokio::time::timeout(self.settings.interval(), self.tick(c)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => {
+                        warn!(error = %error_chain(&error), "lease tick failed");
+                    }
+                    Err(_) => {
+                        warn!("lease tick timed out; reconnecting");
+                        client = None;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(wake::jittered(self.settings.interval())) => {}
+            }
+        }
+        if let Some(c) = client.filter(|c| !c.is_closed()) {
+            match c.execute(&self.leave_sql, &[&self.relay_id]).await {
+                Ok(n) => info!(partitions = n, "relay left; partitions handed back"),
+                Err(error) => {
+                    warn!(error = %error_chain(&error), "handing partitions back failed; they move when the heartbeat expires");
+                }
+            }
+        }
+    }
+
+    async fn tick(&self, c: &Client) -> Result<(), tokio_postgres::Error> {
+        let (pids, starts): (Vec<i32>, Vec<DateTime<Utc>>) = self
+            .backends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .copied()
+            .unzip();
+        let rows = c
+            .query(
+                &self.tick_sql,
+                &[
+                    &self.relay_id,
+                    &self.settings.name,
+                    &self.settings.dead_after().as_secs_f64(),
+                    &self.settings.max_attempts,
+                    &pids,
+                    &starts,
+                ],
+            )
+            .await?;
+        let mut next = LeaseView::default();
+        let mut due = false;
+        let mut releasing = 0;
+        for row in &rows {
+            let partition: i32 = row.try_get(0)?;
+            if row.try_get::<_, bool>(1)? {
+                releasing += 1;
+            } else {
+                next.claimable.push(partition);
+            }
+            due |= row.try_get::<_, bool>(2)?;
+            next.count = row.try_get(3)?;
+        }
+        let previous = self.view.borrow().clone();
+        let gained = next
+            .claimable
+            .iter()
+            .any(|p| previous.claimable.binary_search(p).is_err());
+        if next.claimable != previous.claimable {
+            info!(
+                holding = next.claimable.len(),
+                releasing,
+                partitions = next.count.max(previous.count),
+                "partition share changed"
+            );
+        } else {
+            debug!(holding = next.claimable.len(), due, "lease tick");
+        }
+        // An empty answer leaves the count unknown; keep the last one.
+        if next.count == 0 {
+            next.count = previous.count;
+        }
+        self.view.send_replace(Arc::new(next));
+        if due || gained {
+            self.wake.notify_one();
+        }
+        Ok(())
+    }
+}
