@@ -2,41 +2,73 @@
 //!
 //! Crash tests need the relay stopped at an exact place (after the sink
 //! acknowledged a batch, before the batch is marked) so they can `kill -9` it
-//! there instead of hoping a sleep lines up. A failpoint logs that it was
-//! reached and parks the relay forever; the test waits for the log line and
-//! kills the process. With the variable unset this is one `Option` check per
-//! batch.
+//! there, or freeze it there, instead of hoping a sleep lines up. A failpoint
+//! logs that it was reached and parks the relay: for ever, or once for a
+//! while. With the variable unset this is one `Option` check per batch.
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 /// Where the relay can be parked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Failpoint {
-    /// After the sink answered for a batch, before marking it published.
+    /// After the sink answered for a batch, before marking it published:
+    /// parks for ever.
     PauseAfterDeliver,
+    /// The same place, once per process, for this long; then the relay goes
+    /// on to commit (`sleep-after-deliver-ms=N`).
+    SleepAfterDeliver(Duration),
 }
 
 impl FromStr for Failpoint {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "pause-after-deliver" => Ok(Self::PauseAfterDeliver),
-            other => Err(format!(
-                "unknown failpoint {other:?} in OUTBOX_FAILPOINT (known: pause-after-deliver)"
-            )),
+        let unknown = || {
+            format!(
+                "unknown failpoint {s:?} in OUTBOX_FAILPOINT \
+                 (known: pause-after-deliver, sleep-after-deliver-ms=N)"
+            )
+        };
+        match s.split_once('=') {
+            None if s == "pause-after-deliver" => Ok(Self::PauseAfterDeliver),
+            Some(("sleep-after-deliver-ms", ms)) => ms
+                .parse()
+                .map(|ms| Self::SleepAfterDeliver(Duration::from_millis(ms)))
+                .map_err(|_| unknown()),
+            _ => Err(unknown()),
         }
     }
 }
 
+/// Whether the one-shot sleep already happened.
+static SLEPT: AtomicBool = AtomicBool::new(false);
+
 impl Failpoint {
-    /// Logs and never returns.
+    /// Logs and parks.
     pub(crate) async fn park(self, rows: usize) {
-        tracing::warn!(
-            rows,
-            "failpoint pause-after-deliver reached; parked before marking"
-        );
-        std::future::pending::<()>().await;
+        match self {
+            Self::PauseAfterDeliver => {
+                tracing::warn!(
+                    rows,
+                    "failpoint pause-after-deliver reached; parked before marking"
+                );
+                std::future::pending::<()>().await;
+            }
+            Self::SleepAfterDeliver(d) => {
+                if SLEPT.swap(true, Ordering::Relaxed) {
+                    return;
+                }
+                tracing::warn!(
+                    rows,
+                    ?d,
+                    "failpoint sleep-after-deliver reached; sleeping before marking"
+                );
+                tokio::time::sleep(d).await;
+                tracing::warn!("failpoint sleep-after-deliver over; committing");
+            }
+        }
     }
 }

@@ -22,6 +22,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use chrono::{DateTime, Utc};
 use outbox::sql::OutboxSql;
 use tokio::sync::{Notify, watch};
@@ -41,6 +43,15 @@ pub(crate) struct LeaseView {
     pub(crate) claimable: Vec<i32>,
     /// The partition count; 0 until the first tick succeeded.
     pub(crate) count: i32,
+    /// Until when the other relays cannot have declared this one dead: the
+    /// last successful tick was sent at most `dead_after` before. None
+    /// before the first tick.
+    pub(crate) valid_until: Option<Instant>,
+    /// Bumped whenever a tick succeeds after the last one expired: the
+    /// other relays may have declared this one dead in between and taken
+    /// its partitions, so a batch claimed in an earlier epoch must not be
+    /// sent even if this relay holds the same partitions again.
+    pub(crate) epoch: u64,
 }
 
 /// The batch connections of this relay, as (pid, backend start), which the
@@ -124,6 +135,49 @@ impl Leases {
         *self.backends.lock().unwrap_or_else(|e| e.into_inner()) = backends;
     }
 
+    /// Whether the other relays may already have declared this one dead, so
+    /// that a batch it claimed may have been taken over: then it must not
+    /// be sent.
+    pub(crate) fn expired(&self) -> bool {
+        self.view().valid_until.is_none_or(|t| t <= Instant::now())
+    }
+
+    /// Delivers `batch` unless the lease runs out first (each tick during
+    /// the call pushes the end back); then every row is a retryable failure,
+    /// so another relay never delivers an aggregate while this one still is.
+    pub(crate) async fn deliver_within(
+        &self,
+        sink: &dyn crate::Sink,
+        batch: &[outbox::OutboxRow],
+    ) -> Vec<crate::Delivery> {
+        let mut changes = self.view.clone();
+        let deliver = sink.deliver(batch);
+        tokio::pin!(deliver);
+        loop {
+            let Some(until) = self.view().valid_until else {
+                break;
+            };
+            tokio::select! {
+                answers = &mut deliver => return answers,
+                () = tokio::time::sleep_until(until) => break,
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        warn!(rows = batch.len(), "the lease ran out during delivery; the batch is abandoned");
+        batch
+            .iter()
+            .map(|_| {
+                Err(crate::DeliveryError::retryable(
+                    "abandoned: this relay's lease ran out during delivery",
+                ))
+            })
+            .collect()
+    }
+
     /// Resolves when a tick found a due row or gained partitions.
     pub(crate) async fn woken(&self) {
         self.wake.notified().await;
@@ -200,6 +254,7 @@ impl Ticker {
             .iter()
             .copied()
             .unzip();
+        let sent = Instant::now();
         let rows = c
             .query(
                 &self.tick_sql,
@@ -213,7 +268,10 @@ impl Ticker {
                 ],
             )
             .await?;
-        let mut next = LeaseView::default();
+        let mut next = LeaseView {
+            valid_until: Some(sent + self.settings.dead_after()),
+            ..LeaseView::default()
+        };
         let mut due = false;
         let mut releasing = 0;
         for row in &rows {
@@ -227,6 +285,11 @@ impl Ticker {
             next.count = row.try_get(3)?;
         }
         let previous = self.view.borrow().clone();
+        next.epoch = if previous.valid_until.is_some_and(|t| t > sent) {
+            previous.epoch
+        } else {
+            previous.epoch + 1
+        };
         let gained = next
             .claimable
             .iter()

@@ -175,6 +175,8 @@ type Sessions = [Session; 2];
 struct Claimed {
     conn: usize,
     rows: Vec<OutboxRow>,
+    /// The lease epoch it was claimed in (0 without leases).
+    epoch: u64,
 }
 
 /// A batch the sink has answered for, waiting for its COMMIT on `conn`.
@@ -404,6 +406,7 @@ impl Relay {
                 // Claimed after every earlier batch committed, so rows behind
                 // a failure are not due and nothing needs holding back here.
                 flow.blocked.clear();
+                let epoch = self.lease_epoch();
                 let (_, rows) = self.commit(&ss[0], None, true).await?;
                 let claimed = rows.is_some();
                 let rows = rows.unwrap_or_default();
@@ -417,14 +420,28 @@ impl Relay {
                     flow.idle = true;
                     return Ok(Step::Continue);
                 }
-                Claimed { conn: 0, rows }
+                Claimed { conn: 0, rows, epoch }
             }
         };
+        if self
+            .leases
+            .as_ref()
+            .is_some_and(|l| l.expired() || l.view().epoch != current.epoch)
+        {
+            // Claimed before the heartbeat lapsed: another relay may own
+            // these rows now. Give them back unsent and wait for a tick.
+            warn!(rows = current.rows.len(), "lease expired before delivery; giving the batch back");
+            ss[current.conn].client.batch_execute("ROLLBACK").await?;
+            flow.blocked.clear();
+            flow.idle = true;
+            return Ok(Step::Continue);
+        }
         let started = Instant::now();
         let full = current.rows.len() == self.config.batch_size as usize;
         flow.idle = !full && !self.config.drain;
         let other = 1 - current.conn;
         let previous = flow.previous.take();
+        let epoch = self.lease_epoch();
         debug_assert!(previous.as_ref().is_none_or(|p| p.conn == other));
         // Notifications up to here are covered by the next claim.
         let chain = full && ss[0].wakeups.drain();
@@ -436,7 +453,10 @@ impl Relay {
                 if to_send.is_empty() {
                     return Vec::new();
                 }
-                self.sink.deliver(to_send).await
+                match &self.leases {
+                    Some(leases) => leases.deliver_within(self.sink.as_ref(), to_send).await,
+                    None => self.sink.deliver(to_send).await,
+                }
             },
             self.commit(&ss[other], previous, chain),
         );
@@ -476,7 +496,11 @@ impl Relay {
                 ss[other].client.batch_execute("COMMIT").await?;
                 None
             }
-            Some(rows) => Some(Claimed { conn: other, rows }),
+            Some(rows) => Some(Claimed {
+                conn: other,
+                rows,
+                epoch,
+            }),
             None => None,
         };
         Ok(Step::Continue)
@@ -571,6 +595,11 @@ impl Relay {
             elapsed = ?d.started.elapsed(),
             "batch committed"
         );
+    }
+
+    /// The lease epoch a claim made now belongs to.
+    fn lease_epoch(&self) -> u64 {
+        self.leases.as_ref().map_or(0, |l| l.view().epoch)
     }
 
     /// Whether the leases say this relay holds no partition (after the first

@@ -13,6 +13,7 @@ mod ordering;
 mod relay;
 mod retention;
 mod retry;
+mod scale;
 mod support;
 mod webhooks;
 mod writer;

@@ -198,3 +198,15 @@ pub fn order_violations(events: &[StreamEvent]) -> usize {
     }
     violations
 }
+
+/// Order violations as a consumer behind an inbox sees them: a re-sent event
+/// is dropped there, so only each event's first delivery counts.
+pub fn first_delivery_violations(events: &[StreamEvent]) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<StreamEvent> = events
+        .iter()
+        .filter(|e| seen.insert(e.event_id.clone()))
+        .cloned()
+        .collect();
+    order_violations(&firsts)
+}

@@ -278,19 +278,35 @@ async fn claim_uses_the_partial_index() {
         .await
         .unwrap();
     let sql = outbox::sql::OutboxSql::new(&Config::default());
-    let explain = format!(
-        "EXPLAIN {}",
-        sql.claim_batch.replace("$1", "5").replace("$2", "100")
-    );
-    let plan: Vec<String> = db
-        .client
-        .query(&explain, &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let plan = plan.join("\n");
-    assert!(plan.contains("Index Scan using outbox_unpublished_idx"), "{plan}");
-    assert!(!plan.contains("Seq Scan"), "{plan}");
+    // The leased claim as a relay sharing the outbox binds it: its id, the
+    // partitions it holds, the partition count.
+    let leased = sql
+        .claim_batch_leased
+        .replace("$3", "'00000000-0000-0000-0000-000000000000'::uuid")
+        .replace("$4", "ARRAY[0, 1, 2]")
+        .replace("$5", "64");
+    for claim in [&sql.claim_batch, &leased] {
+        let explain = format!(
+            "EXPLAIN {}",
+            claim.replace("$1", "5").replace("$2", "100")
+        );
+        let plan: Vec<String> = db
+            .client
+            .query(&explain, &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let plan = plan.join("\n");
+        assert!(plan.contains("Index Scan using outbox_unpublished_idx"), "{plan}");
+        // The 64-row lease table may be scanned whole; the outbox never.
+        let scans_outbox = plan.lines().any(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            words
+                .windows(4)
+                .any(|w| w[..3] == ["Seq", "Scan", "on"] && w[3] == "outbox")
+        });
+        assert!(!scans_outbox, "{plan}");
+    }
 }
