@@ -23,9 +23,12 @@
 //! BEGIN and claim of the next batch, so a relay working through a backlog
 //! pays one PostgreSQL round trip and one sink round trip per batch.
 //!
-//! Rows locked by another relay are skipped, not waited for, so several
-//! relays can share one table (ordering across them is the next issue's
-//! concern). A row failing `max_attempts` times is a dead letter: the claim no
+//! Several relays share one table through partition leases (see `lease`):
+//! each claim is restricted to the partitions this relay holds, which it
+//! locks `FOR SHARE` for the batch, so no other relay can take them over
+//! until the batch committed or rolled back. `OrderMode::None` skips the
+//! leases and just skips rows another relay holds. A row failing
+//! `max_attempts` times is a dead letter: the claim no
 //! longer sees it until `outbox dlq retry` requeues it.
 
 use std::sync::Arc;

@@ -332,7 +332,6 @@ mod tests {
             &sql.claim_batch,
             &sql.claim_batch_leased,
             &sql.claim_batch_strict_leased,
-            &sql.relay_tick,
             &sql.requeue_dead,
             &sql.count_dead,
             &sql.insert_events,
@@ -340,5 +339,7 @@ mod tests {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             assert!(!s.contains('{'), "{s}");
         }
+        assert!(sql.claim_batch_leased.contains("\"app\".\"events_leases\""));
+        assert!(sql.relay_tick.contains("\"app\".\"events_relay_tick\"("));
     }
 }
