@@ -77,6 +77,9 @@ pub(crate) enum Command {
     /// Inspect and requeue dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Daily partitions of an outbox migrated with --partition-by day.
+    #[command(subcommand)]
+    Partitions(PartitionsCommand),
     /// Apply events from a Redis stream or a NATS JetStream stream to
     /// PostgreSQL exactly once: run --apply per event inside the inbox
     /// transaction, acknowledge after commit.
@@ -100,6 +103,10 @@ pub(crate) struct MigrateArgs {
     #[arg(long, default_value_t = outbox::DEFAULT_PARTITIONS,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(outbox::MAX_PARTITIONS)))]
     pub(crate) partitions: u32,
+    /// Create the outbox as daily RANGE (created_at) partitions, dropped
+    /// whole by `outbox partitions maintain` (only when creating the table).
+    #[arg(long, value_enum)]
+    pub(crate) partition_by: Option<PartitionBy>,
     #[command(flatten)]
     pub(crate) inbox_table: InboxTableArgs,
 }
@@ -136,6 +143,14 @@ pub(crate) struct RelayArgs {
     /// How this relay shows in `outbox relays` [default: host:pid].
     #[arg(long, env = "OUTBOX_RELAY_NAME")]
     pub(crate) relay_name: Option<String>,
+    /// Run retention from the relay: delete published rows older than this
+    /// (plain outbox) or drop fully published days older than this and
+    /// create the coming days (partitioned outbox). One relay at a time.
+    #[arg(long, env = "OUTBOX_RETENTION", value_parser = positive_duration)]
+    pub(crate) retention: Option<Duration>,
+    /// How often `--retention` runs.
+    #[arg(long, env = "OUTBOX_RETENTION_INTERVAL", default_value = "1h", value_parser = positive_duration)]
+    pub(crate) retention_interval: Duration,
     /// Delay after the first failed attempt; doubles per attempt.
     #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
     pub(crate) backoff_base: Duration,
@@ -173,6 +188,28 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) http_concurrency: u16,
+}
+
+/// How `migrate --partition-by` splits the outbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum PartitionBy {
+    /// One partition per UTC day of created_at.
+    Day,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum PartitionsCommand {
+    /// Create the coming days' partitions and drop past days that hold no
+    /// unpublished row (pending, retrying or dead); keep and report the rest.
+    Maintain {
+        /// Drop days that ended longer ago than this, e.g. 7d. Without it
+        /// nothing is dropped.
+        #[arg(long, value_parser = positive_duration)]
+        keep: Option<Duration>,
+        /// Days after today to create partitions for.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=366))]
+        premake: u32,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -167,7 +167,10 @@ impl Leases {
                 }
             }
         }
-        warn!(rows = batch.len(), "the lease ran out during delivery; the batch is abandoned");
+        warn!(
+            rows = batch.len(),
+            "the lease ran out during delivery; the batch is abandoned"
+        );
         batch
             .iter()
             .map(|_| {

@@ -433,7 +433,10 @@ impl Relay {
         {
             // Claimed before the heartbeat lapsed: another relay may own
             // these rows now. Give them back unsent and wait for a tick.
-            warn!(rows = current.rows.len(), "lease expired before delivery; giving the batch back");
+            warn!(
+                rows = current.rows.len(),
+                "lease expired before delivery; giving the batch back"
+            );
             ss[current.conn].client.batch_execute("ROLLBACK").await?;
             flow.blocked.clear();
             flow.idle = true;

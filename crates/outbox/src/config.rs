@@ -18,6 +18,20 @@ pub struct Config {
     /// [`migrate`](crate::migrate) reads it, when it creates the lease
     /// table; from then on that table decides.
     pub partitions: u32,
+    /// How [`migrate`](crate::migrate) creates the table (default plain).
+    /// An existing table keeps its layout.
+    pub layout: Layout,
+}
+
+/// How the outbox table is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Layout {
+    /// One table; retention deletes published rows in batches.
+    #[default]
+    Plain,
+    /// Daily `RANGE (created_at)` partitions plus a default partition;
+    /// retention drops whole days (`outbox partitions maintain`).
+    Daily,
 }
 
 /// Partitions [`Config::partitions`] defaults to: enough for dozens of relays
@@ -34,6 +48,7 @@ impl Default for Config {
             table: Ident::new("--table", "outbox").expect("valid literal"),
             channel: Ident::new("--channel", "outbox_new").expect("valid literal"),
             partitions: DEFAULT_PARTITIONS,
+            layout: Layout::Plain,
         }
     }
 }
@@ -64,7 +79,10 @@ impl Config {
     /// table is created.
     pub fn with_partitions(mut self, n: u32) -> Result<Self, Error> {
         if !(1..=MAX_PARTITIONS).contains(&n) {
-            return Err(Error::InvalidPartitions { value: n, max: MAX_PARTITIONS });
+            return Err(Error::InvalidPartitions {
+                value: n,
+                max: MAX_PARTITIONS,
+            });
         }
         self.partitions = n;
         Ok(self)

@@ -26,6 +26,14 @@ pub enum Error {
         /// The largest accepted.
         max: u32,
     },
+    /// `--partition-by day` asked of an outbox that exists unpartitioned.
+    #[error(
+        "{table} exists as a plain table; it cannot be turned into daily partitions in place (create a new outbox with --partition-by day and move the unpublished rows)"
+    )]
+    LayoutMismatch {
+        /// The qualified table name.
+        table: String,
+    },
     /// An event is missing a required field or is too large.
     #[error("invalid event: {0}")]
     InvalidEvent(String),
@@ -91,6 +99,7 @@ impl Error {
             self,
             Error::InvalidIdentifier { .. }
                 | Error::InvalidPartitions { .. }
+                | Error::LayoutMismatch { .. }
                 | Error::NotMigrated { .. }
                 | Error::SchemaTooNew { .. }
                 | Error::MigrationChanged { .. }

@@ -16,6 +16,7 @@
 //! | [`Inbox`] | the idempotent consumer: record + side effect in one transaction |
 //! | [`migrate`], [`migrate_inbox`], [`check`] | versioned, embedded migrations |
 //! | [`retention`] | batched deletion of published rows and old inbox records |
+//! | [`partitions`] | daily partitions: create ahead, drop fully published days |
 //! | [`webhooks`] | Standard Webhooks signatures: the HTTP sink signs, receivers verify |
 //! | [`worker`] | consumer workers: effect through the inbox, acknowledge after commit |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
@@ -48,6 +49,8 @@ mod event;
 mod ident;
 mod inbox;
 #[cfg(feature = "tokio-postgres")]
+pub mod partitions;
+#[cfg(feature = "tokio-postgres")]
 pub mod retention;
 mod schema;
 pub mod sql;
@@ -56,14 +59,14 @@ pub mod webhooks;
 pub mod worker;
 mod writer;
 
-pub use config::{Config, DEFAULT_PARTITIONS, InboxConfig, MAX_PARTITIONS};
+pub use config::{Config, DEFAULT_PARTITIONS, InboxConfig, Layout, MAX_PARTITIONS};
 pub use error::Error;
 pub use event::{Event, OutboxRow};
 pub use ident::Ident;
 pub use inbox::{Inbox, Processed, Record};
 pub use schema::{INBOX_VERSION, MigrationReport, OUTBOX_VERSION};
 #[cfg(feature = "tokio-postgres")]
-pub use schema::{check, check_inbox, migrate, migrate_inbox};
+pub use schema::{check, check_inbox, existing_layout, migrate, migrate_inbox};
 pub use writer::Outbox;
 #[cfg(feature = "sqlx")]
 pub use writer::sqlx;

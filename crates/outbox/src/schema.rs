@@ -14,10 +14,10 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::{Config, Error, Ident, InboxConfig};
+use crate::{Config, Error, Ident, InboxConfig, Layout};
 
 /// One numbered migration.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 struct Migration {
     version: i32,
     name: &'static str,
@@ -40,6 +40,18 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "relay_leases",
         template: include_str!("../migrations/outbox/0003_relay_leases.sql"),
     },
+];
+
+/// The daily-partitioned layout: its own first migration, then the same
+/// later ones, which work on either layout.
+const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "create_outbox_partitioned",
+        template: include_str!("../migrations/outbox/0001_create_outbox_partitioned.sql"),
+    },
+    OUTBOX_MIGRATIONS[1],
+    OUTBOX_MIGRATIONS[2],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -74,13 +86,16 @@ struct Target {
 }
 
 impl Target {
-    fn outbox(config: &Config) -> Result<Self, Error> {
+    fn outbox(config: &Config, layout: Layout) -> Result<Self, Error> {
         let t = &config.table;
         let s = config.schema.quoted();
         Ok(Self {
             schema: config.schema.clone(),
             table: t.clone(),
-            migrations: OUTBOX_MIGRATIONS,
+            migrations: match layout {
+                Layout::Plain => OUTBOX_MIGRATIONS,
+                Layout::Daily => OUTBOX_DAILY_MIGRATIONS,
+            },
             vars: vec![
                 ("{table}", config.qualified()),
                 (
@@ -97,6 +112,7 @@ impl Target {
                 ),
                 ("{notify_trigger}", t.suffixed("--table", "_notify")?.quoted()),
                 ("{relays}", config.companion("_relays")?),
+                ("{default_partition}", config.companion("_default")?),
                 ("{leases}", config.companion("_leases")?),
                 ("{tick_fn}", config.companion("_relay_tick")?),
                 ("{partitions}", config.partitions.to_string()),
@@ -166,8 +182,42 @@ mod pg {
     /// println!("{} is at version {}", report.table, report.version);
     /// # Ok(()) }
     /// ```
+    ///
+    /// An existing table keeps its layout; asking for daily partitions of a
+    /// plain table is [`Error::LayoutMismatch`].
     pub async fn migrate(client: &mut Client, config: &Config) -> Result<MigrationReport, Error> {
-        run(client, &Target::outbox(config)?).await
+        let layout = match (existing_layout(client, config).await?, config.layout) {
+            (Some(Layout::Plain), Layout::Daily) => {
+                return Err(Error::LayoutMismatch {
+                    table: config.display_name(),
+                });
+            }
+            (Some(found), _) => found,
+            (None, wanted) => wanted,
+        };
+        run(client, &Target::outbox(config, layout)?).await
+    }
+
+    /// The layout of the outbox table if it exists.
+    pub async fn existing_layout(
+        client: &impl GenericClient,
+        config: &Config,
+    ) -> Result<Option<Layout>, Error> {
+        let kind: Option<i8> = client
+            .query_one(
+                "SELECT (SELECT relkind FROM pg_class WHERE oid = to_regclass($1))",
+                &[&config.qualified()],
+            )
+            .await
+            .map_err(Error::pg("looking up the outbox table"))?
+            .get(0);
+        Ok(kind.map(|k| {
+            if k as u8 == b'p' {
+                Layout::Daily
+            } else {
+                Layout::Plain
+            }
+        }))
     }
 
     /// Creates or upgrades the consumer's processed-events table.
@@ -178,7 +228,7 @@ mod pg {
     /// Fails with [`Error::NotMigrated`] or [`Error::SchemaTooNew`] unless the
     /// outbox table is at exactly this binary's version.
     pub async fn check(client: &impl GenericClient, config: &Config) -> Result<(), Error> {
-        check_target(client, &Target::outbox(config)?).await
+        check_target(client, &Target::outbox(config, config.layout)?).await
     }
 
     /// Like [`check`], for the inbox table.
@@ -299,7 +349,7 @@ mod pg {
 }
 
 #[cfg(feature = "tokio-postgres")]
-pub use pg::{check, check_inbox, migrate, migrate_inbox};
+pub use pg::{check, check_inbox, existing_layout, migrate, migrate_inbox};
 
 #[cfg(test)]
 mod tests {
@@ -307,18 +357,20 @@ mod tests {
 
     #[test]
     fn renders_every_placeholder() {
-        let target = Target::outbox(&Config::new("app", "events").unwrap()).unwrap();
-        for m in target.migrations {
-            let sql = target.render(m);
-            for (placeholder, _) in &target.vars {
-                assert!(!sql.contains(placeholder), "{placeholder} in {sql}");
+        for layout in [Layout::Plain, Layout::Daily] {
+            let target = Target::outbox(&Config::new("app", "events").unwrap(), layout).unwrap();
+            for m in target.migrations {
+                let sql = target.render(m);
+                for (placeholder, _) in &target.vars {
+                    assert!(!sql.contains(placeholder), "{placeholder} in {sql}");
+                }
+                assert!(sql.contains("\"app\".\"events\""));
+                if m.version == 1 {
+                    assert!(sql.contains("('outbox_new')"));
+                }
             }
-            assert!(sql.contains("\"app\".\"events\""));
-            if m.version == 1 {
-                assert!(sql.contains("('outbox_new')"));
-            }
+            assert_eq!(target.latest(), OUTBOX_VERSION);
         }
-        assert_eq!(target.latest(), OUTBOX_VERSION);
         let inbox = Target::inbox(&InboxConfig::default()).unwrap();
         assert_eq!(inbox.latest(), INBOX_VERSION);
     }
@@ -327,6 +379,6 @@ mod tests {
     fn derived_names_are_validated() {
         let long = "a".repeat(60);
         let config = Config::new("public", &long).unwrap();
-        assert!(Target::outbox(&config).is_err());
+        assert!(Target::outbox(&config, Layout::Plain).is_err());
     }
 }

@@ -33,10 +33,11 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
 /// saves a round trip and a second pass over every row of a good batch.
 /// `RETURNING` order is unspecified: the relay sorts by id.
 const CLAIM_BATCH: &str = "WITH claimed AS ( \
-        SELECT id FROM {t} \
+        SELECT id, created_at FROM {t} \
          WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
          ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
 
 /// `CLAIM_BATCH` for strict per-aggregate order: a row is claimed only if
@@ -46,13 +47,14 @@ const CLAIM_BATCH: &str = "WITH claimed AS ( \
 /// per batch, and an aggregate stops at its first undelivered event. The
 /// `NOT EXISTS` is one probe of `<table>_pending_by_aggregate_idx`.
 const CLAIM_BATCH_STRICT: &str = "WITH claimed AS ( \
-        SELECT c.id FROM {t} AS c \
+        SELECT c.id, c.created_at FROM {t} AS c \
          WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 \
            AND NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
          ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
 
 /// The logical partition of a row (`$5` partitions): a stable hash of its
@@ -70,21 +72,23 @@ const LEASED: &str = "AND {partition_of} IN ( \
 
 /// `CLAIM_BATCH` restricted to the partitions this relay holds.
 const CLAIM_BATCH_LEASED: &str = "WITH claimed AS ( \
-        SELECT id FROM {t} \
+        SELECT id, created_at FROM {t} \
          WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 {leased} \
          ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
 
 /// `CLAIM_BATCH_STRICT` restricted to the partitions this relay holds.
 const CLAIM_BATCH_STRICT_LEASED: &str = "WITH claimed AS ( \
-        SELECT c.id FROM {t} AS c \
+        SELECT c.id, c.created_at FROM {t} AS c \
          WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 {leased_c} \
            AND NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
          ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed WHERE o.id = claimed.id \
+     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
@@ -254,9 +258,7 @@ impl OutboxSql {
             .join(", ");
         // Companion names are validated by the migration that creates them;
         // a table name too long for them fails the schema check first.
-        let companion = |suffix: &str| {
-            format!("{}.\"{}{suffix}\"", config.schema.quoted(), config.table)
-        };
+        let companion = |suffix: &str| format!("{}.\"{}{suffix}\"", config.schema.quoted(), config.table);
         let (leases, relays, tick_fn) = (
             companion("_leases"),
             companion("_relays"),
@@ -264,8 +266,14 @@ impl OutboxSql {
         );
         let render = |template: &str| {
             template
-                .replace("{leased_c}", &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "c.")))
-                .replace("{leased}", &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "")))
+                .replace(
+                    "{leased_c}",
+                    &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "c.")),
+                )
+                .replace(
+                    "{leased}",
+                    &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "")),
+                )
                 .replace("{leases}", &leases)
                 .replace("{relays}", &relays)
                 .replace("{tick_fn}", &tick_fn)

@@ -2,7 +2,10 @@
 
 use anyhow::Context;
 
-use crate::cli::{Global, MigrateArgs};
+use crate::cli::{Global, MigrateArgs, PartitionBy};
+
+/// Days after today a partitioned outbox gets partitions for at migrate time.
+const PREMAKE: u32 = 3;
 
 pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
     let pg = super::pg_config(g)?;
@@ -13,11 +16,22 @@ pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("migrating the inbox {}", config.display_name()))?
     } else {
-        let config = super::outbox_config(g)?.with_partitions(args.partitions)?;
+        let mut config = super::outbox_config(g)?.with_partitions(args.partitions)?;
+        if args.partition_by == Some(PartitionBy::Day) {
+            config.layout = outbox::Layout::Daily;
+        }
         let mut client = super::connect(&pg).await?;
-        outbox::migrate(&mut client, &config)
+        let report = outbox::migrate(&mut client, &config)
             .await
-            .with_context(|| format!("migrating the outbox {}", config.display_name()))?
+            .with_context(|| format!("migrating the outbox {}", config.display_name()))?;
+        if outbox::existing_layout(&client, &config).await? == Some(outbox::Layout::Daily) {
+            // Writes land in real partitions from the start.
+            let done = outbox::partitions::maintain(&mut client, &config, None, PREMAKE)
+                .await
+                .with_context(|| format!("creating the partitions of {}", config.display_name()))?;
+            super::partitions::report(&config, &done);
+        }
+        report
     };
     if report.applied.is_empty() {
         println!(

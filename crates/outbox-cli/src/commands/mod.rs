@@ -7,8 +7,10 @@ mod consume;
 mod demo;
 mod dlq;
 mod migrate;
+mod partitions;
 mod relay;
 mod relays;
+mod retention;
 mod stats;
 
 use anyhow::Context;
@@ -28,6 +30,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cleanup(args) => cleanup::run(g, args).await,
         Command::Consume(args) => consume::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,
+        Command::Partitions(command) => partitions::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => bench::run(g, args).await,
     }

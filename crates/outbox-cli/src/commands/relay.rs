@@ -8,6 +8,7 @@ use anyhow::Context;
 use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig, SinkOptions};
 
 use crate::cli::{Global, Ordering, RelayArgs};
+use crate::commands::retention;
 use crate::exit::ConfigError;
 
 /// With no NOTIFY the poll interval is the delivery latency, so the default
@@ -64,8 +65,22 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         failpoint,
     };
     let cancel = super::shutdown_token()?;
-    Relay::new(pg, Arc::from(sink), config)
-        .run(cancel)
+    let retention = args.retention.map(|keep| {
+        tokio::spawn(retention::run(
+            pg.clone(),
+            config.outbox.clone(),
+            keep,
+            args.retention_interval,
+            cancel.clone(),
+        ))
+    });
+    let result = Relay::new(pg, Arc::from(sink), config)
+        .run(cancel.clone())
         .await
-        .context("running the relay")
+        .context("running the relay");
+    cancel.cancel();
+    if let Some(task) = retention {
+        let _ = task.await;
+    }
+    result
 }

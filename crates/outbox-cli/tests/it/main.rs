@@ -10,6 +10,7 @@ mod consume;
 mod crash;
 mod nats;
 mod ordering;
+mod partitions;
 mod relay;
 mod retention;
 mod retry;

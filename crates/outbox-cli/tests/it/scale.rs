@@ -8,8 +8,8 @@ use outbox_testkit::{Redis, Spawned};
 use serde_json::Value;
 
 use crate::support::{
-    Db, LONG, distinct_events, first_delivery_violations, order_violations, read_stream, run_cli, start_relay,
-    stop_relay, text, wait_until,
+    Db, LONG, distinct_events, first_delivery_violations, order_violations, read_stream, run_cli,
+    start_relay, stop_relay, text, wait_until,
 };
 
 const STREAM: &str = "outbox.event.orders";
@@ -57,7 +57,10 @@ async fn four_relays_share_the_partitions_evenly_and_keep_every_aggregate_in_ord
     wait_until("4 relays hold 16 partitions each", LONG, || balanced(&db.url, 4)).await;
 
     db.insert_events(9_000, 3).await;
-    wait_until("all 9,000 published", LONG, || async { db.unpublished().await == 0 }).await;
+    wait_until("all 9,000 published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
 
     let events = read_stream(&redis.url(), STREAM).await;
     assert_eq!(distinct_events(&events), 9_000);
@@ -87,14 +90,19 @@ async fn ordering_none_takes_no_leases_and_reports_its_reordering() {
     let redis = Redis::start().await.unwrap();
     db.insert_events(9_000, 3).await;
     let relays = start_relays(&db, &redis, 4, &["--ordering", "none", "--batch-size", "50"]).await;
-    wait_until("all 9,000 published", LONG, || async { db.unpublished().await == 0 }).await;
+    wait_until("all 9,000 published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
 
     let events = read_stream(&redis.url(), STREAM).await;
     assert_eq!(distinct_events(&events), 9_000);
     // Reordering is allowed here, and its count is what this mode costs;
     // it may be zero on a quiet machine.
     let violations = order_violations(&events);
-    eprintln!("--ordering none, 4 relays: {violations} of 9000 events arrived after a later event of their aggregate");
+    eprintln!(
+        "--ordering none, 4 relays: {violations} of 9000 events arrived after a later event of their aggregate"
+    );
     assert_eq!(
         relays_report(&db.url).await["relays"].as_array().unwrap().len(),
         0,
@@ -120,15 +128,15 @@ async fn a_killed_relays_partitions_move_within_the_lease_timeout_and_nothing_is
     .await;
     relays[0].kill().unwrap();
     let killed = Instant::now();
-    wait_until("the killed relay's partitions taken over", LONG, || balanced(&db.url, 2)).await;
+    wait_until("the killed relay's partitions taken over", LONG, || {
+        balanced(&db.url, 2)
+    })
+    .await;
     let takeover = killed.elapsed();
     eprintln!("takeover after kill -9: {takeover:?} (lease timeout {LEASE_TIMEOUT:?})");
     // Ticks every third of the timeout and a dead relay after two thirds:
     // within the timeout, plus scheduling slack on a loaded machine.
-    assert!(
-        takeover < LEASE_TIMEOUT * 3,
-        "takeover took {takeover:?}"
-    );
+    assert!(takeover < LEASE_TIMEOUT * 3, "takeover took {takeover:?}");
     let report = relays_report(&db.url).await;
     assert!(
         !report["relays"]
@@ -147,8 +155,14 @@ async fn a_killed_relays_partitions_move_within_the_lease_timeout_and_nothing_is
         &[],
     )
     .await;
-    wait_until("all 9,000 published", LONG, || async { db.unpublished().await == 0 }).await;
-    wait_until("3 relays share the partitions again", LONG, || balanced(&db.url, 3)).await;
+    wait_until("all 9,000 published", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
+    wait_until("3 relays share the partitions again", LONG, || {
+        balanced(&db.url, 3)
+    })
+    .await;
 
     let events = read_stream(&redis.url(), STREAM).await;
     assert_eq!(distinct_events(&events), 9_000, "nothing lost");
@@ -176,7 +190,14 @@ async fn a_frozen_relay_cut_from_its_lease_is_fenced_off_and_marks_nothing() {
     let a = start_relay(
         &db.url,
         &redis.url(),
-        &["--lease-timeout", LEASE, "--relay-name", "a", "--batch-size", "50"],
+        &[
+            "--lease-timeout",
+            LEASE,
+            "--relay-name",
+            "a",
+            "--batch-size",
+            "50",
+        ],
         &[("OUTBOX_FAILPOINT", "sleep-after-deliver-ms=3000")],
     )
     .await;
@@ -204,7 +225,10 @@ async fn a_frozen_relay_cut_from_its_lease_is_fenced_off_and_marks_nothing() {
         &[],
     )
     .await;
-    wait_until("B published all 200", LONG, || async { db.unpublished().await == 0 }).await;
+    wait_until("B published all 200", LONG, || async {
+        db.unpublished().await == 0
+    })
+    .await;
     let marks_before: Vec<(i64, String)> = published_marks(&db).await;
 
     // A wakes up: its commit fails, and the batch it had claimed next is

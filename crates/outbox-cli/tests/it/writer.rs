@@ -286,10 +286,7 @@ async fn claim_uses_the_partial_index() {
         .replace("$4", "ARRAY[0, 1, 2]")
         .replace("$5", "64");
     for claim in [&sql.claim_batch, &leased] {
-        let explain = format!(
-            "EXPLAIN {}",
-            claim.replace("$1", "5").replace("$2", "100")
-        );
+        let explain = format!("EXPLAIN {}", claim.replace("$1", "5").replace("$2", "100"));
         let plan: Vec<String> = db
             .client
             .query(&explain, &[])

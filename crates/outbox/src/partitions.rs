@@ -1,0 +1,199 @@
+//! Daily partitions of a partitioned outbox (`Layout::Daily`): creating the
+//! coming days ahead of time and dropping past days once every row in them
+//! is published.
+//!
+//! Partitions are named `<table>_pYYYYMMDD` and cover one UTC day of
+//! `created_at`. A day is dropped only if it holds no unpublished row (a
+//! pending event, a retry or a dead letter), checked and dropped in one
+//! transaction that holds `ACCESS EXCLUSIVE` on the outbox: no writer can
+//! insert into that day, and no relay can turn a row of it back into an
+//! unpublished one, between the check and the drop. The lock is taken with a
+//! short `lock_timeout` and retried, so maintenance waiting behind a long
+//! batch never queues the application's writers behind it for long.
+
+use std::time::Duration;
+
+use chrono::{Days, NaiveDate};
+use tokio_postgres::Client;
+
+use crate::{Config, Error, Ident};
+
+/// How long one attempt waits for the outbox lock before giving up (and
+/// letting queued writers through).
+const LOCK_TIMEOUT: &str = "300ms";
+/// Attempts at the lock per partition before it is reported as busy.
+const LOCK_ATTEMPTS: u32 = 10;
+
+/// What [`maintain`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Maintenance {
+    /// Partitions created, by name.
+    pub created: Vec<String>,
+    /// Partitions dropped, by name, with the rows they held.
+    pub dropped: Vec<(String, i64)>,
+    /// Past partitions kept because they hold unpublished rows (pending,
+    /// retrying or dead letters), with that count.
+    pub kept: Vec<(String, i64)>,
+    /// Past partitions not dropped because the outbox stayed locked by others.
+    pub busy: Vec<String>,
+    /// Rows in the default partition: a day that had no partition yet when
+    /// they were written. They are delivered as usual; the partition for
+    /// their day cannot be created while they are there.
+    pub in_default: i64,
+}
+
+/// Creates the partitions of today and the next `premake` days (UTC, by the
+/// server's clock), and with `keep` drops days that ended more than `keep`
+/// ago and hold no unpublished row. Run outside a transaction.
+pub async fn maintain(
+    client: &mut Client,
+    config: &Config,
+    keep: Option<Duration>,
+    premake: u32,
+) -> Result<Maintenance, Error> {
+    let mut done = Maintenance::default();
+    let table = config.qualified();
+    let today: NaiveDate = client
+        .query_one("SELECT (now() AT TIME ZONE 'UTC')::date", &[])
+        .await
+        .map_err(Error::pg("reading the server's date"))?
+        .get(0);
+    for offset in 0..=u64::from(premake) {
+        let day = today + Days::new(offset);
+        let name = partition_name(config, day)?;
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified(config, &name)])
+            .await
+            .map_err(Error::pg("looking up a partition"))?
+            .get(0);
+        if exists {
+            continue;
+        }
+        let next = day + Days::new(1);
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {} PARTITION OF {table} \
+                 FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')",
+                qualified(config, &name)
+            ))
+            .await
+            .map_err(Error::pg("creating a daily partition"))?;
+        done.created.push(name.to_string());
+    }
+    if let Some(keep) = keep {
+        let cutoff: NaiveDate = client
+            .query_one(
+                "SELECT ((now() - make_interval(secs => $1)) AT TIME ZONE 'UTC')::date",
+                &[&keep.as_secs_f64()],
+            )
+            .await
+            .map_err(Error::pg("computing the retention cutoff"))?
+            .get(0);
+        for (name, day) in daily_partitions(client, config).await? {
+            // The day ends at the next midnight; it goes once that is
+            // `keep` in the past.
+            if day + Days::new(1) > cutoff {
+                continue;
+            }
+            drop_if_published(client, config, &name, &mut done).await?;
+        }
+    }
+    let default = qualified(config, &config.table.suffixed("--table", "_default")?);
+    done.in_default = client
+        .query_one(&format!("SELECT count(*) FROM {default}"), &[])
+        .await
+        .map_err(Error::pg("counting rows in the default partition"))?
+        .get(0);
+    Ok(done)
+}
+
+/// The daily partitions of the outbox, oldest first, by their names.
+async fn daily_partitions(client: &Client, config: &Config) -> Result<Vec<(Ident, NaiveDate)>, Error> {
+    let prefix = format!("{}_p", config.table);
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid \
+              WHERE i.inhparent = to_regclass($1) ORDER BY 1",
+            &[&config.qualified()],
+        )
+        .await
+        .map_err(Error::pg("listing partitions"))?;
+    let mut out = Vec::new();
+    for row in rows {
+        let name: String = row.get(0);
+        let Some(day) = name
+            .strip_prefix(&prefix)
+            .and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
+        else {
+            continue;
+        };
+        out.push((Ident::new("--table", &name)?, day));
+    }
+    Ok(out)
+}
+
+/// Checks and drops one past day under the outbox lock, or records why not.
+async fn drop_if_published(
+    client: &mut Client,
+    config: &Config,
+    name: &Ident,
+    done: &mut Maintenance,
+) -> Result<(), Error> {
+    let table = config.qualified();
+    let partition = qualified(config, name);
+    for attempt in 1..=LOCK_ATTEMPTS {
+        let tx = client
+            .transaction()
+            .await
+            .map_err(Error::pg("starting a partition drop"))?;
+        tx.batch_execute(&format!("SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            .await
+            .map_err(Error::pg("setting the lock timeout"))?;
+        match tx
+            .batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+            .await
+        {
+            Ok(()) => {}
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                drop(tx);
+                tokio::time::sleep(Duration::from_millis(100) * attempt).await;
+                continue;
+            }
+            Err(e) => return Err(Error::pg("locking the outbox")(e)),
+        }
+        let counts = tx
+            .query_one(
+                &format!("SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FROM {partition}"),
+                &[],
+            )
+            .await
+            .map_err(Error::pg("counting a partition's unpublished rows"))?;
+        let (unpublished, rows): (i64, i64) = (counts.get(0), counts.get(1));
+        if unpublished > 0 {
+            done.kept.push((name.to_string(), unpublished));
+            return Ok(());
+        }
+        tx.batch_execute(&format!(
+            "ALTER TABLE {table} DETACH PARTITION {partition}; DROP TABLE {partition};"
+        ))
+        .await
+        .map_err(Error::pg("dropping a partition"))?;
+        tx.commit()
+            .await
+            .map_err(Error::pg("committing a partition drop"))?;
+        done.dropped.push((name.to_string(), rows));
+        return Ok(());
+    }
+    done.busy.push(name.to_string());
+    Ok(())
+}
+
+fn partition_name(config: &Config, day: NaiveDate) -> Result<Ident, Error> {
+    config
+        .table
+        .suffixed("--table", &format!("_p{}", day.format("%Y%m%d")))
+}
+
+fn qualified(config: &Config, name: &Ident) -> String {
+    format!("{}.{}", config.schema.quoted(), name.quoted())
+}
