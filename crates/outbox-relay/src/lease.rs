@@ -153,10 +153,7 @@ impl Leases {
         let mut changes = self.view.clone();
         let deliver = sink.deliver(batch);
         tokio::pin!(deliver);
-        loop {
-            let Some(until) = self.view().valid_until else {
-                break;
-            };
+        while let Some(until) = self.view().valid_until {
             tokio::select! {
                 answers = &mut deliver => return answers,
                 () = tokio::time::sleep_until(until) => break,
