@@ -28,7 +28,7 @@ use chrono::{DateTime, Utc};
 use outbox::sql::OutboxSql;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
@@ -207,20 +207,20 @@ struct Ticker {
 
 impl Ticker {
     async fn run(self, stop: CancellationToken) {
-        let mut client: Option<Client> = None;
+        let mut client: Option<(Client, Statement)> = None;
         loop {
-            if client.as_ref().is_none_or(Client::is_closed) {
-                client = match wake::connect(&self.settings.pg, None).await {
-                    Ok((c, _)) => Some(c),
+            if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+                client = match self.connect().await {
+                    Ok(c) => Some(c),
                     Err(error) => {
                         warn!(error = %error_chain(&error), "lease connection failed; retrying");
                         None
                     }
                 };
             }
-            if let Some(c) = &client {
+            if let Some((c, tick)) = &client {
                 // A tick that hangs must not stop the heartbeat for good.
-                match tokio::time::timeout(self.settings.interval(), self.tick(c)).await {
+                match tokio::time::timeout(self.settings.interval(), self.tick(c, tick)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => {
                         warn!(error = %error_chain(&error), "lease tick failed");
@@ -236,7 +236,7 @@ impl Ticker {
                 _ = tokio::time::sleep(wake::jittered(self.settings.interval())) => {}
             }
         }
-        if let Some(c) = client.filter(|c| !c.is_closed()) {
+        if let Some((c, _)) = client.filter(|(c, _)| !c.is_closed()) {
             match c.execute(&self.leave_sql, &[&self.relay_id]).await {
                 Ok(n) => info!(partitions = n, "relay left; partitions handed back"),
                 Err(error) => {
@@ -246,7 +246,15 @@ impl Ticker {
         }
     }
 
-    async fn tick(&self, c: &Client) -> Result<(), tokio_postgres::Error> {
+    /// The lease connection with the tick prepared: an unprepared query
+    /// would cost a second round trip, and a second transaction, per tick.
+    async fn connect(&self) -> Result<(Client, Statement), tokio_postgres::Error> {
+        let (c, _) = wake::connect(&self.settings.pg, wake::Purpose::Leases).await?;
+        let tick = c.prepare(&self.tick_sql).await?;
+        Ok((c, tick))
+    }
+
+    async fn tick(&self, c: &Client, tick: &Statement) -> Result<(), tokio_postgres::Error> {
         let (pids, starts): (Vec<i32>, Vec<DateTime<Utc>>) = self
             .backends
             .lock()
@@ -257,7 +265,7 @@ impl Ticker {
         let sent = Instant::now();
         let rows = c
             .query(
-                &self.tick_sql,
+                tick,
                 &[
                     &self.relay_id,
                     &self.settings.name,

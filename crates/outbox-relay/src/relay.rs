@@ -640,7 +640,7 @@ impl Relay {
 
     async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
         let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
-        let (client, wakeups) = wake::connect(&self.pg, channel).await?;
+        let (client, wakeups) = wake::connect(&self.pg, wake::Purpose::Batches(channel)).await?;
         if listen {
             outbox::check(&client, &self.config.outbox)
                 .await

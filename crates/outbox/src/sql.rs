@@ -62,33 +62,41 @@ const CLAIM_BATCH_STRICT: &str = "WITH claimed AS ( \
 const PARTITION_OF: &str = "((hashtextextended({a}aggregate_id, 0) % $5::int8 + $5::int8) % $5::int8)::int4";
 
 /// What a relay sharing the outbox adds to its claim: `$3` its id, `$4` the
-/// partitions it may claim, `$5` the partition count. The lease rows are
-/// read `FOR SHARE`, and only those it still owns count: every change of
-/// owner is an UPDATE of a lease row, which now waits for this batch's
-/// commit or rollback, so no other relay can claim these partitions while
-/// the batch is in flight. A hashed subplan: read and locked once per claim.
-const LEASED: &str = "AND {partition_of} IN ( \
-        SELECT l.partition FROM {leases} AS l WHERE l.owner = $3 AND l.partition = ANY($4::int4[]) FOR SHARE)";
+/// partitions it may claim, `$5` the partition count.
+///
+/// `lease` reads those lease rows `FOR SHARE`, counting the ones that still
+/// name this relay. Every change of owner is an UPDATE of a lease row, which
+/// now waits for this batch's commit or rollback, so no other relay can take
+/// these partitions while the batch is in flight. The count gates the
+/// UPDATE as a one-time filter, evaluated (and the locks taken) before any
+/// row is read: if a partition moved since the relay's last tick, nothing is
+/// claimed and the next tick corrects the relay's view. Rows are filtered by
+/// array membership, one hash per row.
+const LEASE_CTE: &str = "lease AS (SELECT count(*) AS held FROM ( \
+        SELECT 1 FROM {leases} AS l WHERE l.owner = $3 AND l.partition = ANY($4::int4[]) FOR SHARE) AS mine), ";
+const LEASE_GATE: &str = "AND (SELECT held FROM lease) = cardinality($4::int4[])";
 
 /// `CLAIM_BATCH` restricted to the partitions this relay holds.
-const CLAIM_BATCH_LEASED: &str = "WITH claimed AS ( \
+const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
         SELECT id, created_at FROM {t} \
-         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 {leased} \
+         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
+           AND {partition_of} = ANY($4::int4[]) \
          ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
-      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
+      WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {ocols}";
 
 /// `CLAIM_BATCH_STRICT` restricted to the partitions this relay holds.
-const CLAIM_BATCH_STRICT_LEASED: &str = "WITH claimed AS ( \
+const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} claimed AS ( \
         SELECT c.id, c.created_at FROM {t} AS c \
-         WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 {leased_c} \
+         WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 \
+           AND {partition_of_c} = ANY($4::int4[]) \
            AND NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
          ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
-      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
+      WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {ocols}";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
@@ -266,14 +274,10 @@ impl OutboxSql {
         );
         let render = |template: &str| {
             template
-                .replace(
-                    "{leased_c}",
-                    &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "c.")),
-                )
-                .replace(
-                    "{leased}",
-                    &LEASED.replace("{partition_of}", &PARTITION_OF.replace("{a}", "")),
-                )
+                .replace("{lease_cte}", LEASE_CTE)
+                .replace("{lease_gate}", LEASE_GATE)
+                .replace("{partition_of_c}", &PARTITION_OF.replace("{a}", "c."))
+                .replace("{partition_of}", &PARTITION_OF.replace("{a}", ""))
                 .replace("{leases}", &leases)
                 .replace("{relays}", &relays)
                 .replace("{tick_fn}", &tick_fn)
