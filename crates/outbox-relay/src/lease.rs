@@ -317,7 +317,9 @@ impl Ticker {
             next.count = previous.count;
         }
         self.view.send_replace(Arc::new(next));
-        if due || gained {
+        // The first tick always wakes the relay: a `--drain` relay that got
+        // no partition learns that it has nothing to do.
+        if due || gained || previous.count == 0 {
             self.wake.notify_one();
         }
         Ok(())

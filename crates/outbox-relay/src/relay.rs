@@ -539,7 +539,11 @@ impl Relay {
             claim_params.extend(leased);
         }
         // Holding no partition, there is nothing to claim: no transaction.
-        let claim = claim && lease.as_ref().is_none_or(|(_, v)| !v.claimable.is_empty());
+        // With the lease lapsed, a batch could not be sent: none either.
+        let claim = claim
+            && lease.as_ref().is_none_or(|(_, v)| {
+                !v.claimable.is_empty() && v.valid_until.is_some_and(|t| t > tokio::time::Instant::now())
+            });
         let failures = delivered.as_ref().map(|d| &d.failures);
         let (failed, committed, begun, claimed) = tokio::join!(
             async {
