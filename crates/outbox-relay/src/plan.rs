@@ -7,7 +7,11 @@
 //! aggregate, and rows held back behind a failure inherit its delay, so they
 //! come due together, in id order. The aggregates blocked this way are handed
 //! to the next batch, which was claimed while this one was at the sink and so
-//! may hold later events of them.
+//! may hold later events of them. Only later ones: a block starts at the
+//! aggregate's first failed or held-back row, and an earlier row of the
+//! aggregate in the next batch (one held back before and due again) goes
+//! ahead. Without that, two rows of one aggregate held back in alternate
+//! batches would hold each other back for ever.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -17,9 +21,25 @@ use outbox::OutboxRow;
 use crate::backoff::Backoff;
 use crate::sink::{Delivery, DeliveryError};
 
-/// Aggregates (type, id) with a failed or held-back row, and the delay that
-/// row was given.
-pub(crate) type Blocked = HashMap<(String, String), Duration>;
+/// Aggregates (type, id) with a failed or held-back row.
+pub(crate) type Blocked = HashMap<(String, String), Block>;
+
+/// Where an aggregate's block starts, and the delay its rows inherit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Block {
+    /// The outbox id of the aggregate's first failed or held-back row.
+    pub(crate) from_id: i64,
+    /// The delay the last of them was given.
+    pub(crate) delay: Duration,
+}
+
+/// Whether `blocked` holds `row` back: a later row of a blocked aggregate.
+fn holds(blocked: &Blocked, row: &OutboxRow) -> Option<Block> {
+    if blocked.is_empty() {
+        return None;
+    }
+    blocked.get(&key(row)).copied().filter(|b| row.id > b.from_id)
+}
 
 /// The failed rows of a batch as the arrays `MARK_FAILED` binds.
 #[derive(Debug, Default)]
@@ -59,12 +79,12 @@ pub(crate) struct Plan {
 /// The rows of `rows` that may go to the sink, when some are held back by
 /// `blocked` (None: all of them; the common case copies nothing).
 pub(crate) fn sendable(rows: &[OutboxRow], blocked: &Blocked) -> Option<Vec<OutboxRow>> {
-    if blocked.is_empty() || !rows.iter().any(|r| blocked.contains_key(&key(r))) {
+    if blocked.is_empty() || !rows.iter().any(|r| holds(blocked, r).is_some()) {
         return None;
     }
     Some(
         rows.iter()
-            .filter(|r| !blocked.contains_key(&key(r)))
+            .filter(|r| holds(blocked, r).is_none())
             .cloned()
             .collect(),
     )
@@ -79,7 +99,7 @@ pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) 
     let mut sent = sent.into_iter();
     rows.iter()
         .map(|r| {
-            if blocked.contains_key(&key(r)) {
+            if holds(blocked, r).is_some() {
                 Err(DeliveryError::HeldBack {
                     message: "held back: an earlier event of this aggregate failed in the previous batch"
                         .to_owned(),
@@ -107,17 +127,16 @@ pub(crate) fn plan(
     let failures = &mut plan.failures;
     // The delay given to the last failed row of each aggregate, which rows
     // held back behind it inherit so they come due together, in order.
-    let mut blocked: HashMap<(&str, &str), Duration> = HashMap::new();
-    let carried_delay = |row: &OutboxRow| {
-        if carried.is_empty() {
-            None
-        } else {
-            carried.get(&key(row)).copied()
-        }
-    };
+    let mut blocked: HashMap<(&str, &str), Block> = HashMap::new();
     for (row, delivery) in rows.iter().zip(deliveries) {
         let k = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
-        let behind = blocked.get(&k).copied().or_else(|| carried_delay(row));
+        // Rows come in id order, so a block started in this batch is
+        // always behind an earlier row.
+        let behind = blocked
+            .get(&k)
+            .copied()
+            .or_else(|| holds(carried, row))
+            .map(|b| b.delay);
         let (message, attempts, delay) = match delivery {
             Ok(()) => {
                 plan.published += 1;
@@ -140,11 +159,11 @@ pub(crate) fn plan(
             Err(DeliveryError::HeldBack { message }) => {
                 let delay = behind.unwrap_or_default();
                 failures.push(row.id, message, row.attempts, delay);
-                blocked.insert(k, delay);
+                block(&mut blocked, k, row.id, delay);
                 continue;
             }
         };
-        blocked.insert(k, delay);
+        block(&mut blocked, k, row.id, delay);
         failures.failed += 1;
         if backoff.is_dead(attempts) {
             failures.dead += 1;
@@ -162,6 +181,102 @@ pub(crate) fn plan(
     plan
 }
 
+/// Starts or extends the block of aggregate `k` at row `id`.
+fn block<'a>(
+    blocked: &mut HashMap<(&'a str, &'a str), Block>,
+    k: (&'a str, &'a str),
+    id: i64,
+    delay: Duration,
+) {
+    blocked
+        .entry(k)
+        .and_modify(|b| b.delay = delay)
+        .or_insert(Block { from_id: id, delay });
+}
+
 fn key(row: &OutboxRow) -> (String, String) {
     (row.aggregate_type.clone(), row.aggregate_id.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::Utc;
+    use serde_json::json;
+    use uuid::Uuid;
+
+    use super::*;
+
+    fn row(id: i64, aggregate: &str) -> OutboxRow {
+        OutboxRow {
+            id,
+            event_id: Uuid::new_v4(),
+            aggregate_type: "orders".to_owned(),
+            aggregate_id: aggregate.to_owned(),
+            event_type: "E".to_owned(),
+            payload: json!({}),
+            headers: json!({}),
+            created_at: Utc::now(),
+            attempts: 0,
+        }
+    }
+
+    fn failed() -> Delivery {
+        Err(DeliveryError::retryable("down"))
+    }
+
+    #[test]
+    fn a_failure_holds_back_the_later_rows_of_its_aggregate_in_the_next_batch() {
+        let first = [row(1, "a"), row(2, "b")];
+        let plan = plan(
+            Backoff::default(),
+            &first,
+            vec![failed(), Ok(())],
+            &Blocked::new(),
+        );
+        assert_eq!(plan.published, 1);
+        let next = [row(3, "a"), row(4, "b")];
+        let sendable = sendable(&next, &plan.blocked).expect("a is held back");
+        assert_eq!(sendable.iter().map(|r| r.id).collect::<Vec<_>>(), [4]);
+        let answers = merge(&next, &plan.blocked, vec![Ok(())]);
+        assert!(matches!(answers[0], Err(DeliveryError::HeldBack { .. })));
+        assert_eq!(answers[1], Ok(()));
+    }
+
+    #[test]
+    fn rows_held_back_in_alternate_batches_do_not_hold_each_other_back_for_ever() {
+        // Row 5 was held back and is due again while row 6, held back in the
+        // batch before, still blocks the aggregate: 5 is earlier, so it goes.
+        let held = plan(
+            Backoff::default(),
+            &[row(6, "a")],
+            vec![Err(DeliveryError::HeldBack {
+                message: "held back".to_owned(),
+            })],
+            &Blocked::new(),
+        );
+        assert_eq!(held.blocked[&("orders".to_owned(), "a".to_owned())].from_id, 6);
+        let again = [row(5, "a")];
+        assert!(sendable(&again, &held.blocked).is_none(), "row 5 is sent");
+        assert_eq!(merge(&again, &held.blocked, vec![Ok(())]), vec![Ok(())]);
+    }
+
+    #[test]
+    fn held_back_rows_inherit_the_delay_of_the_failure_before_them() {
+        let rows = [row(1, "a"), row(2, "a")];
+        let plan = plan(
+            Backoff::default(),
+            &rows,
+            vec![
+                failed(),
+                Err(DeliveryError::HeldBack {
+                    message: "held back".to_owned(),
+                }),
+            ],
+            &Blocked::new(),
+        );
+        assert_eq!(plan.failures.ids, [1, 2]);
+        assert_eq!(plan.failures.attempts, [1, 0], "held back spends no attempt");
+        assert_eq!(plan.failures.delay_ms[0], plan.failures.delay_ms[1]);
+        assert_eq!(plan.failures.failed, 1);
+    }
 }
