@@ -136,6 +136,10 @@ pub(crate) struct RelayArgs {
     /// order; no leases).
     #[arg(long, env = "OUTBOX_ORDERING", value_enum, default_value = "partition")]
     pub(crate) ordering: Ordering,
+    /// Per-aggregate-type ordering, overriding --ordering for those types:
+    /// `orders=strict,payments=partition`.
+    #[arg(long, env = "OUTBOX_ORDERING_FOR", value_delimiter = ',', value_parser = ordering_for)]
+    pub(crate) ordering_for: Vec<(String, Ordering)>,
     /// How soon the partitions of a relay that died (or froze, or lost its
     /// connection) move to the other relays.
     #[arg(long, env = "OUTBOX_LEASE_TIMEOUT", default_value = "10s", value_parser = lease_timeout)]
@@ -397,6 +401,17 @@ pub(crate) enum Phase {
     Idle,
     /// Commit rate of the writer API.
     Writer,
+}
+
+/// `TYPE=MODE` of `--ordering-for`.
+fn ordering_for(s: &str) -> Result<(String, Ordering), String> {
+    let (aggregate_type, mode) = s
+        .split_once('=')
+        .filter(|(t, _)| !t.is_empty())
+        .ok_or_else(|| format!("expected AGGREGATE_TYPE=MODE, got {s:?}"))?;
+    let mode = <Ordering as clap::ValueEnum>::from_str(mode, false)
+        .map_err(|_| format!("unknown ordering {mode:?} for {aggregate_type:?} (partition or strict)"))?;
+    Ok((aggregate_type.to_owned(), mode))
 }
 
 /// A lease timeout: ticks come every third of it, so below a second the

@@ -73,6 +73,9 @@ pub struct RelayConfig {
     /// Per-aggregate ordering. `Partition` and `Strict` share the outbox
     /// with other relays through partition leases; `None` claims any row.
     pub ordering: OrderMode,
+    /// Aggregate types whose ordering differs from `ordering` (`Partition`
+    /// or `Strict` each; `None` has no per-type form, as it takes no leases).
+    pub ordering_for: Vec<(String, OrderMode)>,
     /// How soon a dead relay's partitions move to the others (default 10 s).
     pub lease_timeout: Duration,
     /// How this relay shows in `outbox relays` (default `host:pid`).
@@ -92,6 +95,7 @@ impl Default for RelayConfig {
             connect_timeout: Duration::from_secs(10),
             drain: false,
             ordering: OrderMode::Partition,
+            ordering_for: Vec::new(),
             lease_timeout: Duration::from_secs(10),
             name: None,
             failpoint: None,
@@ -135,12 +139,24 @@ pub enum RelayError {
     /// The outbox table is missing, outdated or too new.
     #[error("checking the outbox schema")]
     Schema(#[source] outbox::Error),
+    /// Per-type ordering that cannot be honoured.
+    #[error("invalid ordering for aggregate type {aggregate_type:?}: {reason}")]
+    Ordering {
+        /// The aggregate type.
+        aggregate_type: String,
+        /// Why.
+        reason: &'static str,
+    },
 }
 
 impl RelayError {
     /// True when the cause is configuration or schema (CLI exit code 2).
     pub fn is_config(&self) -> bool {
-        matches!(self, RelayError::Schema(e) if e.is_config())
+        match self {
+            RelayError::Schema(e) => e.is_config(),
+            RelayError::Ordering { .. } => true,
+            RelayError::Connect { .. } => false,
+        }
     }
 }
 
@@ -225,6 +241,10 @@ pub struct Relay {
     earliest_retry: Option<Instant>,
     /// Partition leases, unless the ordering is `None`.
     leases: Option<Leases>,
+    /// The aggregate types whose ordering is not the default, and whether
+    /// the default is strict: `$6` and `$7` of the strict claim.
+    exceptions: Vec<String>,
+    default_strict: bool,
 }
 
 impl Relay {
@@ -236,14 +256,48 @@ impl Relay {
             pg.application_name("outbox-relay");
         }
         Self {
-            config,
             pg,
             sink,
             sql,
             counters: Arc::default(),
             earliest_retry: None,
             leases: None,
+            exceptions: config
+                .ordering_for
+                .iter()
+                .filter(|(_, mode)| *mode != config.ordering)
+                .map(|(t, _)| t.clone())
+                .collect(),
+            default_strict: config.ordering == OrderMode::Strict,
+            config,
         }
+    }
+
+    /// Whether any aggregate type is held to strict order.
+    fn any_strict(&self) -> bool {
+        self.config.ordering == OrderMode::Strict
+            || self
+                .config
+                .ordering_for
+                .iter()
+                .any(|(_, m)| *m == OrderMode::Strict)
+    }
+
+    fn check_ordering(&self) -> Result<(), RelayError> {
+        for (aggregate_type, mode) in &self.config.ordering_for {
+            let reason = if *mode == OrderMode::None {
+                "`none` applies to a whole relay (it takes no leases), not to one aggregate type"
+            } else if self.config.ordering == OrderMode::None {
+                "per-type ordering needs a relay with leases: use `partition` or `strict` as the default"
+            } else {
+                continue;
+            };
+            return Err(RelayError::Ordering {
+                aggregate_type: aggregate_type.clone(),
+                reason,
+            });
+        }
+        Ok(())
     }
 
     fn start_leases(&mut self) {
@@ -270,6 +324,7 @@ impl Relay {
     /// Runs until `cancel` fires, then returns after the batch at the sink is
     /// committed. Fails only at startup; later connection losses reconnect.
     pub async fn run(mut self, cancel: CancellationToken) -> Result<(), RelayError> {
+        self.check_ordering()?;
         let Some(first) = self.connect_at_startup(&cancel).await? else {
             return Ok(());
         };
@@ -283,6 +338,7 @@ impl Relay {
             batch_size = self.config.batch_size,
             notify = self.config.notify,
             ordering = ?self.config.ordering,
+            ordering_for = ?self.config.ordering_for,
             relay_id = ?self.leases.as_ref().map(Leases::relay_id),
             "relay ready"
         );
@@ -537,6 +593,10 @@ impl Relay {
         if let Some((relay_id, view)) = &lease {
             let leased: [Param<'_>; 3] = [relay_id, &view.claimable, &count];
             claim_params.extend(leased);
+            if self.any_strict() {
+                let strict: [Param<'_>; 2] = [&self.exceptions, &self.default_strict];
+                claim_params.extend(strict);
+            }
         }
         // Holding no partition, there is nothing to claim: no transaction.
         // With the lease lapsed, a batch could not be sent: none either.
@@ -659,10 +719,12 @@ impl Relay {
         Ok(Session {
             backend: (me.try_get(0)?, me.try_get(1)?),
             claim: client
-                .prepare(match self.config.ordering {
-                    OrderMode::None => &self.sql.claim_batch,
-                    OrderMode::Partition => &self.sql.claim_batch_leased,
-                    OrderMode::Strict => &self.sql.claim_batch_strict_leased,
+                .prepare(if self.config.ordering == OrderMode::None {
+                    &self.sql.claim_batch
+                } else if self.any_strict() {
+                    &self.sql.claim_batch_strict_leased
+                } else {
+                    &self.sql.claim_batch_leased
                 })
                 .await?,
             mark_failed: client.prepare(&self.sql.mark_failed).await?,

@@ -86,14 +86,18 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {ocols}";
 
-/// `CLAIM_BATCH_STRICT` restricted to the partitions this relay holds.
+/// `CLAIM_BATCH_STRICT` restricted to the partitions this relay holds,
+/// with per-aggregate-type modes: `$6` the aggregate types whose mode is
+/// not the default, `$7` whether the default is strict. A row is held to
+/// strict order when exactly one of "its type is listed" and "the default
+/// is strict" holds; the others skip the `NOT EXISTS` probe.
 const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} claimed AS ( \
         SELECT c.id, c.created_at FROM {t} AS c \
          WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 \
            AND {partition_of_c} = ANY($4::int4[]) \
-           AND NOT EXISTS (SELECT 1 FROM {t} AS e \
+           AND ((c.aggregate_type = ANY($6::text[])) = $7::bool OR NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
-                   AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
+                   AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL)) \
          ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \

@@ -55,11 +55,12 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         notify: !args.no_notify,
         connect_timeout: g.connect_timeout,
         drain: args.drain,
-        ordering: match args.ordering {
-            Ordering::None => OrderMode::None,
-            Ordering::Partition => OrderMode::Partition,
-            Ordering::Strict => OrderMode::Strict,
-        },
+        ordering: order_mode(args.ordering),
+        ordering_for: args
+            .ordering_for
+            .into_iter()
+            .map(|(t, o)| (t, order_mode(o)))
+            .collect(),
         lease_timeout: args.lease_timeout,
         name: args.relay_name,
         failpoint,
@@ -83,4 +84,12 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         let _ = task.await;
     }
     result
+}
+
+fn order_mode(o: Ordering) -> OrderMode {
+    match o {
+        Ordering::None => OrderMode::None,
+        Ordering::Partition => OrderMode::Partition,
+        Ordering::Strict => OrderMode::Strict,
+    }
 }

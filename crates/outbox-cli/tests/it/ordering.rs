@@ -141,3 +141,69 @@ async fn a_dead_letter_blocks_only_its_aggregate_until_skipped() {
     assert_eq!(stats["given_up"], 1, "{stats}");
     assert_eq!(stats["blocked_aggregates"], 0, "{stats}");
 }
+
+#[tokio::test]
+async fn ordering_for_holds_only_the_listed_type_to_strict_order() {
+    let mut db = Db::start().await;
+    // The first two requests, the first event of each type, are refused
+    // for good: two dead letters.
+    let receiver = Receiver::start(Respond::Sequence(vec![422, 422])).await.unwrap();
+    let events: Vec<Event> = ["orders", "payments"]
+        .into_iter()
+        .flat_map(|kind| {
+            (1..=3).map(move |step| Event::new(kind, "1", "Step", json!({"kind": kind, "step": step})))
+        })
+        .collect();
+    let tx = db.client.transaction().await.unwrap();
+    Outbox::default().enqueue_all(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let relay = start_relay(
+        &db.url,
+        &receiver.url(),
+        &["--ordering-for", "orders=strict", "--batch-size", "1"],
+        &[],
+    )
+    .await;
+    wait_until(
+        "payments 2 and 3 delivered past their dead letter",
+        LONG,
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+                .await
+                == 2
+        },
+    )
+    .await;
+    let delivered: Vec<String> = receiver
+        .received()
+        .iter()
+        .filter(|r| r.status < 300)
+        .map(|r| {
+            format!(
+                "{}#{}",
+                r.body["payload"]["kind"].as_str().unwrap(),
+                r.body["payload"]["step"]
+            )
+        })
+        .collect();
+    assert_eq!(delivered, ["payments#2", "payments#3"]);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE aggregate_type = 'orders' AND published_at IS NULL AND attempts = 0")
+            .await,
+        2,
+        "orders, strict, wait behind their dead letter without an attempt"
+    );
+    stop_relay(relay).await;
+
+    for bad in [
+        &["--ordering-for", "orders=none"][..],
+        &["--ordering", "none", "--ordering-for", "orders=strict"][..],
+        &["--ordering-for", "orders"][..],
+    ] {
+        let mut args = vec!["relay", "--sink", "http://127.0.0.1:9"];
+        args.extend_from_slice(bad);
+        let out = run_cli(&args, &[("DATABASE_URL", db.url.as_str())]).await;
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("orders"), "{}", text(&out.stderr));
+    }
+}
