@@ -153,6 +153,16 @@ pub(crate) struct RelayArgs {
     /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
     #[arg(long, env = "OUTBOX_HTTP_SECRET", hide_env_values = true)]
     pub(crate) http_secret: Option<String>,
+    /// Envelope of each event: native, cloudevents or debezium.
+    #[arg(long, env = "OUTBOX_FORMAT", default_value = "native")]
+    pub(crate) format: outbox_relay::sink::format::Format,
+    /// Where CloudEvents attributes go: structured (one JSON document) or
+    /// binary (ce-* headers, payload as body).
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_MODE", default_value = "structured")]
+    pub(crate) cloudevents_mode: outbox_relay::sink::format::CloudEventsMode,
+    /// CloudEvents `source` attribute [default: /outbox/<schema>.<table>].
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_SOURCE")]
+    pub(crate) cloudevents_source: Option<String>,
     /// Aggregates an HTTP batch sends to concurrently.
     #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use outbox_relay::sink::format::Formatter;
 use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig, SinkOptions};
 
 use crate::cli::{Global, Ordering, RelayArgs};
@@ -24,6 +25,9 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
+    let source = args
+        .cloudevents_source
+        .unwrap_or_else(|| format!("/outbox/{}.{}", g.schema, g.table));
     let options = SinkOptions {
         stream_prefix: args.stream_prefix,
         timeout: args.http_timeout,
@@ -32,6 +36,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         nats_subject: args.nats_subject,
         amqp_exchange: args.amqp_exchange,
         amqp_routing_key: args.amqp_routing_key,
+        formatter: Formatter::new(args.format, args.cloudevents_mode, source),
     };
     let sink = outbox_relay::sink::from_url(&args.sink, &options)?;
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {

@@ -8,6 +8,7 @@ mod amqp;
 mod cli;
 mod consume;
 mod crash;
+mod formats;
 mod nats;
 mod ordering;
 mod relay;
