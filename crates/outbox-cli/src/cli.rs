@@ -101,8 +101,14 @@ pub(crate) struct MigrateArgs {
 pub(crate) struct RelayArgs {
     /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…,
     /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…
-    #[arg(long, env = "OUTBOX_SINK")]
-    pub(crate) sink: String,
+    #[arg(long, env = "OUTBOX_SINK", required_unless_present = "config")]
+    pub(crate) sink: Option<String>,
+    /// TOML file routing aggregate types to sinks ([default] and
+    /// [routes.<aggregate_type>] tables with `sink` and any per-sink flag's
+    /// key, e.g. `format`, `nats_subject`); keys it leaves out take the flags'
+    /// values. Takes precedence over --sink.
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub(crate) config: Option<std::path::PathBuf>,
     /// Rows claimed and delivered per transaction.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 100,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]

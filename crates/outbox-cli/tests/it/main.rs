@@ -14,6 +14,7 @@ mod ordering;
 mod relay;
 mod retention;
 mod retry;
+mod routing;
 mod support;
 mod webhooks;
 mod writer;

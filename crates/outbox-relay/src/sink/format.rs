@@ -184,6 +184,11 @@ impl Formatter {
         self.format
     }
 
+    /// Format, CloudEvents mode and source, for building a variant of it.
+    pub fn parts(&self) -> (Format, CloudEventsMode, &str) {
+        (self.format, self.mode, &self.source)
+    }
+
     /// `row` as a message for `protocol`.
     ///
     /// ```

@@ -27,6 +27,7 @@ pub mod http;
 pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod router;
 pub mod template;
 
 /// The outcome of delivering one row.
