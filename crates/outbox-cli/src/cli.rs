@@ -115,8 +115,14 @@ pub(crate) struct MigrateArgs {
 pub(crate) struct RelayArgs {
     /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…,
     /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…
-    #[arg(long, env = "OUTBOX_SINK")]
-    pub(crate) sink: String,
+    #[arg(long, env = "OUTBOX_SINK", required_unless_present = "config")]
+    pub(crate) sink: Option<String>,
+    /// TOML file routing aggregate types to sinks ([default] and
+    /// [routes.<aggregate_type>] tables with `sink` and any per-sink flag's
+    /// key, e.g. `format`, `nats_subject`); keys it leaves out take the flags'
+    /// values. Takes precedence over --sink.
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub(crate) config: Option<std::path::PathBuf>,
     /// Rows claimed and delivered per transaction.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 100,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
@@ -188,6 +194,16 @@ pub(crate) struct RelayArgs {
     /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
     #[arg(long, env = "OUTBOX_HTTP_SECRET", hide_env_values = true)]
     pub(crate) http_secret: Option<String>,
+    /// Envelope of each event: native, cloudevents or debezium.
+    #[arg(long, env = "OUTBOX_FORMAT", default_value = "native")]
+    pub(crate) format: outbox_relay::sink::format::Format,
+    /// Where CloudEvents attributes go: structured (one JSON document) or
+    /// binary (ce-* headers, payload as body).
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_MODE", default_value = "structured")]
+    pub(crate) cloudevents_mode: outbox_relay::sink::format::CloudEventsMode,
+    /// CloudEvents `source` attribute [default: /outbox/<schema>.<table>].
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_SOURCE")]
+    pub(crate) cloudevents_source: Option<String>,
     /// Aggregates an HTTP batch sends to concurrently.
     #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]

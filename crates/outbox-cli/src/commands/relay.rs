@@ -5,10 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use outbox_relay::sink::format::Formatter;
 use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig, SinkOptions};
 
 use crate::cli::{Global, Ordering, RelayArgs};
 use crate::commands::retention;
+use crate::config::RelayFile;
 use crate::exit::ConfigError;
 
 /// With no NOTIFY the poll interval is the delivery latency, so the default
@@ -25,6 +27,9 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
+    let source = args
+        .cloudevents_source
+        .unwrap_or_else(|| format!("/outbox/{}.{}", g.schema, g.table));
     let options = SinkOptions {
         stream_prefix: args.stream_prefix,
         timeout: args.http_timeout,
@@ -33,8 +38,14 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         nats_subject: args.nats_subject,
         amqp_exchange: args.amqp_exchange,
         amqp_routing_key: args.amqp_routing_key,
+        formatter: Formatter::new(args.format, args.cloudevents_mode, source),
     };
-    let sink = outbox_relay::sink::from_url(&args.sink, &options)?;
+    let sink: Box<dyn outbox_relay::Sink> = match (&args.config, &args.sink) {
+        (Some(path), _) => Box::new(RelayFile::read(path)?.router(&options)?),
+        (None, Some(url)) => outbox_relay::sink::from_url(url, &options)?,
+        // clap requires one of them.
+        (None, None) => return Err(ConfigError("give --sink or --config".to_owned()).into()),
+    };
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {
         Ok(v) if !v.is_empty() => Some(v.parse::<Failpoint>().map_err(ConfigError)?),
         _ => None,

@@ -24,7 +24,7 @@ use crate::support::{
 };
 
 /// The machine's broker, as `scripts/test.sh` ensures it.
-const MACHINE_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub(crate) const MACHINE_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// One message as a consumer sees it.
 struct Received {
@@ -34,17 +34,17 @@ struct Received {
 
 /// A broker connection with an exchange declared as the sink declares it
 /// and a queue bound to it with `binding`.
-struct Topology {
+pub(crate) struct Topology {
     _connection: Connection,
-    channel: Channel,
-    exchange: String,
-    queue: String,
+    pub(crate) channel: Channel,
+    pub(crate) exchange: String,
+    pub(crate) queue: String,
 }
 
 impl Topology {
     /// `durable`: a durable queue that survives a broker restart; otherwise
     /// an exclusive one that goes with this connection.
-    async fn new(url: &str, binding: &str, durable: bool) -> Topology {
+    pub(crate) async fn new(url: &str, binding: &str, durable: bool) -> Topology {
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let exchange = format!("outbox-test-{suffix}");
         let queue = format!("outbox-test-{suffix}");
@@ -156,7 +156,7 @@ impl Topology {
         }
     }
 
-    async fn delete_exchange(&self) {
+    pub(crate) async fn delete_exchange(&self) {
         self.channel
             .exchange_delete(self.exchange.as_str().into(), ExchangeDeleteOptions::default())
             .await

@@ -15,7 +15,7 @@ use crate::support::{
     Db, LONG, StreamEvent, distinct_events, order_violations, start_relay, stop_relay, wait_until,
 };
 
-const STREAM: &str = "OUTBOX";
+pub(crate) const STREAM: &str = "OUTBOX";
 
 /// One message as a consumer sees it.
 struct Received {
@@ -24,12 +24,12 @@ struct Received {
     headers: async_nats::HeaderMap,
 }
 
-async fn jetstream(nats: &Nats) -> jetstream::Context {
+pub(crate) async fn jetstream(nats: &Nats) -> jetstream::Context {
     let client = async_nats::connect(nats.url()).await.expect("connect to nats");
     jetstream::new(client)
 }
 
-async fn create_stream(nats: &Nats) -> Stream {
+pub(crate) async fn create_stream(nats: &Nats) -> Stream {
     jetstream(nats)
         .await
         .create_stream(jetstream::stream::Config {

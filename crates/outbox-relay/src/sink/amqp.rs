@@ -3,7 +3,8 @@
 //! `<aggregate_type>.<event_type>` (`--amqp-routing-key`), on a channel in
 //! publisher-confirm mode.
 //!
-//! Each message carries the JSON body the other brokers get, `message_id =
+//! Each message carries the body and headers `--format` gives it
+//! ([`super::format`]; native: the JSON body the other brokers get), `message_id =
 //! event_id` (the consumer's dedup key: the broker does not deduplicate),
 //! `content_type: application/json`, `delivery_mode: 2`, `type =
 //! event_type`, `timestamp = created_at`, and the row's `headers` as an AMQP
@@ -38,7 +39,6 @@
 //! after any connection-level failure or missing confirm, so a broker that
 //! is down or restarts only turns into retries.
 
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -51,8 +51,9 @@ use outbox::OutboxRow;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
+use super::format::{Formatter, Message, Protocol};
 use super::template::Template;
-use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions, header_pairs, message_body};
+use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
 /// `delivery_mode` of a message the broker writes to disk.
 const PERSISTENT: u8 = 2;
@@ -63,6 +64,7 @@ pub struct AmqpSink {
     exchange: Template,
     routing_key: Template,
     timeout: Duration,
+    formatter: Formatter,
     // Held for a whole batch: confirms are counted per channel, so two
     // batches must not interleave on one.
     link: Mutex<Option<Link>>,
@@ -74,6 +76,9 @@ struct Link {
     channel: Channel,
     declared: HashSet<String>,
 }
+
+/// A row ready to publish: where, its properties, its body.
+type Prepared = (Route, BasicProperties, Vec<u8>);
 
 /// Where one row goes.
 struct Route {
@@ -94,6 +99,7 @@ impl AmqpSink {
             exchange: Template::parse(&options.amqp_exchange, "--amqp-exchange")?,
             routing_key: Template::parse(&options.amqp_routing_key, "--amqp-routing-key")?,
             timeout: options.timeout,
+            formatter: options.formatter.clone(),
             link: Mutex::new(None),
         })
     }
@@ -139,19 +145,22 @@ impl AmqpSink {
         })
     }
 
-    fn properties(row: &OutboxRow) -> Result<BasicProperties, DeliveryError> {
+    fn properties(row: &OutboxRow, message: &Message) -> Result<BasicProperties, DeliveryError> {
         let mut headers = FieldTable::default();
-        for (name, value) in header_pairs(row) {
+        for (name, value) in &message.headers {
             let name = ShortString::try_new(name).map_err(|e| {
                 DeliveryError::permanent(format!("header name cannot be an amqp field name: {e}"))
             })?;
-            let value = LongString::from(Cow::into_owned(value).into_bytes());
+            let value = LongString::from(value.as_bytes().to_vec());
             headers.insert(name, AMQPValue::LongString(value));
         }
         let timestamp = u64::try_from(row.created_at.timestamp()).unwrap_or(0);
-        Ok(BasicProperties::default()
+        let mut properties = BasicProperties::default();
+        if let Some(content_type) = message.content_type {
+            properties = properties.with_content_type(content_type.into());
+        }
+        Ok(properties
             .with_message_id(row.event_id.to_string().into())
-            .with_content_type("application/json".into())
             .with_delivery_mode(PERSISTENT)
             .with_type(
                 ShortString::try_new(row.event_type.as_str())
@@ -192,12 +201,16 @@ impl AmqpSink {
         let deadline = Instant::now() + self.timeout;
         let mut healthy = true;
 
-        let routes: Vec<Result<(Route, BasicProperties), DeliveryError>> = batch
+        let routes: Vec<Result<Prepared, DeliveryError>> = batch
             .iter()
-            .map(|row| Ok((self.route_of(row)?, Self::properties(row)?)))
+            .map(|row| {
+                let message = self.formatter.message(row, Protocol::Amqp);
+                let properties = Self::properties(row, &message)?;
+                Ok((self.route_of(row)?, properties, message.body))
+            })
             .collect();
 
-        for exchange in routes.iter().flatten().map(|(r, _)| r.exchange.as_str()) {
+        for exchange in routes.iter().flatten().map(|(r, _, _)| r.exchange.as_str()) {
             if link.declared.contains(exchange) || exchange.is_empty() || exchange.starts_with("amq.") {
                 continue;
             }
@@ -228,11 +241,10 @@ impl AmqpSink {
         }
 
         let mut confirms = Vec::with_capacity(batch.len());
-        for (row, route) in batch.iter().zip(routes) {
+        for route in routes {
             let sent = match route {
                 Err(e) => Err(e),
-                Ok((route, properties)) if healthy => {
-                    let body = message_body(row);
+                Ok((route, properties, body)) if healthy => {
                     let publish = link.channel.basic_publish(
                         route.exchange.clone(),
                         route.routing_key.clone(),

@@ -1,4 +1,5 @@
-//! HTTP sink: one `POST` of a JSON object per event.
+//! HTTP sink: one `POST` per event, its body and headers as `--format` says
+//! ([`super::format`]).
 //!
 //! Events of one aggregate are sent in id order, each only after the previous
 //! one was acknowledged; if one fails, the rest of that aggregate in the batch
@@ -16,11 +17,11 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use outbox::OutboxRow;
 use outbox::webhooks::{self, WebhookSecret};
-use reqwest::header::{CONTENT_TYPE, HeaderMap, RETRY_AFTER};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use reqwest::{Client, StatusCode};
-use serde_json::json;
 use url::Url;
 
+use super::format::{Formatter, Protocol};
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
 /// Delivers to an HTTP endpoint.
@@ -29,6 +30,7 @@ pub struct HttpSink {
     url: Url,
     concurrency: usize,
     secret: Option<WebhookSecret>,
+    formatter: Formatter,
 }
 
 impl HttpSink {
@@ -57,30 +59,33 @@ impl HttpSink {
             url,
             concurrency: options.http_concurrency.max(1),
             secret,
+            formatter: options.formatter.clone(),
         })
     }
 
     async fn send(&self, row: &OutboxRow) -> Delivery {
-        let body = json!({
-            "event_id": row.event_id,
-            "aggregate_type": row.aggregate_type,
-            "aggregate_id": row.aggregate_id,
-            "event_type": row.event_type,
-            "payload": row.payload,
-            "headers": row.headers,
-            "outbox_id": row.id,
-            "created_at": row.created_at,
-        });
-        let body = match serde_json::to_vec(&body) {
-            Ok(b) => b,
-            Err(e) => return Err(DeliveryError::permanent(format!("encoding the body: {e}"))),
-        };
+        let message = self.formatter.message(row, Protocol::Http);
+        let body = message.body;
         let event_id = row.event_id.to_string();
-        let mut request = self
-            .client
-            .post(self.url.clone())
-            .header("Idempotency-Key", &event_id)
-            .header(CONTENT_TYPE, "application/json");
+        let mut headers = HeaderMap::new();
+        for (name, value) in &message.headers {
+            let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) else {
+                return Err(DeliveryError::permanent(format!(
+                    "header {name:?} cannot be an HTTP header"
+                )));
+            };
+            headers.append(name, value);
+        }
+        if let Some(content_type) = message.content_type {
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+        }
+        // `insert` after the format's headers, so a row header cannot
+        // replace the dedup key.
+        headers.insert(
+            "Idempotency-Key",
+            HeaderValue::try_from(&event_id).map_err(|e| DeliveryError::permanent(e.to_string()))?,
+        );
+        let mut request = self.client.post(self.url.clone()).headers(headers);
         if let Some(secret) = &self.secret {
             // A fresh timestamp and signature per attempt, the same id on
             // every one, as the specification asks.
@@ -206,8 +211,6 @@ impl Sink for HttpSink {
 
 #[cfg(test)]
 mod tests {
-    use reqwest::header::HeaderValue;
-
     use super::*;
 
     #[test]

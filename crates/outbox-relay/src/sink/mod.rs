@@ -16,14 +16,18 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
 
+use self::format::Formatter;
+
 #[cfg(feature = "amqp")]
 pub mod amqp;
+pub mod format;
 #[cfg(feature = "http")]
 pub mod http;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod router;
 pub mod template;
 
 /// The outcome of delivering one row.
@@ -107,6 +111,8 @@ pub struct SinkOptions {
     pub amqp_exchange: String,
     /// AMQP routing key, with the same placeholders.
     pub amqp_routing_key: String,
+    /// The envelope: `--format`, `--cloudevents-mode`, `--cloudevents-source`.
+    pub formatter: Formatter,
 }
 
 impl Default for SinkOptions {
@@ -119,6 +125,7 @@ impl Default for SinkOptions {
             nats_subject: "outbox.event.{aggregate_type}".to_owned(),
             amqp_exchange: "outbox".to_owned(),
             amqp_routing_key: "{aggregate_type}.{event_type}".to_owned(),
+            formatter: Formatter::default(),
         }
     }
 }
@@ -196,34 +203,4 @@ pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkE
             known: KNOWN_SCHEMES,
         }),
     }
-}
-
-/// The JSON body the message brokers get: the row without its headers, which
-/// travel as message headers.
-#[cfg(any(feature = "nats", feature = "amqp"))]
-fn message_body(row: &OutboxRow) -> Vec<u8> {
-    let body = serde_json::json!({
-        "event_id": row.event_id,
-        "aggregate_type": row.aggregate_type,
-        "aggregate_id": row.aggregate_id,
-        "event_type": row.event_type,
-        "payload": row.payload,
-        "created_at": row.created_at,
-        "outbox_id": row.id,
-    });
-    body.to_string().into_bytes()
-}
-
-/// The row's `headers` as (name, value) pairs. The writer stores strings;
-/// any other JSON value travels as its JSON text rather than being dropped.
-#[cfg(any(feature = "nats", feature = "amqp"))]
-fn header_pairs(row: &OutboxRow) -> impl Iterator<Item = (&str, std::borrow::Cow<'_, str>)> {
-    row.headers
-        .as_object()
-        .into_iter()
-        .flatten()
-        .map(|(k, v)| match v {
-            serde_json::Value::String(s) => (k.as_str(), std::borrow::Cow::Borrowed(s.as_str())),
-            other => (k.as_str(), std::borrow::Cow::Owned(other.to_string())),
-        })
 }

@@ -1,7 +1,8 @@
 //! NATS JetStream sink: one message per event on `outbox.event.<aggregate_type>`
 //! (`--nats-subject`), acknowledged by the stream that captures the subject.
 //!
-//! Each message carries the JSON body the other brokers get, the header
+//! Each message carries the body and headers `--format` gives it
+//! ([`super::format`]; native: the JSON body the other brokers get), the header
 //! `Nats-Msg-Id: <event_id>` and every key of the row's `headers` as a
 //! message header. `Nats-Msg-Id` is the dedup key: a re-send inside the
 //! stream's duplicate window (2 minutes by default) is acknowledged with
@@ -50,8 +51,9 @@ use outbox::OutboxRow;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
+use super::format::{Formatter, Protocol};
 use super::template::Template;
-use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions, header_pairs, message_body};
+use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
 /// Acks in flight one connection allows; above the largest batch
 /// (`--batch-size` ≤ 10,000) so a batch never trips async-nats' limit.
@@ -65,6 +67,7 @@ pub struct NatsSink {
     url: String,
     subject: Template,
     timeout: Duration,
+    formatter: Formatter,
     connection: Mutex<Option<Connection>>,
 }
 
@@ -96,6 +99,7 @@ impl NatsSink {
             url: url.to_owned(),
             subject,
             timeout: options.timeout,
+            formatter: options.formatter.clone(),
             connection: Mutex::new(None),
         })
     }
@@ -139,18 +143,22 @@ impl NatsSink {
                 "invalid nats subject {subject:?}: {reason}"
             )));
         }
+        let formatted = self.formatter.message(row, Protocol::Nats);
         let mut headers = HeaderMap::new();
-        for (name, value) in header_pairs(row) {
+        if let Some(content_type) = formatted.content_type {
+            headers.insert("content-type", content_type);
+        }
+        for (name, value) in &formatted.headers {
             let bad = |what: &str| {
                 DeliveryError::permanent(format!("header {name:?} cannot be a nats header: {what}"))
             };
             let name_ok = HeaderName::from_str(name).map_err(|e| bad(&e.to_string()))?;
-            let value_ok = HeaderValue::from_str(&value).map_err(|e| bad(&e.to_string()))?;
+            let value_ok = HeaderValue::from_str(value).map_err(|e| bad(&e.to_string()))?;
             headers.insert(name_ok, value_ok);
         }
         // Set last, so a row header of the same name cannot replace the dedup key.
         let message = PublishMessage::build()
-            .payload(message_body(row).into())
+            .payload(formatted.body.into())
             .headers(headers)
             .message_id(row.event_id.to_string());
         Ok((subject, message))

@@ -15,6 +15,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, RedisResult};
 use tokio::sync::Mutex;
 
+use super::format::Formatter;
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
 /// Delivers to Redis Streams.
@@ -22,6 +23,7 @@ pub struct RedisSink {
     client: Client,
     prefix: String,
     timeout: Duration,
+    formatter: Formatter,
     connection: Mutex<Option<MultiplexedConnection>>,
 }
 
@@ -36,6 +38,7 @@ impl RedisSink {
             client,
             prefix: options.stream_prefix.clone(),
             timeout: options.timeout,
+            formatter: options.formatter.clone(),
             connection: Mutex::new(None),
         })
     }
@@ -75,17 +78,7 @@ impl RedisSink {
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         for row in batch {
-            let payload = row.payload.to_string();
-            let mut fields: Vec<(&str, String)> = vec![
-                ("event_id", row.event_id.to_string()),
-                ("aggregate_id", row.aggregate_id.clone()),
-                ("event_type", row.event_type.clone()),
-                ("payload", payload),
-                ("outbox_id", row.id.to_string()),
-            ];
-            if row.headers.as_object().is_some_and(|h| !h.is_empty()) {
-                fields.push(("headers", row.headers.to_string()));
-            }
+            let fields = self.formatter.fields(row);
             pipe.xadd(self.stream_name(row), "*", &fields);
         }
         let answers: RedisResult<Vec<RedisResult<String>>> = pipe.query_async(&mut conn).await;
