@@ -20,6 +20,9 @@
 //! [routes.payments]
 //! sink = "amqp://guest:guest@127.0.0.1:5672/%2f"
 //! format = "debezium"
+//!
+//! [ordering]                      # per aggregate type, over --ordering
+//! orders = "strict"
 //! ```
 
 use std::collections::BTreeMap;
@@ -32,6 +35,7 @@ use outbox_relay::sink::router::Router;
 use outbox_relay::sink::{self, Sink};
 use serde::Deserialize;
 
+use crate::cli::Ordering;
 use crate::exit::ConfigError;
 
 /// The whole file.
@@ -44,6 +48,9 @@ pub(crate) struct RelayFile {
     /// Aggregate type → its sink.
     #[serde(default)]
     routes: BTreeMap<String, SinkTable>,
+    /// Aggregate type → `partition` or `strict` (`--ordering-for`).
+    #[serde(default)]
+    ordering: BTreeMap<String, String>,
 }
 
 /// One sink: its URL and the options that override the flags.
@@ -69,6 +76,20 @@ impl RelayFile {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError(format!("reading --config {}: {e}", path.display())))?;
         toml::from_str(&text).map_err(|e| ConfigError(format!("--config {}: {e}", path.display())))
+    }
+
+    /// The `[ordering]` table, checked.
+    pub(crate) fn ordering(&self) -> Result<Vec<(String, Ordering)>, ConfigError> {
+        self.ordering
+            .iter()
+            .map(|(aggregate_type, mode)| match mode.as_str() {
+                "partition" => Ok((aggregate_type.clone(), Ordering::Partition)),
+                "strict" => Ok((aggregate_type.clone(), Ordering::Strict)),
+                other => Err(ConfigError(format!(
+                    "--config [ordering] {aggregate_type} = {other:?}: expected \"partition\" or \"strict\""
+                ))),
+            })
+            .collect()
     }
 
     /// The router the file describes; `flags` are the options of keys a
@@ -167,6 +188,14 @@ mod tests {
         let file = parse("[routes.orders]\nsink = \"redis://x\"\n").unwrap();
         let e = file.router(&flags).err().unwrap().to_string();
         assert!(e.contains("[default]"), "{e}");
+        let file = parse("[default]\nsink = \"redis://x\"\n[ordering]\norders = \"none\"\n").unwrap();
+        let e = file.ordering().unwrap_err().to_string();
+        assert!(e.contains("orders") && e.contains("none"), "{e}");
+        let file = parse("[default]\nsink = \"redis://x\"\n[ordering]\norders = \"strict\"\n").unwrap();
+        assert_eq!(
+            file.ordering().unwrap(),
+            [("orders".to_owned(), Ordering::Strict)]
+        );
         let file = parse("[default]\nsink = \"redis://x\"\nformat = \"avro\"\n").unwrap();
         let e = file.router(&flags).err().unwrap().to_string();
         assert!(e.contains("format") && e.contains("avro"), "{e}");

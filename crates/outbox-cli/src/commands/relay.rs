@@ -40,8 +40,21 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         amqp_routing_key: args.amqp_routing_key,
         formatter: Formatter::new(args.format, args.cloudevents_mode, source),
     };
+    let mut ordering_for: Vec<(String, OrderMode)> = args
+        .ordering_for
+        .into_iter()
+        .map(|(t, o)| (t, order_mode(o)))
+        .collect();
     let sink: Box<dyn outbox_relay::Sink> = match (&args.config, &args.sink) {
-        (Some(path), _) => Box::new(RelayFile::read(path)?.router(&options)?),
+        (Some(path), _) => {
+            let file = RelayFile::read(path)?;
+            // The file's [ordering] table wins over --ordering-for.
+            for (aggregate_type, mode) in file.ordering()? {
+                ordering_for.retain(|(t, _)| *t != aggregate_type);
+                ordering_for.push((aggregate_type, order_mode(mode)));
+            }
+            Box::new(file.router(&options)?)
+        }
         (None, Some(url)) => outbox_relay::sink::from_url(url, &options)?,
         // clap requires one of them.
         (None, None) => return Err(ConfigError("give --sink or --config".to_owned()).into()),
@@ -67,11 +80,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         connect_timeout: g.connect_timeout,
         drain: args.drain,
         ordering: order_mode(args.ordering),
-        ordering_for: args
-            .ordering_for
-            .into_iter()
-            .map(|(t, o)| (t, order_mode(o)))
-            .collect(),
+        ordering_for,
         lease_timeout: args.lease_timeout,
         name: args.relay_name,
         failpoint,
