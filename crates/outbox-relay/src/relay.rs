@@ -652,7 +652,7 @@ impl Relay {
             // Measured from after the commit, so the wake-up is never before
             // the time PostgreSQL recorded.
             let at = Instant::now() + soonest;
-            self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
+            self.retry_at(at);
         }
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters
@@ -665,6 +665,14 @@ impl Relay {
             elapsed = ?d.started.elapsed(),
             "batch committed"
         );
+    }
+
+    /// Wakes for a retry due at `at`, unless one is due sooner. A wake-up
+    /// already in the past was spent by the claim that came before: keeping
+    /// it would win every `min` and drop this retry to the next poll.
+    fn retry_at(&mut self, at: Instant) {
+        let pending = self.earliest_retry.filter(|e| *e > Instant::now());
+        self.earliest_retry = Some(pending.map_or(at, |e| e.min(at)));
     }
 
     /// The lease epoch a claim made now belongs to.
@@ -757,7 +765,7 @@ impl Relay {
             Ok(due_in) => {
                 if let Some(secs) = due_in.filter(|s| *s > 0.0) {
                     let at = Instant::now() + Duration::from_secs_f64(secs);
-                    self.earliest_retry = Some(self.earliest_retry.map_or(at, |e| e.min(at)));
+                    self.retry_at(at);
                 }
             }
             // Not fatal: the fallback poll still finds the row.

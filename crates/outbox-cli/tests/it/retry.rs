@@ -31,7 +31,9 @@ async fn receiver_failing_three_times_is_retried_with_backoff() {
         .unwrap();
     tx.commit().await.unwrap();
 
-    let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
+    // Lease ticks (which also find due rows) every 20 s: a retry that waited
+    // for one instead of its own backoff shows as a gap of seconds.
+    let relay = start_relay(&db.url, &receiver.url(), &["--lease-timeout", "60s"], &[]).await;
     wait_until("both events published", LONG, || async {
         db.unpublished().await == 0
     })
@@ -52,6 +54,10 @@ async fn receiver_failing_three_times_is_retried_with_backoff() {
         assert!(
             gap >= Duration::from_millis(nominal),
             "gap {i} was {gap:?}, nominal {nominal} ms"
+        );
+        assert!(
+            gap < Duration::from_secs(10),
+            "gap {i} was {gap:?}: the retry waited for a lease tick, not its backoff"
         );
     }
     let attempts: Vec<i32> = db
