@@ -80,7 +80,8 @@ pub(crate) enum Command {
     /// Daily partitions of an outbox migrated with --partition-by day.
     #[command(subcommand)]
     Partitions(PartitionsCommand),
-    /// Apply events from a Redis stream or a NATS JetStream stream to
+    /// Apply events from a Redis stream, a NATS JetStream stream or a
+    /// RabbitMQ queue to
     /// PostgreSQL exactly once: run --apply per event inside the inbox
     /// transaction, acknowledge after commit.
     Consume(ConsumeArgs),
@@ -249,15 +250,24 @@ pub(crate) struct CleanupArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct ConsumeArgs {
-    /// What to read: redis://host:port[/db] or nats://host:port.
+    /// What to read: redis://host:port[/db], nats://host:port or
+    /// amqp://user:pass@host:port/vhost.
     #[arg(long)]
     pub(crate) from: String,
-    /// The Redis stream (e.g. outbox.event.orders) or JetStream stream (e.g. OUTBOX).
+    /// The Redis stream (e.g. outbox.event.orders) or JetStream stream (e.g.
+    /// OUTBOX); for redis:// and nats://.
     #[arg(long)]
-    pub(crate) stream: String,
-    /// The Redis consumer group or JetStream durable consumer (created if missing).
+    pub(crate) stream: Option<String>,
+    /// The Redis consumer group or JetStream durable consumer (created if
+    /// missing); for redis:// and nats://.
     #[arg(long)]
-    pub(crate) group: String,
+    pub(crate) group: Option<String>,
+    /// The RabbitMQ queue (must exist, bound to the relay's exchange); for amqp://.
+    #[arg(long)]
+    pub(crate) queue: Option<String>,
+    /// Unacknowledged RabbitMQ messages this worker holds at once (basic.qos).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) prefetch: u16,
     /// This consumer's name in a Redis group [default: <hostname>-<pid>].
     #[arg(long)]
     pub(crate) consumer: Option<String>,

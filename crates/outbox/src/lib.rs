@@ -28,6 +28,7 @@
 //! | `sqlx` | no | writer and inbox on `&mut PgConnection` |
 //! | `redis` | no | `worker::redis`: a Redis Streams consumer worker with the inbox |
 //! | `nats` | no | `worker::nats`: a NATS JetStream consumer worker with the inbox |
+//! | `amqp` | no | `worker::amqp`: a RabbitMQ consumer worker with the inbox |
 //!
 //! ```no_run
 //! # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {

@@ -1,11 +1,12 @@
-//! `outbox consume`: a consumer worker (Redis Streams consumer group or NATS
-//! JetStream durable pull consumer) whose side effect is one SQL statement,
+//! `outbox consume`: a consumer worker (Redis Streams consumer group, NATS
+//! JetStream durable pull consumer or RabbitMQ queue) whose side effect is one SQL statement,
 //! applied once per event through the inbox and acknowledged only after it
 //! committed (`outbox::worker`).
 
 use anyhow::Context;
 use outbox::Inbox;
 use outbox::worker::Message;
+use outbox::worker::amqp::AmqpWorker;
 use outbox::worker::nats::NatsWorker;
 use outbox::worker::redis::RedisWorker;
 use tokio_postgres::types::Type;
@@ -15,14 +16,32 @@ use crate::cli::{ConsumeArgs, Global};
 use crate::exit::ConfigError;
 
 pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
-    let nats = args.from.starts_with("nats://");
-    if !nats && !args.from.starts_with("redis://") && !args.from.starts_with("rediss://") {
-        return Err(ConfigError(format!(
-            "--from must be a redis:// or nats:// URL, not {:?}",
-            args.from
-        ))
-        .into());
-    }
+    let from = match args.from.split_once("://").map(|(scheme, _)| scheme) {
+        Some("redis" | "rediss") => From::Redis,
+        Some("nats") => From::Nats,
+        Some("amqp" | "amqps") => From::Amqp,
+        _ => {
+            return Err(ConfigError(format!(
+                "--from must be a redis://, nats:// or amqp:// URL, not {:?}",
+                args.from
+            ))
+            .into());
+        }
+    };
+    // Checked before connecting, so a missing flag is exit 2 at once.
+    let required = |value: &Option<String>, flag: &str| {
+        value
+            .clone()
+            .ok_or_else(|| ConfigError(format!("{flag} is required with --from {}", args.from)))
+    };
+    let (stream, group, queue) = match from {
+        From::Amqp => (String::new(), String::new(), required(&args.queue, "--queue")?),
+        From::Redis | From::Nats => (
+            required(&args.stream, "--stream")?,
+            required(&args.group, "--group")?,
+            String::new(),
+        ),
+    };
     let inbox = Inbox::new(args.inbox_table.config()?);
     let mut db = super::connect(&super::pg_config(g)?).await?;
     outbox::check_inbox(&db, inbox.config()).await?;
@@ -59,19 +78,29 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
         .await
         .map(drop)
     };
-    let stats = if nats {
-        let mut worker = NatsWorker::new(&args.from, &args.stream, &args.group, inbox);
-        worker.ack_wait = args.claim_idle;
-        worker.pause_after_commit = pause_after_commit;
-        info!(stream = %args.stream, durable = %args.group, "consumer ready");
-        worker.run(&mut db, cancel, effect).await
-    } else {
-        let mut worker = RedisWorker::new(&args.from, &args.stream, &args.group, &consumer, inbox)
-            .map_err(|e| ConfigError(e.to_string()))?;
-        worker.claim_idle = args.claim_idle;
-        worker.pause_after_commit = pause_after_commit;
-        info!(stream = %args.stream, group = %args.group, %consumer, "consumer ready");
-        worker.run(&mut db, cancel, effect).await
+    let stats = match from {
+        From::Nats => {
+            let mut worker = NatsWorker::new(&args.from, &stream, &group, inbox);
+            worker.ack_wait = args.claim_idle;
+            worker.pause_after_commit = pause_after_commit;
+            info!(%stream, durable = %group, "consumer ready");
+            worker.run(&mut db, cancel, effect).await
+        }
+        From::Amqp => {
+            let mut worker = AmqpWorker::new(&args.from, &queue, inbox);
+            worker.prefetch = args.prefetch;
+            worker.pause_after_commit = pause_after_commit;
+            info!(%queue, prefetch = args.prefetch, "consumer ready");
+            worker.run(&mut db, cancel, effect).await
+        }
+        From::Redis => {
+            let mut worker = RedisWorker::new(&args.from, &stream, &group, &consumer, inbox)
+                .map_err(|e| ConfigError(e.to_string()))?;
+            worker.claim_idle = args.claim_idle;
+            worker.pause_after_commit = pause_after_commit;
+            info!(%stream, %group, %consumer, "consumer ready");
+            worker.run(&mut db, cancel, effect).await
+        }
     }
     .context("consuming")?;
     info!(
@@ -82,6 +111,14 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
         "consumer stopped"
     );
     Ok(())
+}
+
+/// The broker `--from` names.
+#[derive(Debug, Clone, Copy)]
+enum From {
+    Redis,
+    Nats,
+    Amqp,
 }
 
 fn hostname() -> String {

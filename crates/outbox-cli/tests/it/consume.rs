@@ -1,4 +1,4 @@
-//! `outbox consume` (the Redis Streams worker): a worker killed with SIGKILL
+//! `outbox consume` (the Redis Streams worker; the NATS and RabbitMQ ones below): a worker killed with SIGKILL
 //! after its side effect committed and before its XACK leaves the entry
 //! pending; another worker takes it over with XAUTOCLAIM, the inbox knows
 //! it, and the side effect happened exactly once per event.
@@ -227,4 +227,129 @@ async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
     assert_eq!(fields["duplicates"], 1, "{stopped}");
     assert_eq!(fields["malformed"], 1, "{stopped}");
     assert!(fields["claimed"].as_u64().unwrap() >= 1, "{stopped}");
+}
+
+#[tokio::test]
+async fn an_amqp_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
+    use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+
+    use crate::amqp::{MACHINE_BROKER, Topology};
+
+    let mut db = Db::start().await;
+    // A durable, non-exclusive queue: the workers consume it on their own
+    // connections.
+    let topology = Topology::new(MACHINE_BROKER, "orders.#", true).await;
+    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
+        .await
+        .unwrap();
+    db.client
+        .batch_execute("CREATE TABLE shipments (id bigserial, event_id uuid, order_id text, kind text)")
+        .await
+        .unwrap();
+    db.insert_events(20, 2).await;
+    let relay = run_cli(
+        &[
+            "relay",
+            "--sink",
+            MACHINE_BROKER,
+            "--amqp-exchange",
+            &topology.exchange,
+            "--drain",
+        ],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
+    assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+    // Not an outbox event: must be rejected, not redelivered for ever.
+    topology
+        .channel
+        .basic_publish(
+            "".into(),
+            topology.queue.as_str().into(),
+            BasicPublishOptions::default(),
+            b"not an event",
+            lapin::BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    let depth = || async {
+        topology
+            .channel
+            .queue_declare(
+                topology.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    };
+    wait_until("21 messages queued", LONG, || async { depth().await == 21 }).await;
+
+    let worker = |envs: &'static [(&'static str, &'static str)]| {
+        let mut cmd = outbox_cmd();
+        cmd.args(["consume", "--from", MACHINE_BROKER, "--queue", &topology.queue])
+            .args(["--prefetch", "50", "--apply", APPLY, "--log-format", "json"])
+            .env("DATABASE_URL", &db.url)
+            .envs(envs.iter().copied());
+        Spawned::spawn(cmd).expect("spawn consumer")
+    };
+    let mut first = worker(&[("OUTBOX_FAILPOINT", "pause-after-commit")]);
+    first
+        .wait_for_line("committed, parked before the acknowledgement", LONG)
+        .await
+        .unwrap();
+    first.kill().unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM shipments").await,
+        1,
+        "the effect committed"
+    );
+
+    let mut second = worker(&[]);
+    second.wait_for_line("consumer ready", LONG).await.unwrap();
+    wait_until("every event shipped", LONG, || async {
+        db.count("SELECT count(*) FROM processed_events").await == 20
+    })
+    .await;
+    // The junk message is last in the queue.
+    second
+        .wait_for_line("not an outbox event; rejected", LONG)
+        .await
+        .unwrap();
+    second.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(second.wait(LONG).await.unwrap().success());
+    assert_eq!(
+        depth().await,
+        0,
+        "nothing requeued: every message acknowledged or rejected"
+    );
+
+    assert_eq!(db.count("SELECT count(*) FROM shipments").await, 20);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) FROM shipments").await,
+        20
+    );
+    let stopped = second
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("consumer stopped"))
+        .expect("a summary line");
+    let stopped: serde_json::Value = serde_json::from_str(&stopped).expect(&stopped);
+    let fields = &stopped["fields"];
+    assert_eq!(fields["processed"], 19, "{stopped}");
+    assert_eq!(fields["duplicates"], 1, "{stopped}");
+    assert_eq!(fields["malformed"], 1, "{stopped}");
+    // At least the committed one came back flagged redelivered.
+    assert!(fields["claimed"].as_u64().unwrap() >= 1, "{stopped}");
+    topology
+        .channel
+        .queue_delete(topology.queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    topology.delete_exchange().await;
 }

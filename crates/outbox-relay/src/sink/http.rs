@@ -80,24 +80,21 @@ impl HttpSink {
             headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
         }
         // `insert` after the format's headers, so a row header cannot
-        // replace the dedup key.
-        headers.insert(
-            "Idempotency-Key",
-            HeaderValue::try_from(&event_id).map_err(|e| DeliveryError::permanent(e.to_string()))?,
-        );
-        let mut request = self.client.post(self.url.clone()).headers(headers);
+        // replace the dedup key or the signature.
+        let value = |v: &str| HeaderValue::try_from(v).map_err(|e| DeliveryError::permanent(e.to_string()));
+        headers.insert("Idempotency-Key", value(&event_id)?);
         if let Some(secret) = &self.secret {
             // A fresh timestamp and signature per attempt, the same id on
             // every one, as the specification asks.
             let timestamp = chrono::Utc::now().timestamp();
-            request = request
-                .header(webhooks::ID_HEADER, &event_id)
-                .header(webhooks::TIMESTAMP_HEADER, timestamp.to_string())
-                .header(
-                    webhooks::SIGNATURE_HEADER,
-                    secret.sign(&event_id, timestamp, &body),
-                );
+            headers.insert(webhooks::ID_HEADER, value(&event_id)?);
+            headers.insert(webhooks::TIMESTAMP_HEADER, value(&timestamp.to_string())?);
+            headers.insert(
+                webhooks::SIGNATURE_HEADER,
+                value(&secret.sign(&event_id, timestamp, &body))?,
+            );
         }
+        let request = self.client.post(self.url.clone()).headers(headers);
         let response = request.body(body).send().await;
         let response = match response {
             Ok(r) => r,

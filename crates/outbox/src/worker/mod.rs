@@ -9,6 +9,8 @@
 //! before the commit loses nothing either: the transaction rolls back and
 //! the redelivery runs the effect for the first time.
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "redis")]
@@ -30,7 +32,8 @@ pub struct Message {
     pub payload: Value,
     /// The `headers` column (trace context and the like); `{}` when absent.
     pub headers: Value,
-    /// Where the broker keeps it (a Redis entry id, a JetStream sequence).
+    /// Where the broker keeps it (a Redis entry id, a JetStream sequence,
+    /// an AMQP delivery tag).
     pub position: String,
 }
 
@@ -42,7 +45,7 @@ pub struct WorkerStats {
     /// Redeliveries the inbox recognised; acknowledged without an effect.
     pub duplicates: u64,
     /// Messages taken over from a consumer that left them unacknowledged
-    /// (Redis: claimed; NATS: delivered more than once).
+    /// (Redis: claimed; NATS: delivered more than once; AMQP: redelivered).
     pub claimed: u64,
     /// Messages that were not outbox events; moved aside, acknowledged.
     pub malformed: u64,
@@ -66,7 +69,7 @@ pub enum WorkerError {
 }
 
 /// How running one message through the inbox ended.
-#[cfg(any(feature = "redis", feature = "nats"))]
+#[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
 enum Applied {
     /// Committed (first time or duplicate): acknowledge it.
     Committed,
@@ -77,13 +80,13 @@ enum Applied {
 
 /// The inbox's error or the effect's, kept apart so only the second is
 /// retried quietly.
-#[cfg(any(feature = "redis", feature = "nats"))]
+#[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
 enum Failed {
     Outbox(crate::Error),
     Effect(String),
 }
 
-#[cfg(any(feature = "redis", feature = "nats"))]
+#[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
 impl From<crate::Error> for Failed {
     fn from(e: crate::Error) -> Self {
         Failed::Outbox(e)
@@ -94,7 +97,7 @@ impl From<crate::Error> for Failed {
 /// inbox transaction, then commit, counting new and duplicate messages.
 /// With `pause_after_commit` (a test hook) it parks for ever right after the
 /// commit, before the caller could acknowledge.
-#[cfg(any(feature = "redis", feature = "nats"))]
+#[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
 async fn apply<E: std::fmt::Display>(
     db: &mut tokio_postgres::Client,
     inbox: &crate::Inbox,
