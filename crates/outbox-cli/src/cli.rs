@@ -88,6 +88,12 @@ pub(crate) enum Command {
     /// per-row relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
     /// OUTBOX_SINK, in a scratch schema it drops).
     Bench(BenchArgs),
+    /// Reproduce the reference design's experiments (dual write, crash
+    /// before mark, retries, watermark relay, index, ...) on a throwaway
+    /// PostgreSQL and HTTP receiver, each figure beside the reference's.
+    /// Exit code 1 if a correctness verdict fails (a lost event, a duplicate
+    /// side effect behind the inbox); timings are never judged.
+    Lab(LabArgs),
 }
 
 #[derive(Debug, Args)]
@@ -336,6 +342,29 @@ pub(crate) struct BenchArgs {
     /// 100-event shapes commit a hundredth as many transactions).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(10..=1_000_000))]
     pub(crate) writer_transactions: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct LabArgs {
+    /// `list`, `all`, or experiment names (see `outbox lab list`).
+    #[arg(default_value = "list")]
+    pub(crate) experiments: Vec<String>,
+    /// Smaller sizes, for CI.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Also write a self-contained HTML report (tables and SVG plots) here.
+    #[arg(long)]
+    pub(crate) report: Option<std::path::PathBuf>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Internal: run one step of the lab's order-placing application (a
+    /// child process the lab may kill -9), e.g. `naive:crash-after-commit`.
+    #[arg(long, hide = true, requires = "app_sink")]
+    pub(crate) app: Option<String>,
+    /// Internal: where the application's naive POST goes.
+    #[arg(long, hide = true)]
+    pub(crate) app_sink: Option<String>,
 }
 
 /// `relay --ordering`.

@@ -6,6 +6,7 @@ mod cleanup;
 mod consume;
 mod demo;
 mod dlq;
+mod lab;
 mod migrate;
 mod relay;
 mod relays;
@@ -30,6 +31,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq(command) => dlq::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => bench::run(g, args).await,
+        Command::Lab(args) => lab::run(g, args).await,
     }
 }
 

@@ -8,6 +8,7 @@ mod amqp;
 mod cli;
 mod consume;
 mod crash;
+mod lab;
 mod nats;
 mod ordering;
 mod relay;
