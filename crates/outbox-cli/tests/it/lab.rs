@@ -11,12 +11,14 @@ use serde_json::Value;
 use crate::support::{outbox_cmd, text};
 
 /// Every experiment `all` runs.
-const EXPERIMENTS: [&str; 6] = [
+const EXPERIMENTS: [&str; 8] = [
     "dual-write",
     "rollback",
     "crash-before-mark",
     "retry",
     "watermark",
+    "latency",
+    "idle",
     "index",
 ];
 

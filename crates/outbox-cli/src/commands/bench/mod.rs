@@ -18,7 +18,7 @@
 //! process (this binary's `relay` command), so its memory is its own.
 
 mod idle;
-mod latency;
+pub(crate) mod latency;
 mod report;
 mod scratch;
 mod throughput;

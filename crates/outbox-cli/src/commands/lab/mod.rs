@@ -17,7 +17,9 @@
 mod app;
 mod crash_before_mark;
 mod dual_write;
+mod idle;
 mod index;
+mod latency;
 mod plot;
 mod report;
 mod retry;
@@ -37,7 +39,7 @@ use report::Outcome;
 use scratch::Lab;
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
-const EXPERIMENTS: [(&str, &str); 6] = [
+const EXPERIMENTS: [(&str, &str); 8] = [
     (
         "dual-write",
         "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
@@ -57,6 +59,14 @@ const EXPERIMENTS: [(&str, &str); 6] = [
     (
         "watermark",
         "an `id > last_seen` relay loses an event of an interleaved transaction; ours does not",
+    ),
+    (
+        "latency",
+        "polling at 1000/200/100 ms vs NOTIFY: p50/p99/max and a CDF plot",
+    ),
+    (
+        "idle",
+        "transactions an idle relay commits per 10 s, polling vs NOTIFY",
     ),
     (
         "index",
@@ -186,6 +196,8 @@ async fn experiment(lab: &mut Lab, name: &str) -> anyhow::Result<Outcome> {
         "crash-before-mark" => crash_before_mark::run(lab).await,
         "retry" => retry::run(lab).await,
         "watermark" => watermark::run(lab).await,
+        "latency" => latency::run(lab).await,
+        "idle" => idle::run(lab).await,
         "index" => index::run(lab).await,
         other => bail!("no experiment {other:?}"),
     }

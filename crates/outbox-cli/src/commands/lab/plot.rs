@@ -11,7 +11,6 @@ use super::report::Plot;
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Mark {
     /// Points joined by a line (a CDF, a curve over sizes).
-    #[allow(dead_code)] // the next experiments' plots
     Line,
     /// Points only (an attempt log).
     Points,

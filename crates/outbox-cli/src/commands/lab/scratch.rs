@@ -69,6 +69,25 @@ impl Lab {
         Ok(())
     }
 
+    /// `DATABASE_URL` with another database name.
+    pub(super) fn url_of(&self, dbname: &str) -> String {
+        match url::Url::parse(&self.pg_url) {
+            Ok(mut u) if u.scheme().starts_with("postgres") => {
+                u.set_path(dbname);
+                u.to_string()
+            }
+            // key=value form: a later key wins.
+            _ => format!("{} dbname={dbname}", self.pg_url),
+        }
+    }
+
+    /// A connection to another database.
+    pub(super) async fn connect_to(&self, dbname: &str) -> anyhow::Result<Client> {
+        let mut pg = self.pg.clone();
+        pg.dbname(dbname);
+        super::super::connect(&pg).await
+    }
+
     /// Another connection, for a second session.
     pub(super) async fn connect(&self) -> anyhow::Result<Client> {
         super::super::connect(&self.pg).await
@@ -180,6 +199,15 @@ impl Lab {
     /// This binary with the scratch outbox's flags and `DATABASE_URL`, and
     /// none of the user's `OUTBOX_*` settings.
     pub(super) fn outbox_cmd(&self, args: &[&str]) -> anyhow::Result<tokio::process::Command> {
+        self.outbox_cmd_on(&self.pg_url, args)
+    }
+
+    /// [`Lab::outbox_cmd`] on another database.
+    pub(super) fn outbox_cmd_on(
+        &self,
+        pg_url: &str,
+        args: &[&str],
+    ) -> anyhow::Result<tokio::process::Command> {
         let exe = std::env::current_exe().context("locating this binary")?;
         let mut cmd = tokio::process::Command::new(exe);
         for (key, _) in std::env::vars_os() {
@@ -189,7 +217,7 @@ impl Lab {
         }
         cmd.args(args)
             .args(["--schema", SCHEMA, "--channel", CHANNEL])
-            .env("DATABASE_URL", &self.pg_url)
+            .env("DATABASE_URL", pg_url)
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
         Ok(cmd)
@@ -203,7 +231,18 @@ impl Lab {
         args: &[&str],
         envs: &[(&str, &str)],
     ) -> anyhow::Result<Spawned> {
-        let mut cmd = self.outbox_cmd(&["relay", "--sink", sink, "--log-format", "json"])?;
+        self.spawn_relay_on(&self.pg_url, sink, args, envs).await
+    }
+
+    /// [`Lab::spawn_relay`] on another database.
+    pub(super) async fn spawn_relay_on(
+        &self,
+        pg_url: &str,
+        sink: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> anyhow::Result<Spawned> {
+        let mut cmd = self.outbox_cmd_on(pg_url, &["relay", "--sink", sink, "--log-format", "json"])?;
         cmd.args(args).envs(envs.iter().copied());
         let relay = Spawned::spawn(cmd)?;
         relay
