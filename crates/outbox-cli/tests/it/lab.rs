@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::support::{outbox_cmd, text};
 
 /// Every experiment `all` runs.
-const EXPERIMENTS: [&str; 8] = [
+const EXPERIMENTS: [&str; 10] = [
     "dual-write",
     "rollback",
     "crash-before-mark",
@@ -19,7 +19,9 @@ const EXPERIMENTS: [&str; 8] = [
     "watermark",
     "latency",
     "idle",
+    "batch-size",
     "index",
+    "ordering",
 ];
 
 #[tokio::test]

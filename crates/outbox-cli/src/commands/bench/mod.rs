@@ -20,8 +20,8 @@
 mod idle;
 pub(crate) mod latency;
 mod report;
-mod scratch;
-mod throughput;
+pub(crate) mod scratch;
+pub(crate) mod throughput;
 mod writer;
 
 use std::time::Duration;

@@ -15,11 +15,13 @@
 //! are reported, never judged. 2 for an unknown experiment name.
 
 mod app;
+mod batch_size;
 mod crash_before_mark;
 mod dual_write;
 mod idle;
 mod index;
 mod latency;
+mod ordering;
 mod plot;
 mod report;
 mod retry;
@@ -39,7 +41,7 @@ use report::Outcome;
 use scratch::Lab;
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
-const EXPERIMENTS: [(&str, &str); 8] = [
+const EXPERIMENTS: [(&str, &str); 10] = [
     (
         "dual-write",
         "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
@@ -69,8 +71,16 @@ const EXPERIMENTS: [(&str, &str); 8] = [
         "transactions an idle relay commits per 10 s, polling vs NOTIFY",
     ),
     (
+        "batch-size",
+        "events/s at batch 1/10/100/1000, and re-sends after a crash per batch size",
+    ),
+    (
         "index",
         "EXPLAIN (ANALYZE, BUFFERS) of the claim with and without the partial index",
+    ),
+    (
+        "ordering",
+        "300 orders × 3 events, 1/2/4 relays, none/partition/strict, and one failure",
     ),
 ];
 
@@ -120,6 +130,7 @@ pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
         progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     progress.enable_steady_tick(Duration::from_millis(120));
+    lab.progress = Some(progress.clone());
     let mut outcomes = Vec::with_capacity(names.len());
     for name in names {
         progress.set_message(name);
@@ -198,7 +209,9 @@ async fn experiment(lab: &mut Lab, name: &str) -> anyhow::Result<Outcome> {
         "watermark" => watermark::run(lab).await,
         "latency" => latency::run(lab).await,
         "idle" => idle::run(lab).await,
+        "batch-size" => batch_size::run(lab).await,
         "index" => index::run(lab).await,
+        "ordering" => ordering::run(lab).await,
         other => bail!("no experiment {other:?}"),
     }
 }

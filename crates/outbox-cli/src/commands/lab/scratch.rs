@@ -21,8 +21,12 @@ pub(super) const LONG: Duration = Duration::from_secs(60);
 
 /// The scratch schema and what the experiments share.
 pub(super) struct Lab {
-    pg: tokio_postgres::Config,
-    pg_url: String,
+    pub(super) pg: tokio_postgres::Config,
+    pub(super) pg_url: String,
+    /// A throwaway redis-server, started by the first experiment that needs one.
+    redis: Option<outbox_testkit::Redis>,
+    /// The run's progress bar, for experiments with long phases.
+    pub(super) progress: Option<indicatif::ProgressBar>,
     /// The lab's own connection, for setup and counting.
     pub(super) db: Client,
     pub(super) config: Config,
@@ -42,6 +46,8 @@ impl Lab {
         Ok(Self {
             pg: pg.clone(),
             pg_url,
+            redis: None,
+            progress: None,
             db,
             outbox: Outbox::new(config.clone()),
             config,
@@ -67,6 +73,24 @@ impl Lab {
             .await
             .context("creating the shop's tables")?;
         Ok(())
+    }
+
+    /// The URL of the lab's redis-server, started on first use.
+    pub(super) async fn redis_url(&mut self) -> anyhow::Result<String> {
+        if self.redis.is_none() {
+            let redis = outbox_testkit::Redis::start()
+                .await
+                .context("starting a throwaway redis-server")?;
+            self.redis = Some(redis);
+        }
+        Ok(self.redis.as_ref().map(|r| r.url()).unwrap_or_default())
+    }
+
+    /// Shows the phase a long experiment is in.
+    pub(super) fn step(&self, phase: &str) {
+        if let Some(p) = &self.progress {
+            p.set_message(phase.to_owned());
+        }
     }
 
     /// `DATABASE_URL` with another database name.
