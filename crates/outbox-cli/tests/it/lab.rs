@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::support::{outbox_cmd, text};
 
 /// Every experiment `all` runs.
-const EXPERIMENTS: [&str; 10] = [
+const EXPERIMENTS: [&str; 11] = [
     "dual-write",
     "rollback",
     "crash-before-mark",
@@ -22,6 +22,7 @@ const EXPERIMENTS: [&str; 10] = [
     "batch-size",
     "index",
     "ordering",
+    "cleanup",
 ];
 
 #[tokio::test]

@@ -16,6 +16,7 @@
 
 mod app;
 mod batch_size;
+mod cleanup;
 mod crash_before_mark;
 mod dual_write;
 mod idle;
@@ -41,7 +42,7 @@ use report::Outcome;
 use scratch::Lab;
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
-const EXPERIMENTS: [(&str, &str); 10] = [
+const EXPERIMENTS: [(&str, &str); 11] = [
     (
         "dual-write",
         "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
@@ -81,6 +82,10 @@ const EXPERIMENTS: [(&str, &str); 10] = [
     (
         "ordering",
         "300 orders × 3 events, 1/2/4 relays, none/partition/strict, and one failure",
+    ),
+    (
+        "cleanup",
+        "DELETE of published rows (size, dead tuples) vs DETACH + DROP of a daily partition",
     ),
 ];
 
@@ -212,6 +217,7 @@ async fn experiment(lab: &mut Lab, name: &str) -> anyhow::Result<Outcome> {
         "batch-size" => batch_size::run(lab).await,
         "index" => index::run(lab).await,
         "ordering" => ordering::run(lab).await,
+        "cleanup" => cleanup::run(lab).await,
         other => bail!("no experiment {other:?}"),
     }
 }
