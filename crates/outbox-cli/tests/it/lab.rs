@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::support::{outbox_cmd, text};
 
 /// Every experiment `all` runs.
-const EXPERIMENTS: [&str; 11] = [
+const EXPERIMENTS: [&str; 12] = [
     "dual-write",
     "rollback",
     "crash-before-mark",
@@ -23,6 +23,7 @@ const EXPERIMENTS: [&str; 11] = [
     "index",
     "ordering",
     "cleanup",
+    "redis-group",
 ];
 
 #[tokio::test]

@@ -24,6 +24,7 @@ mod index;
 mod latency;
 mod ordering;
 mod plot;
+mod redis_group;
 mod report;
 mod retry;
 mod rollback;
@@ -42,7 +43,7 @@ use report::Outcome;
 use scratch::Lab;
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
-const EXPERIMENTS: [(&str, &str); 11] = [
+const EXPERIMENTS: [(&str, &str); 12] = [
     (
         "dual-write",
         "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
@@ -86,6 +87,10 @@ const EXPERIMENTS: [(&str, &str); 11] = [
     (
         "cleanup",
         "DELETE of published rows (size, dead tuples) vs DETACH + DROP of a daily partition",
+    ),
+    (
+        "redis-group",
+        "a Redis consumer dies before XACK: pending, XAUTOCLAIM, the inbox ships once",
     ),
 ];
 
@@ -218,6 +223,7 @@ async fn experiment(lab: &mut Lab, name: &str) -> anyhow::Result<Outcome> {
         "index" => index::run(lab).await,
         "ordering" => ordering::run(lab).await,
         "cleanup" => cleanup::run(lab).await,
+        "redis-group" => redis_group::run(lab).await,
         other => bail!("no experiment {other:?}"),
     }
 }
