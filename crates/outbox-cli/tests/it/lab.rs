@@ -103,6 +103,14 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
     assert_eq!(ours("retry", "attempts until delivered, per event"), "[3, 2]");
     assert_eq!(ours("watermark", "watermark relay: events lost"), "1");
     assert_eq!(ours("watermark", "ours: events lost"), "0");
+    for mode in ["partition", "strict"] {
+        for relays in [1, 2, 4] {
+            let measure = format!("{mode}, {relays} relay(s): orders out of order");
+            assert_eq!(ours("ordering", &measure), "0 of 100");
+        }
+    }
+    assert_eq!(ours("cleanup", "rows left: unpublished only"), "50");
+    assert_eq!(ours("redis-group", "shipments / orders shipped twice"), "5 / 0");
 
     let html = std::fs::read_to_string(&report).expect("the report was written");
     check_well_formed(&html, outcomes);
