@@ -89,10 +89,13 @@ pub(crate) enum Command {
     /// OUTBOX_SINK, in a scratch schema it drops).
     Bench(BenchArgs),
     /// Reproduce the reference design's experiments (dual write, crash
-    /// before mark, retries, watermark relay, index, ...) on a throwaway
-    /// PostgreSQL and HTTP receiver, each figure beside the reference's.
-    /// Exit code 1 if a correctness verdict fails (a lost event, a duplicate
-    /// side effect behind the inbox); timings are never judged.
+    /// before mark, retries, watermark relay, latency, ordering, ...) on a
+    /// throwaway PostgreSQL, redis-server and HTTP receiver (or
+    /// DATABASE_URL, in schema outbox_lab), each figure beside the
+    /// reference's. Exit codes: 0 every correctness verdict holds; 1 one
+    /// failed (a lost event, a duplicate side effect behind the inbox, an
+    /// order violation where the mode promises order) or an experiment
+    /// could not run; 2 an unknown experiment. Timings are never judged.
     Lab(LabArgs),
 }
 

@@ -53,6 +53,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         ("NOTIFY + 1 s fallback poll", &["--poll-interval", "1s"], "~10"),
     ];
     for (label, args, reference) in modes {
+        lab.step(&format!("idle: {label}, {seconds} s"));
         let idle = lifetime(lab, &url, args, Duration::from_secs(seconds)).await?;
         let base = lifetime(lab, &url, args, Duration::ZERO).await?;
         let per_10s = (idle - base) as f64 * 10.0 / seconds as f64;
