@@ -71,26 +71,32 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         resends.push((f64::from(batch).log10(), sent_again as f64));
     }
     bench.drop_all().await?;
-    out.plots.push(plot::xy(
-        "Relay throughput by batch size",
-        "log10(batch size)",
-        "events/s",
-        &[Series {
-            name: "outbox relay → Redis".to_owned(),
-            points: throughput,
-            mark: Mark::Line,
-        }],
-    )?);
-    out.plots.push(plot::xy(
-        "Events sent twice after one crash before mark",
-        "log10(batch size)",
-        "re-sent events",
-        &[Series {
-            name: "re-sends".to_owned(),
-            points: resends,
-            mark: Mark::Line,
-        }],
-    )?);
+    out.plots.push(
+        plot::xy(
+            "Relay throughput by batch size",
+            "log10(batch size)",
+            "events/s",
+            vec![Series {
+                name: "outbox relay → Redis".to_owned(),
+                points: throughput,
+                mark: Mark::Line,
+            }],
+        )
+        .await?,
+    );
+    out.plots.push(
+        plot::xy(
+            "Events sent twice after one crash before mark",
+            "log10(batch size)",
+            "re-sent events",
+            vec![Series {
+                name: "re-sends".to_owned(),
+                points: resends,
+                mark: Mark::Line,
+            }],
+        )
+        .await?,
+    );
     Ok(out)
 }
 

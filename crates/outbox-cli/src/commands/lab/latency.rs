@@ -99,12 +99,15 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
             mark: Mark::Line,
         });
     }
-    out.plots.push(plot::xy(
-        "Commit-to-receiver latency, CDF",
-        "latency ms",
-        "fraction of events",
-        &curves,
-    )?);
+    out.plots.push(
+        plot::xy(
+            "Commit-to-receiver latency, CDF",
+            "latency ms",
+            "fraction of events",
+            curves,
+        )
+        .await?,
+    );
     Ok(out)
 }
 

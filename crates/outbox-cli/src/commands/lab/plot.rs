@@ -1,6 +1,6 @@
 //! SVG plots for the report, drawn with plotters' SVG backend and its naive
-//! font (the browser picks the font; no font files are read). CPU work: the
-//! caller runs it on a blocking thread when it matters.
+//! font (the browser picks the font; no font files are read), on a blocking
+//! thread.
 
 use anyhow::anyhow;
 use plotters::prelude::*;
@@ -24,8 +24,20 @@ pub(super) struct Series {
     pub(super) mark: Mark,
 }
 
-/// An x/y chart with a legend, as an `<svg>` element.
-pub(super) fn xy(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<Plot> {
+/// An x/y chart with a legend, as an `<svg>` element, drawn on a blocking
+/// thread (it is CPU work).
+pub(super) async fn xy(
+    title: &'static str,
+    x_desc: &'static str,
+    y_desc: &'static str,
+    series: Vec<Series>,
+) -> anyhow::Result<Plot> {
+    tokio::task::spawn_blocking(move || draw(title, x_desc, y_desc, &series))
+        .await
+        .map_err(|e| anyhow!("drawing a plot: {e}"))?
+}
+
+fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<Plot> {
     let all = series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {

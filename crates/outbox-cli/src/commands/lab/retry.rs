@@ -138,12 +138,15 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         })
         .collect();
     points.sort_by(|a, b| a.name.cmp(&b.name));
-    out.plots.push(plot::xy(
-        "Attempts as the receiver saw them",
-        "ms since the first attempt",
-        "order",
-        &points,
-    )?);
+    out.plots.push(
+        plot::xy(
+            "Attempts as the receiver saw them",
+            "ms since the first attempt",
+            "order",
+            points,
+        )
+        .await?,
+    );
 
     // Part 2.
     lab.reset().await?;
