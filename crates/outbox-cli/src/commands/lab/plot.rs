@@ -93,8 +93,16 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
                 }
             }
         }
+        // Where the series leave room: rising curves (CDFs, throughput)
+        // leave the lower right free; the attempt log its middle.
+        let legend = if series.iter().all(|s| matches!(s.mark, Mark::Points)) {
+            SeriesLabelPosition::MiddleMiddle
+        } else {
+            SeriesLabelPosition::LowerRight
+        };
         chart
             .configure_series_labels()
+            .position(legend)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
