@@ -1,5 +1,6 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes sure the PostgreSQL
-# server binaries, redis-server, nats-server and rabbitmq-server exist. As
+# server binaries, redis-server, nats-server, rabbitmq-server and (for the
+# lab report test) chromium exist. As
 # root on Debian it installs the missing packages; otherwise it prints the
 # exact command and exits 1.
 
@@ -20,6 +21,8 @@ ensure_deps() {
         # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
         command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
         command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
+        # The lab's report test opens the HTML report in a real headless browser.
+        command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     fi
     command -v cargo >/dev/null 2>&1 || {
         echo "cargo not found: install Rust from your distribution or rustup, then re-run" >&2

@@ -92,6 +92,15 @@ pub(crate) enum Command {
     /// per-row relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
     /// OUTBOX_SINK, in a scratch schema it drops).
     Bench(BenchArgs),
+    /// Reproduce the reference design's experiments (dual write, crash
+    /// before mark, retries, watermark relay, latency, ordering, ...) on a
+    /// throwaway PostgreSQL, redis-server and HTTP receiver (or
+    /// DATABASE_URL, in schema outbox_lab), each figure beside the
+    /// reference's. Exit codes: 0 every correctness verdict holds; 1 one
+    /// failed (a lost event, a duplicate side effect behind the inbox, an
+    /// order violation where the mode promises order) or an experiment
+    /// could not run; 2 an unknown experiment. Timings are never judged.
+    Lab(LabArgs),
 }
 
 #[derive(Debug, Args)]
@@ -403,6 +412,29 @@ pub(crate) struct BenchArgs {
     /// 100-event shapes commit a hundredth as many transactions).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(10..=1_000_000))]
     pub(crate) writer_transactions: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct LabArgs {
+    /// `list`, `all`, or experiment names (see `outbox lab list`).
+    #[arg(default_value = "list")]
+    pub(crate) experiments: Vec<String>,
+    /// Smaller sizes, for CI.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Also write a self-contained HTML report (tables and SVG plots) here.
+    #[arg(long)]
+    pub(crate) report: Option<std::path::PathBuf>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Internal: run one step of the lab's order-placing application (a
+    /// child process the lab may kill -9), e.g. `naive:crash-after-commit`.
+    #[arg(long, hide = true, requires = "app_sink")]
+    pub(crate) app: Option<String>,
+    /// Internal: where the application's naive POST goes.
+    #[arg(long, hide = true)]
+    pub(crate) app_sink: Option<String>,
 }
 
 /// `relay --ordering`.

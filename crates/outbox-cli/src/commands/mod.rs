@@ -6,6 +6,7 @@ mod cleanup;
 mod consume;
 mod demo;
 mod dlq;
+mod lab;
 mod migrate;
 mod partitions;
 mod relay;
@@ -33,6 +34,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Partitions(command) => partitions::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => bench::run(g, args).await,
+        Command::Lab(args) => lab::run(g, args).await,
     }
 }
 

@@ -9,6 +9,7 @@ mod cli;
 mod consume;
 mod crash;
 mod formats;
+mod lab;
 mod nats;
 mod ordering;
 mod partitions;

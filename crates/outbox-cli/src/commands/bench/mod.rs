@@ -18,10 +18,10 @@
 //! process (this binary's `relay` command), so its memory is its own.
 
 mod idle;
-mod latency;
+pub(crate) mod latency;
 mod report;
-mod scratch;
-mod throughput;
+pub(crate) mod scratch;
+pub(crate) mod throughput;
 mod writer;
 
 use std::time::Duration;

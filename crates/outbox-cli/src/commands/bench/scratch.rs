@@ -20,7 +20,7 @@ pub(super) const STREAM: &str = "outbox_bench.event.orders";
 const AGGREGATES: usize = 500;
 
 /// The scratch outbox and the services the phases use.
-pub(super) struct Scratch {
+pub(crate) struct Scratch {
     pub(super) pg: tokio_postgres::Config,
     pg_url: String,
     redis_url: String,
@@ -31,7 +31,7 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    pub(super) async fn new(
+    pub(crate) async fn new(
         pg: tokio_postgres::Config,
         pg_url: String,
         redis_url: String,
@@ -52,7 +52,7 @@ impl Scratch {
         })
     }
 
-    pub(super) async fn drop_all(&self) -> anyhow::Result<()> {
+    pub(crate) async fn drop_all(&self) -> anyhow::Result<()> {
         self.db
             .batch_execute(&format!("DROP SCHEMA {SCHEMA} CASCADE"))
             .await

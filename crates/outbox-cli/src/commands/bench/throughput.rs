@@ -19,7 +19,7 @@ use super::scratch::{STREAM, Scratch};
 /// How the outbox is drained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub(super) enum Strategy {
+pub(crate) enum Strategy {
     Relay,
     Floor,
     Naive,
@@ -37,20 +37,20 @@ impl Strategy {
 
 /// What one drain measured.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct Run {
-    pub(super) seconds: f64,
+pub(crate) struct Run {
+    pub(crate) seconds: f64,
     /// Distinct event_ids that reached Redis (the floor sends nothing: 0).
-    pub(super) delivered: u64,
+    pub(crate) delivered: u64,
     /// Stream entries beyond the distinct ones.
-    pub(super) duplicates: u64,
+    pub(crate) duplicates: u64,
     /// Rows marked published.
-    pub(super) marked: u64,
+    pub(crate) marked: u64,
     /// Peak resident memory of the relay process, in bytes.
     pub(super) peak_rss: Option<u64>,
 }
 
 impl Scratch {
-    pub(super) async fn drain(&mut self, strategy: Strategy, n: usize, batch: u32) -> anyhow::Result<Run> {
+    pub(crate) async fn drain(&mut self, strategy: Strategy, n: usize, batch: u32) -> anyhow::Result<Run> {
         self.fill(n).await?;
         let (seconds, peak_rss) = match strategy {
             Strategy::Relay => self.drain_relay(batch).await?,

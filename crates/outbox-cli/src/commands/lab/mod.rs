@@ -1,0 +1,229 @@
+//! `outbox lab`: the reference design's experiments, reproduced on this
+//! machine, each figure printed beside the reference's.
+//!
+//! Each experiment is one module that reads as a story: what it breaks, what
+//! it shows. It rebuilds the scratch schema (`scratch.rs`), runs real
+//! processes (the relay, the shop app of `app.rs`) against a real HTTP
+//! receiver (the testkit's), and returns an [`report::Outcome`]: a table
+//! `measure | ours | reference | verdict`, logs and plots.
+//!
+//! Without `DATABASE_URL` it starts a throwaway PostgreSQL (the testkit's,
+//! `fsync=off`); with it, it works in schema `outbox_lab`, dropped at the end.
+//!
+//! Exit code: 1 if any correctness verdict failed (a lost event, a duplicate
+//! side effect behind the inbox, a row left behind by a rollback); timings
+//! are reported, never judged. 2 for an unknown experiment name.
+
+mod app;
+mod batch_size;
+mod cleanup;
+mod crash_before_mark;
+mod dual_write;
+mod idle;
+mod index;
+mod latency;
+mod ordering;
+mod plot;
+mod redis_group;
+mod report;
+mod retry;
+mod rollback;
+mod scratch;
+mod watermark;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use outbox_testkit::Postgres;
+
+use crate::cli::{Global, LabArgs};
+use crate::exit::ConfigError;
+use report::Outcome;
+use scratch::Lab;
+
+/// Every experiment, in the order `all` runs them, with a one-line summary.
+const EXPERIMENTS: [(&str, &str); 12] = [
+    (
+        "dual-write",
+        "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
+    ),
+    (
+        "rollback",
+        "ROLLBACK and a writer killed before COMMIT leave no order and no event",
+    ),
+    (
+        "crash-before-mark",
+        "relay killed after the sink acked 3 of 5: redelivery, and the inbox ships once",
+    ),
+    (
+        "retry",
+        "receiver answers 500 three times: attempt log, backoff, dead letter and requeue",
+    ),
+    (
+        "watermark",
+        "an `id > last_seen` relay loses an event of an interleaved transaction; ours does not",
+    ),
+    (
+        "latency",
+        "polling at 1000/200/100 ms vs NOTIFY: p50/p99/max and a CDF plot",
+    ),
+    (
+        "idle",
+        "transactions an idle relay commits per 10 s, polling vs NOTIFY",
+    ),
+    (
+        "batch-size",
+        "events/s at batch 1/10/100/1000, and re-sends after a crash per batch size",
+    ),
+    (
+        "index",
+        "EXPLAIN (ANALYZE, BUFFERS) of the claim with and without the partial index",
+    ),
+    (
+        "ordering",
+        "300 orders × 3 events, 1/2/4 relays, none/partition/strict, and one failure",
+    ),
+    (
+        "cleanup",
+        "DELETE of published rows (size, dead tuples) vs DETACH + DROP of a daily partition",
+    ),
+    (
+        "redis-group",
+        "a Redis consumer dies before XACK: pending, XAUTOCLAIM, the inbox ships once",
+    ),
+];
+
+pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
+    if let Some(spec) = &args.app {
+        // `requires = "app_sink"` in the flag's definition.
+        let sink = args.app_sink.as_deref().unwrap_or_default();
+        return app::run(g, spec, sink).await;
+    }
+    let names = selected(&args.experiments)?;
+    if names.is_empty() {
+        println!("experiments (outbox lab all | outbox lab <name>...):");
+        for (name, summary) in EXPERIMENTS {
+            println!("  {name:<18} {summary}");
+        }
+        return Ok(());
+    }
+
+    let mut _postgres = None;
+    let (pg_url, throwaway) = match &g.database_url {
+        Some(url) => (url.clone(), false),
+        None => {
+            let pg = Postgres::start()
+                .await
+                .context("starting a throwaway PostgreSQL")?;
+            let url = pg.url("postgres");
+            _postgres = Some(pg);
+            (url, true)
+        }
+    };
+    let pg = super::parse_pg_url(&pg_url, g)?;
+    let mut lab = Lab::new(&pg, pg_url, args.quick).await?;
+    let version: String = lab.db.query_one("SHOW server_version", &[]).await?.get(0);
+    let context = format!(
+        "PostgreSQL {version}{}; {} cores; {}; reference: PostgreSQL 16, Python relay, 2 CPUs",
+        if throwaway { " (throwaway, fsync=off)" } else { "" },
+        std::thread::available_parallelism().map_or(0, usize::from),
+        if args.quick { "--quick sizes" } else { "full sizes" },
+    );
+
+    let progress = ProgressBar::new(names.len() as u64).with_style(
+        ProgressStyle::with_template("{spinner} {msg:<40} [{bar:20}] {pos}/{len} {elapsed}")
+            .context("progress bar template")?
+            .progress_chars("=> "),
+    );
+    if args.json {
+        progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    progress.enable_steady_tick(Duration::from_millis(120));
+    lab.progress = Some(progress.clone());
+    let mut outcomes = Vec::with_capacity(names.len());
+    for name in names {
+        progress.set_message(name);
+        let started = Instant::now();
+        let mut outcome = experiment(&mut lab, name)
+            .await
+            .with_context(|| format!("experiment {name}"))?;
+        outcome.seconds = started.elapsed().as_secs_f64();
+        progress.inc(1);
+        if !args.json {
+            progress.suspend(|| outcome.print());
+        }
+        outcomes.push(outcome);
+    }
+    progress.finish_and_clear();
+    lab.drop_all().await?;
+
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&outcomes)?);
+    } else {
+        println!("\n{context}");
+    }
+    if let Some(path) = &args.report {
+        let page = report::html(&outcomes, &context);
+        tokio::fs::write(path, page)
+            .await
+            .with_context(|| format!("writing the report to {}", path.display()))?;
+        if !args.json {
+            println!("report: {}", path.display());
+        }
+    }
+    let failed: Vec<String> = outcomes
+        .iter()
+        .flat_map(|o| {
+            o.failed()
+                .map(move |r| format!("{}: {} = {}", o.name, r.measure, r.ours))
+        })
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "{} correctness verdict(s) failed: {}",
+            failed.len(),
+            failed.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// The experiments named on the command line, in `all`'s order; empty for
+/// `list`.
+fn selected(requested: &[String]) -> anyhow::Result<Vec<&'static str>> {
+    if requested.iter().any(|r| r == "list") {
+        return Ok(Vec::new());
+    }
+    if requested.iter().any(|r| r == "all") {
+        return Ok(EXPERIMENTS.iter().map(|(n, _)| *n).collect());
+    }
+    for r in requested {
+        if !EXPERIMENTS.iter().any(|(n, _)| n == r) {
+            return Err(ConfigError(format!("unknown experiment {r:?}; see `outbox lab list`")).into());
+        }
+    }
+    Ok(EXPERIMENTS
+        .iter()
+        .map(|(n, _)| *n)
+        .filter(|n| requested.iter().any(|r| r == n))
+        .collect())
+}
+
+async fn experiment(lab: &mut Lab, name: &str) -> anyhow::Result<Outcome> {
+    match name {
+        "dual-write" => dual_write::run(lab).await,
+        "rollback" => rollback::run(lab).await,
+        "crash-before-mark" => crash_before_mark::run(lab).await,
+        "retry" => retry::run(lab).await,
+        "watermark" => watermark::run(lab).await,
+        "latency" => latency::run(lab).await,
+        "idle" => idle::run(lab).await,
+        "batch-size" => batch_size::run(lab).await,
+        "index" => index::run(lab).await,
+        "ordering" => ordering::run(lab).await,
+        "cleanup" => cleanup::run(lab).await,
+        "redis-group" => redis_group::run(lab).await,
+        other => bail!("no experiment {other:?}"),
+    }
+}

@@ -1,0 +1,319 @@
+//! What an experiment hands back: its story, its setup, the table `measure |
+//! ours | reference | verdict`, extra tables (logs) and plots; and the three
+//! renderings of all of them: text, JSON and one self-contained HTML file.
+//!
+//! Only [`Verdict::Fail`] changes the exit code. Timings get
+//! [`Verdict::Timing`]: reported, never judged.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// How a measured figure is judged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Verdict {
+    /// A correctness property of ours held.
+    Pass,
+    /// A correctness property of ours failed: the lab exits 1.
+    Fail,
+    /// The naive variant broke the way the reference says it does.
+    Reproduced,
+    /// The naive variant did not break this time (not our failure).
+    NotReproduced,
+    /// A timing or size: reported, never judged.
+    Timing,
+}
+
+impl Verdict {
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            Verdict::Pass => "ok",
+            Verdict::Fail => "FAIL",
+            Verdict::Reproduced => "naive breaks, as in the reference",
+            Verdict::NotReproduced => "naive did not break this run",
+            Verdict::Timing => "reported",
+        }
+    }
+
+    /// `Pass` when `holds`, else `Fail`.
+    pub(super) fn check(holds: bool) -> Self {
+        if holds { Verdict::Pass } else { Verdict::Fail }
+    }
+
+    /// `Reproduced` when the naive variant broke.
+    pub(super) fn naive(broke: bool) -> Self {
+        if broke {
+            Verdict::Reproduced
+        } else {
+            Verdict::NotReproduced
+        }
+    }
+}
+
+/// One line of an experiment's main table.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Row {
+    pub(super) measure: String,
+    pub(super) ours: String,
+    pub(super) reference: String,
+    pub(super) verdict: Verdict,
+}
+
+/// A secondary table: an attempt log, a plan summary.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Table {
+    pub(super) title: String,
+    pub(super) header: Vec<String>,
+    pub(super) rows: Vec<Vec<String>>,
+}
+
+/// A plot, rendered to SVG by [`super::plot`].
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Plot {
+    pub(super) title: String,
+    #[serde(skip)]
+    pub(super) svg: String,
+}
+
+/// What one experiment found.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Outcome {
+    pub(super) name: &'static str,
+    pub(super) title: &'static str,
+    /// What it breaks and what it shows.
+    pub(super) story: &'static str,
+    /// The setup, with this run's sizes.
+    pub(super) setup: String,
+    pub(super) rows: Vec<Row>,
+    pub(super) tables: Vec<Table>,
+    pub(super) plots: Vec<Plot>,
+    pub(super) seconds: f64,
+}
+
+impl Outcome {
+    pub(super) fn new(name: &'static str, title: &'static str, story: &'static str, setup: String) -> Self {
+        Self {
+            name,
+            title,
+            story,
+            setup,
+            rows: Vec::new(),
+            tables: Vec::new(),
+            plots: Vec::new(),
+            seconds: 0.0,
+        }
+    }
+
+    pub(super) fn row(
+        &mut self,
+        measure: impl Into<String>,
+        ours: impl ToString,
+        reference: impl Into<String>,
+        verdict: Verdict,
+    ) {
+        self.rows.push(Row {
+            measure: measure.into(),
+            ours: ours.to_string(),
+            reference: reference.into(),
+            verdict,
+        });
+    }
+
+    pub(super) fn failed(&self) -> impl Iterator<Item = &Row> {
+        self.rows.iter().filter(|r| r.verdict == Verdict::Fail)
+    }
+
+    /// The experiment as text: title, setup, table, extra tables.
+    pub(super) fn print(&self) {
+        println!("\n== {} ({}) — {:.1} s", self.title, self.name, self.seconds);
+        println!("{}", self.setup);
+        let header = ["measure", "ours", "reference", "verdict"].map(str::to_owned);
+        let rows: Vec<Vec<String>> = self
+            .rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.measure.clone(),
+                    r.ours.clone(),
+                    r.reference.clone(),
+                    r.verdict.label().to_owned(),
+                ]
+            })
+            .collect();
+        print_table(&header, &rows);
+        for t in &self.tables {
+            println!("\n{}", t.title);
+            print_table(&t.header, &t.rows);
+        }
+    }
+}
+
+fn print_table(header: &[String], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[String]| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, &w)| format!("{c:<w$}"))
+            .collect();
+        println!("  {}", padded.join(" | ").trim_end());
+    };
+    line(header);
+    println!(
+        "  {}",
+        widths
+            .iter()
+            .map(|&w| "-".repeat(w))
+            .collect::<Vec<_>>()
+            .join("-+-")
+    );
+    for row in rows {
+        line(row);
+    }
+}
+
+/// Escapes text for HTML element content and attribute values.
+pub(super) fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+const STYLE: &str = "body{font-family:sans-serif;max-width:70rem;margin:2rem auto;padding:0 1rem;color:#222}\
+table{border-collapse:collapse;margin:0.8rem 0}th,td{border:1px solid #bbb;padding:0.25rem 0.6rem;text-align:left;vertical-align:top}\
+th{background:#eee}td.pass{background:#dfd}td.fail{background:#fbb;font-weight:bold}td.reproduced{background:#ffd}\
+td.not_reproduced{background:#eef}td.timing{color:#555}section{border-top:2px solid #ccc;margin-top:2rem}\
+p.setup{font-family:monospace;white-space:pre-wrap;background:#f6f6f6;padding:0.5rem}figure{margin:1rem 0}";
+
+/// One self-contained page: no script, no external resource. Written as
+/// XHTML-compatible HTML (every element closed, every text escaped) so an
+/// XML parser can check it.
+pub(super) fn html(outcomes: &[Outcome], context: &str) -> String {
+    let mut h = String::new();
+    // Writing to a String cannot fail.
+    let _ = write!(
+        h,
+        "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\" lang=\"en\">\n<head>\n\
+         <meta charset=\"utf-8\"/>\n<title>outbox lab</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
+         <h1>outbox lab</h1>\n<p>{}</p>\n",
+        escape(context)
+    );
+    h.push_str("<h2>Summary</h2>\n<table class=\"summary\"><thead><tr><th>experiment</th><th>measure</th><th>ours</th><th>reference</th><th>verdict</th></tr></thead><tbody>\n");
+    for o in outcomes {
+        for r in &o.rows {
+            let _ = writeln!(
+                h,
+                "<tr><td><a href=\"#{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td>{}</tr>",
+                escape(o.name),
+                escape(o.name),
+                escape(&r.measure),
+                escape(&r.ours),
+                escape(&r.reference),
+                verdict_cell(r.verdict)
+            );
+        }
+    }
+    h.push_str("</tbody></table>\n");
+    for o in outcomes {
+        let _ = write!(
+            h,
+            "<section id=\"{}\">\n<h2>{} <small>({}, {:.1} s)</small></h2>\n<p>{}</p>\n<p class=\"setup\">{}</p>\n",
+            escape(o.name),
+            escape(o.title),
+            escape(o.name),
+            o.seconds,
+            escape(o.story),
+            escape(&o.setup)
+        );
+        h.push_str("<table class=\"verdicts\"><thead><tr><th>measure</th><th>ours</th><th>reference</th><th>verdict</th></tr></thead><tbody>\n");
+        for r in &o.rows {
+            let _ = writeln!(
+                h,
+                "<tr><td>{}</td><td>{}</td><td>{}</td>{}</tr>",
+                escape(&r.measure),
+                escape(&r.ours),
+                escape(&r.reference),
+                verdict_cell(r.verdict)
+            );
+        }
+        h.push_str("</tbody></table>\n");
+        for t in &o.tables {
+            let _ = write!(
+                h,
+                "<h3>{}</h3>\n<table class=\"log\"><thead><tr>",
+                escape(&t.title)
+            );
+            for c in &t.header {
+                let _ = write!(h, "<th>{}</th>", escape(c));
+            }
+            h.push_str("</tr></thead><tbody>\n");
+            for row in &t.rows {
+                h.push_str("<tr>");
+                for c in row {
+                    let _ = write!(h, "<td>{}</td>", escape(c));
+                }
+                h.push_str("</tr>\n");
+            }
+            h.push_str("</tbody></table>\n");
+        }
+        for p in &o.plots {
+            let _ = write!(
+                h,
+                "<figure class=\"plot\">\n{}\n<figcaption>{}</figcaption>\n</figure>\n",
+                p.svg,
+                escape(&p.title)
+            );
+        }
+        h.push_str("</section>\n");
+    }
+    h.push_str("</body>\n</html>\n");
+    h
+}
+
+fn verdict_cell(v: Verdict) -> String {
+    let class = match v {
+        Verdict::Pass => "pass",
+        Verdict::Fail => "fail",
+        Verdict::Reproduced => "reproduced",
+        Verdict::NotReproduced => "not_reproduced",
+        Verdict::Timing => "timing",
+    };
+    format!("<td class=\"{class}\">{}</td>", escape(v.label()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_markup_and_quotes() {
+        assert_eq!(
+            escape(r#"<a href="x">'&'</a>"#),
+            "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+        );
+    }
+
+    #[test]
+    fn html_escapes_every_text() {
+        let mut o = Outcome::new("x", "<t>", "s&s", "setup <b>".to_owned());
+        o.row("m<", "1", "r>", Verdict::Pass);
+        let page = html(&[o], "ctx\"");
+        assert!(!page.contains("<t>") && !page.contains("<b>") && !page.contains("m<"));
+        assert!(page.contains("&lt;t&gt;") && page.contains("s&amp;s"));
+    }
+}

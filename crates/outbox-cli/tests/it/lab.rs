@@ -1,0 +1,225 @@
+//! `outbox lab all --quick` (issue 6): every correctness verdict holds with
+//! the reference's exact counts, the HTML report is well formed (an XML
+//! parser reads it), has each experiment's table and an `<svg>` per plot,
+//! and a real headless chromium opens it and takes a screenshot.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::{outbox_cmd, text};
+
+/// Every experiment `all` runs.
+const EXPERIMENTS: [&str; 12] = [
+    "dual-write",
+    "rollback",
+    "crash-before-mark",
+    "retry",
+    "watermark",
+    "latency",
+    "idle",
+    "batch-size",
+    "index",
+    "ordering",
+    "cleanup",
+    "redis-group",
+];
+
+#[tokio::test]
+async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("lab");
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = dir.join("lab.html");
+    let _ = std::fs::remove_file(&report);
+
+    let mut cmd = outbox_cmd();
+    cmd.args(["lab", "all", "--quick", "--json", "--report"])
+        .arg(&report);
+    let out = tokio::time::timeout(Duration::from_secs(600), cmd.output())
+        .await
+        .expect("outbox lab all --quick within 10 minutes")
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "outbox lab failed: {}\n{}",
+        text(&out.stderr),
+        text(&out.stdout)
+    );
+    let outcomes: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    let outcomes = outcomes.as_array().unwrap();
+    let names: Vec<&str> = outcomes.iter().map(|o| o["name"].as_str().unwrap()).collect();
+    assert_eq!(names, EXPERIMENTS);
+    for o in outcomes {
+        for row in o["rows"].as_array().unwrap() {
+            assert_ne!(row["verdict"], "fail", "{}: {row}", o["name"]);
+        }
+    }
+
+    // The reference's figures, exactly.
+    let ours = |experiment: &str, measure: &str| -> String {
+        let o = outcomes.iter().find(|o| o["name"] == experiment).unwrap();
+        let row = o["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["measure"] == measure)
+            .unwrap_or_else(|| panic!("{experiment} has no row {measure:?}"));
+        row["ours"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(ours("dual-write", "naive: ghost shipments"), "2");
+    assert_eq!(ours("dual-write", "naive: orders without shipment"), "2");
+    assert_eq!(
+        ours("dual-write", "outbox: orders / events / shipments"),
+        "3 / 3 / 3"
+    );
+    assert_eq!(ours("dual-write", "outbox: ghost shipments"), "0");
+    assert_eq!(ours("dual-write", "outbox: orders without shipment"), "0");
+    assert_eq!(ours("rollback", "ROLLBACK: orders / outbox rows"), "0 / 0");
+    assert_eq!(
+        ours(
+            "rollback",
+            "writer killed (SIGKILL) before COMMIT: orders / outbox rows"
+        ),
+        "0 / 0"
+    );
+    assert_eq!(ours("crash-before-mark", "requests received"), "8");
+    assert_eq!(ours("crash-before-mark", "distinct events received"), "5");
+    assert_eq!(
+        ours(
+            "crash-before-mark",
+            "naive consumer: shipments / orders shipped twice"
+        ),
+        "8 / 3"
+    );
+    assert_eq!(
+        ours(
+            "crash-before-mark",
+            "inbox consumer: shipments / orders shipped twice / duplicates skipped"
+        ),
+        "5 / 0 / 3"
+    );
+    assert_eq!(ours("retry", "requests: 500 / 200"), "3 / 2");
+    assert_eq!(ours("retry", "attempts until delivered, per event"), "[3, 2]");
+    assert_eq!(ours("watermark", "watermark relay: events lost"), "1");
+    assert_eq!(ours("watermark", "ours: events lost"), "0");
+    for mode in ["partition", "strict"] {
+        for relays in [1, 2, 4] {
+            let measure = format!("{mode}, {relays} relay(s): orders out of order");
+            assert_eq!(ours("ordering", &measure), "0 of 100");
+        }
+    }
+    assert_eq!(ours("cleanup", "rows left: unpublished only"), "50");
+    assert_eq!(ours("redis-group", "shipments / orders shipped twice"), "5 / 0");
+
+    let html = std::fs::read_to_string(&report).expect("the report was written");
+    check_well_formed(&html, outcomes);
+    open_in_chromium(&report, &dir).await;
+}
+
+/// Parses the page as XML and finds, per experiment, its section, a table
+/// with one row per verdict, and one `<svg>` per plot.
+fn check_well_formed(html: &str, outcomes: &[Value]) {
+    // `<!DOCTYPE html>` is the one declaration; roxmltree refuses DTDs by default.
+    let options = roxmltree::ParsingOptions {
+        allow_dtd: true,
+        ..roxmltree::ParsingOptions::default()
+    };
+    let doc = roxmltree::Document::parse_with_options(html, options).expect("the report parses as XML");
+    assert!(!html.contains("<script"), "no JavaScript in the report");
+    for o in outcomes {
+        let name = o["name"].as_str().unwrap();
+        let section = doc
+            .descendants()
+            .find(|n| n.has_tag_name("section") && n.attribute("id") == Some(name))
+            .unwrap_or_else(|| panic!("no section for {name}"));
+        let table = section
+            .descendants()
+            .find(|n| n.has_tag_name("table") && n.attribute("class") == Some("verdicts"))
+            .unwrap_or_else(|| panic!("no verdict table for {name}"));
+        let body_rows = table
+            .descendants()
+            .filter(|n| n.has_tag_name("tr") && n.parent().is_some_and(|p| p.has_tag_name("tbody")))
+            .count();
+        assert_eq!(body_rows, o["rows"].as_array().unwrap().len(), "{name}'s table");
+        let svgs = section
+            .descendants()
+            .filter(|n| n.tag_name().name() == "svg")
+            .count();
+        assert_eq!(svgs, o["plots"].as_array().unwrap().len(), "{name}'s plots");
+    }
+    assert!(
+        outcomes
+            .iter()
+            .any(|o| !o["plots"].as_array().unwrap().is_empty()),
+        "at least one plot"
+    );
+}
+
+/// Opens the report in headless chromium: the DOM it built has every
+/// section, the console logged no error, and the screenshot is a PNG
+/// (kept in the target dir's tmp as the test's artifact).
+async fn open_in_chromium(report: &Path, dir: &Path) {
+    let chromium = ["chromium", "chromium-browser"]
+        .into_iter()
+        .find(|c| {
+            std::process::Command::new("which")
+                .arg(c)
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .expect(
+            "chromium is not installed: `apt-get install chromium` (scripts/test.sh installs it as root)",
+        );
+    let url = format!("file://{}", report.display());
+    let screenshot = dir.join("lab-report.png");
+    let _ = std::fs::remove_file(&screenshot);
+    let base = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--window-size=1280,4000",
+    ];
+    let run = |extra: Vec<String>| {
+        let mut cmd = tokio::process::Command::new(chromium);
+        cmd.args(base).args(extra).arg(&url).kill_on_drop(true);
+        async move {
+            tokio::time::timeout(Duration::from_secs(120), cmd.output())
+                .await
+                .expect("chromium within 2 minutes")
+                .expect("run chromium")
+        }
+    };
+    let dom = run(vec!["--dump-dom".to_owned()]).await;
+    assert!(dom.status.success(), "chromium --dump-dom: {}", text(&dom.stderr));
+    let dom_text = text(&dom.stdout);
+    for name in EXPERIMENTS {
+        assert!(
+            dom_text.contains(&format!("id=\"{name}\"")),
+            "chromium's DOM lacks {name}"
+        );
+    }
+    assert!(dom_text.contains("<svg"), "chromium's DOM has the plots");
+    let console_errors: Vec<&str> = text(&dom.stderr)
+        .lines()
+        .filter(|l| l.contains("CONSOLE") || l.contains("Uncaught"))
+        .map(|_| "console message")
+        .collect();
+    assert!(console_errors.is_empty(), "{}", text(&dom.stderr));
+
+    let shot = run(vec![format!("--screenshot={}", screenshot.display())]).await;
+    assert!(
+        shot.status.success(),
+        "chromium --screenshot: {}",
+        text(&shot.stderr)
+    );
+    let png = std::fs::read(&screenshot).expect("the screenshot was written");
+    assert!(
+        png.len() > 10_000 && png.starts_with(b"\x89PNG"),
+        "a PNG screenshot"
+    );
+    eprintln!("screenshot: {}", screenshot.display());
+}
