@@ -18,6 +18,10 @@ use super::scratch::{LONG, Lab, SCHEMA, event_id, wait_until};
 const EVENTS: i64 = 5;
 const BATCH: &str = "3";
 
+/// The killed relay's partitions move to the fresh one once its heartbeat
+/// lapses: a short lease keeps the experiment to a second or so.
+const LEASE: &str = "1s";
+
 pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "crash-before-mark",
@@ -42,7 +46,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let mut relay = lab
         .spawn_relay(
             &receiver.url(),
-            &["--batch-size", BATCH],
+            &["--batch-size", BATCH, "--lease-timeout", LEASE],
             &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
         )
         .await?;
@@ -59,7 +63,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let after_kill = lab.unpublished().await?;
 
     let relay = lab
-        .spawn_relay(&receiver.url(), &["--batch-size", BATCH], &[])
+        .spawn_relay(&receiver.url(), &["--batch-size", BATCH, "--lease-timeout", LEASE], &[])
         .await?;
     wait_until("all events published after the restart", async || {
         Ok(lab.unpublished().await? == 0)
