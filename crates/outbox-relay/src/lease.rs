@@ -12,7 +12,7 @@
 //! What keeps two relays from delivering one aggregate at once is not this
 //! task but the claim: it reads the lease rows `FOR SHARE` and claims only
 //! partitions whose row still names this relay, so ownership cannot change
-//! while a batch is in flight (see `LEASED` in `outbox::sql`). A stale view
+//! while a batch is in flight (see `LEASE_CTE` in `outbox::sql`). A stale view
 //! here can only make the relay claim less, never claim what it lost.
 //!
 //! The tick also reports whether any held partition has a row due, which
@@ -22,12 +22,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use chrono::{DateTime, Utc};
 use outbox::sql::OutboxSql;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};

@@ -63,7 +63,11 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let after_kill = lab.unpublished().await?;
 
     let relay = lab
-        .spawn_relay(&receiver.url(), &["--batch-size", BATCH, "--lease-timeout", LEASE], &[])
+        .spawn_relay(
+            &receiver.url(),
+            &["--batch-size", BATCH, "--lease-timeout", LEASE],
+            &[],
+        )
         .await?;
     wait_until("all events published after the restart", async || {
         Ok(lab.unpublished().await? == 0)
