@@ -43,6 +43,22 @@ pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
     Ok(outbox::Config::new(&g.schema, &g.table)?.with_channel(&g.channel)?)
 }
 
+/// `DATABASE_URL`, or else a throwaway cluster started here: its URL and
+/// the cluster (None with `DATABASE_URL`), which must outlive its use.
+pub(crate) async fn database_or_throwaway(
+    g: &Global,
+) -> anyhow::Result<(String, Option<outbox_testkit::Postgres>)> {
+    match &g.database_url {
+        Some(url) => Ok((url.clone(), None)),
+        None => {
+            let pg = outbox_testkit::Postgres::start()
+                .await
+                .context("starting a throwaway PostgreSQL")?;
+            Ok((pg.url("postgres"), Some(pg)))
+        }
+    }
+}
+
 /// `DATABASE_URL` parsed, with the connect timeout.
 pub(crate) fn pg_config(g: &Global) -> anyhow::Result<tokio_postgres::Config> {
     let url = g.database_url.as_deref().ok_or_else(|| {

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use outbox_testkit::{Postgres, Redis};
+use outbox_testkit::Redis;
 
 use crate::cli::{BenchArgs, Global, Phase};
 use crate::exit::ConfigError;
@@ -93,18 +93,8 @@ pub(crate) async fn run(g: &Global, args: BenchArgs) -> anyhow::Result<()> {
     let plan = Plan::new(&args);
     let mut phases = args.phases.clone();
     phases.dedup();
-    let mut _postgres = None;
-    let (pg_url, throwaway_pg) = match &g.database_url {
-        Some(url) => (url.clone(), false),
-        None => {
-            let pg = Postgres::start()
-                .await
-                .context("starting a throwaway PostgreSQL")?;
-            let url = pg.url("postgres");
-            _postgres = Some(pg);
-            (url, true)
-        }
-    };
+    let (pg_url, _postgres) = super::database_or_throwaway(g).await?;
+    let throwaway_pg = _postgres.is_some();
     let mut _redis = None;
     let redis_url = match &args.redis_url {
         Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => url.clone(),

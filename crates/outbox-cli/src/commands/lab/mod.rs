@@ -35,7 +35,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use outbox_testkit::Postgres;
 
 use crate::cli::{Global, LabArgs};
 use crate::exit::ConfigError;
@@ -109,18 +108,8 @@ pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
         return Ok(());
     }
 
-    let mut _postgres = None;
-    let (pg_url, throwaway) = match &g.database_url {
-        Some(url) => (url.clone(), false),
-        None => {
-            let pg = Postgres::start()
-                .await
-                .context("starting a throwaway PostgreSQL")?;
-            let url = pg.url("postgres");
-            _postgres = Some(pg);
-            (url, true)
-        }
-    };
+    let (pg_url, _postgres) = super::database_or_throwaway(g).await?;
+    let throwaway = _postgres.is_some();
     let pg = super::parse_pg_url(&pg_url, g)?;
     let mut lab = Lab::new(&pg, pg_url, args.quick).await?;
     let version: String = lab.db.query_one("SHOW server_version", &[]).await?.get(0);
