@@ -53,6 +53,13 @@ pub(crate) struct LeaseView {
     pub(crate) epoch: u64,
 }
 
+impl LeaseView {
+    /// Whether the other relays cannot yet have declared this one dead.
+    pub(crate) fn is_valid(&self) -> bool {
+        self.valid_until.is_some_and(|t| t > Instant::now())
+    }
+}
+
 /// The batch connections of this relay, as (pid, backend start), which the
 /// tick records so another relay can terminate them if this one is declared
 /// dead while a batch of it still holds locks.
@@ -138,7 +145,7 @@ impl Leases {
     /// that a batch it claimed may have been taken over: then it must not
     /// be sent.
     pub(crate) fn expired(&self) -> bool {
-        self.view().valid_until.is_none_or(|t| t <= Instant::now())
+        !self.view().is_valid()
     }
 
     /// Delivers `batch` unless the lease runs out first (each tick during

@@ -601,9 +601,9 @@ impl Relay {
         // Holding no partition, there is nothing to claim: no transaction.
         // With the lease lapsed, a batch could not be sent: none either.
         let claim = claim
-            && lease.as_ref().is_none_or(|(_, v)| {
-                !v.claimable.is_empty() && v.valid_until.is_some_and(|t| t > tokio::time::Instant::now())
-            });
+            && lease
+                .as_ref()
+                .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid());
         let failures = delivered.as_ref().map(|d| &d.failures);
         let (failed, committed, begun, claimed) = tokio::join!(
             async {
