@@ -1,8 +1,9 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes sure the PostgreSQL
-# server binaries, redis-server, nats-server, rabbitmq-server and (for the
-# lab report test) chromium exist. As
-# root on Debian it installs the missing packages; otherwise it prints the
-# exact command and exits 1.
+# server binaries, redis-server, a C toolchain (for the bundled librdkafka),
+# nats-server, rabbitmq-server and (for the lab report test) chromium exist.
+# As root on Debian it installs the missing packages; otherwise it prints the
+# exact command and exits 1. ensure_tansu builds the Kafka-protocol
+# broker the Kafka tests run, once, with cargo.
 
 find_initdb() {
     if [ -n "${OUTBOX_PG_BIN:-}" ] && [ -x "$OUTBOX_PG_BIN/initdb" ]; then return 0; fi
@@ -11,12 +12,15 @@ find_initdb() {
     command -v initdb >/dev/null 2>&1
 }
 
-# ensure_deps [brokers]: PostgreSQL and redis-server always (the demo needs
-# no more); with `brokers`, nats-server and rabbitmq-server too (the tests).
+# ensure_deps [brokers]: PostgreSQL, redis-server and make + cc always (the
+# demo needs no more; the `outbox` binary builds librdkafka for its Kafka
+# sink); with `brokers`, nats-server and rabbitmq-server too (the tests).
 ensure_deps() {
     local missing=()
     find_initdb || missing+=(postgresql)
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    # rdkafka-sys builds its bundled librdkafka with ./configure && make.
+    { command -v make && command -v cc; } >/dev/null 2>&1 || missing+=(build-essential)
     if [ "${1:-}" = brokers ]; then
         # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
         command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
@@ -58,4 +62,61 @@ ensure_rabbitmq() {
     done
     echo "rabbitmq-server did not listen on 127.0.0.1:5672 within 120 s; see /var/log/rabbitmq/" >&2
     exit 1
+}
+
+# The Kafka tests run tansu, a single-binary Kafka-protocol broker built with
+# cargo: Apache Kafka itself needs jars from Maven Central, which these
+# machines cannot reach. It is built once into ~/.cache/outbox-tools (set
+# OUTBOX_TOOLS to build elsewhere, or OUTBOX_TANSU to use a tansu you have)
+# and found there by the testkit. The build is ~420 crates; at opt-level 1
+# without debug info it is much cheaper than cargo's release default, and a
+# test broker needs no more speed than that.
+TANSU_VERSION=0.6.0
+
+# tansu_wanted: is a build needed? Sets OUTBOX_TANSU either way.
+tansu_wanted() {
+    if [ -n "${OUTBOX_TANSU:-}" ]; then
+        [ -x "$OUTBOX_TANSU" ] && return 1
+        echo "OUTBOX_TANSU=$OUTBOX_TANSU is not an executable file" >&2
+        exit 1
+    fi
+    TANSU_ROOT="${OUTBOX_TOOLS:-$HOME/.cache/outbox-tools}"
+    export OUTBOX_TANSU="$TANSU_ROOT/bin/tansu"
+    # .crates.toml is cargo's record of what it installed under the root.
+    ! { [ -x "$OUTBOX_TANSU" ] && grep -q "^\"tansu $TANSU_VERSION " "$TANSU_ROOT/.crates.toml" 2>/dev/null; }
+}
+
+build_tansu() {
+    echo "building tansu $TANSU_VERSION (the Kafka tests' broker) into $TANSU_ROOT; this happens once" >&2
+    # The sqlite storage engine (libsql feature) keeps records across a
+    # broker restart; tansu's default builds only a discarding one.
+    # Without CARGO_TARGET_DIR cargo builds in a temporary directory it
+    # removes, instead of filling the project's with tansu's release build.
+    env -u CARGO_TARGET_DIR \
+        CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_DEBUG=0 \
+        CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+        cargo install --quiet --locked --root "$TANSU_ROOT" "tansu@$TANSU_VERSION" --features libsql
+}
+
+# ensure_tansu: builds tansu now if it is missing.
+ensure_tansu() {
+    if tansu_wanted; then build_tansu; fi
+}
+
+# start_tansu_build / wait_tansu_build: the same, in the background, so the
+# build overlaps the project's own (whose serial steps leave a core idle).
+start_tansu_build() {
+    TANSU_BUILD_PID=
+    if tansu_wanted; then
+        build_tansu &
+        TANSU_BUILD_PID=$!
+    fi
+}
+
+wait_tansu_build() {
+    [ -z "${TANSU_BUILD_PID:-}" ] && return 0
+    wait "$TANSU_BUILD_PID" || {
+        echo "building tansu failed; the Kafka tests need it (or set OUTBOX_TANSU)" >&2
+        exit 1
+    }
 }

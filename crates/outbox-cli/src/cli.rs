@@ -124,7 +124,8 @@ pub(crate) struct MigrateArgs {
 #[derive(Debug, Args)]
 pub(crate) struct RelayArgs {
     /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…,
-    /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…
+    /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…,
+    /// kafka://host:port[,host:port…]
     #[arg(long, env = "OUTBOX_SINK", required_unless_present = "config")]
     pub(crate) sink: Option<String>,
     /// TOML file routing aggregate types to sinks ([default] and
@@ -197,8 +198,15 @@ pub(crate) struct RelayArgs {
         default_value = "{aggregate_type}.{event_type}"
     )]
     pub(crate) amqp_routing_key: String,
-    /// Timeout of one HTTP request (and of one Redis round trip, NATS ack or
-    /// AMQP confirm).
+    /// Kafka topic; same placeholders. Records are keyed by aggregate id.
+    #[arg(
+        long,
+        env = "OUTBOX_KAFKA_TOPIC",
+        default_value = "outbox.event.{aggregate_type}"
+    )]
+    pub(crate) kafka_topic: String,
+    /// Timeout of one HTTP request (and of one Redis round trip, NATS ack,
+    /// AMQP confirm or Kafka delivery report).
     #[arg(long, env = "OUTBOX_HTTP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
     pub(crate) http_timeout: Duration,
     /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).

@@ -65,6 +65,7 @@ struct SinkTable {
     nats_subject: Option<String>,
     amqp_exchange: Option<String>,
     amqp_routing_key: Option<String>,
+    kafka_topic: Option<String>,
     http_secret: Option<String>,
     http_concurrency: Option<u16>,
     http_timeout: Option<String>,
@@ -142,6 +143,7 @@ impl SinkTable {
             amqp_routing_key: self
                 .amqp_routing_key
                 .unwrap_or_else(|| flags.amqp_routing_key.clone()),
+            kafka_topic: self.kafka_topic.unwrap_or_else(|| flags.kafka_topic.clone()),
             formatter: Formatter::new(
                 format,
                 mode,
@@ -195,6 +197,15 @@ mod tests {
         assert_eq!(
             file.ordering().unwrap(),
             [("orders".to_owned(), Ordering::Strict)]
+        );
+        let file = parse(
+            "[default]\nsink = \"redis://x\"\n[routes.orders]\nsink = \"kafka://k:9092\"\nkafka_topic = \"a b\"\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", file.router(&flags).err().unwrap());
+        assert!(
+            e.contains("[routes.orders]") && e.contains("--kafka-topic"),
+            "{e}"
         );
         let file = parse("[default]\nsink = \"redis://x\"\nformat = \"avro\"\n").unwrap();
         let e = file.router(&flags).err().unwrap().to_string();

@@ -14,7 +14,8 @@
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
 //!
-//! Each sink is a feature, all on by default:
+//! Each sink is a feature, all but `kafka` on by default (it builds
+//! librdkafka, a C library; the `outbox` binary turns it on):
 //!
 //! | feature | URL schemes | sink |
 //! |---|---|---|
@@ -22,6 +23,7 @@
 //! | `http` | `http://`, `https://` | one `POST` per event |
 //! | `nats` | `nats://` | NATS JetStream, dedup by `Nats-Msg-Id` |
 //! | `amqp` | `amqp://`, `amqps://` | RabbitMQ with publisher confirms |
+//! | `kafka` | `kafka://` | Kafka, idempotent producer, `acks=all`, key = aggregate id |
 
 pub mod backoff;
 pub mod failpoint;

@@ -25,6 +25,15 @@ pub enum Error {
     /// `nats-server` is neither on `PATH` nor in `/usr/sbin`.
     #[error("nats-server not found on PATH or in /usr/sbin; install it with `apt-get install nats-server`")]
     NatsNotInstalled,
+    /// The Kafka-protocol broker (tansu) is not installed.
+    #[error(
+        "tansu (the Kafka-protocol broker the Kafka tests use) not found in OUTBOX_TANSU, on PATH \
+         or in ~/.cache/outbox-tools/bin; install it with `{install}` (or run scripts/test.sh, which does)"
+    )]
+    KafkaNotInstalled {
+        /// The command that installs it.
+        install: &'static str,
+    },
     /// `rabbitmq-server` is not installed.
     #[error("rabbitmq-server not found; install it with `apt-get install rabbitmq-server`")]
     RabbitMqNotInstalled,

@@ -9,6 +9,7 @@
 //! | [`Postgres`] | a PostgreSQL cluster: start, fresh databases, stop, crash, restart |
 //! | [`Redis`] | a redis-server without persistence: start, stop, restart |
 //! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
+//! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
 //! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
 //! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
 //! | [`Spawned`] | a child process with captured output lines |
@@ -22,6 +23,7 @@
 //!
 //! | variable | effect |
 //! |---|---|
+//! | `OUTBOX_TANSU` | the tansu binary [`Kafka`] runs (default: `tansu` on `PATH`, else `~/.cache/outbox-tools/bin/tansu`) |
 //! | `OUTBOX_PG_BIN` | directory holding `initdb` and `postgres` |
 //! | `OUTBOX_TESTKIT_TMPDIR` | where clusters and the initdb template go (default: `TMPDIR`, else `/dev/shm` when it has 1 GiB free, else `/tmp`) |
 //! | `OUTBOX_TESTKIT_ECHO` | echo [`Spawned`] output to stderr |
@@ -38,6 +40,7 @@
 //! ```
 
 mod error;
+pub mod kafka;
 mod nats;
 mod postgres;
 mod rabbitmq;
@@ -47,6 +50,7 @@ mod spawned;
 mod support;
 
 pub use error::Error;
+pub use kafka::Kafka;
 pub use nats::Nats;
 pub use postgres::Postgres;
 pub use rabbitmq::RabbitMq;

@@ -38,6 +38,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         nats_subject: args.nats_subject,
         amqp_exchange: args.amqp_exchange,
         amqp_routing_key: args.amqp_routing_key,
+        kafka_topic: args.kafka_topic,
         formatter: Formatter::new(args.format, args.cloudevents_mode, source),
     };
     let mut ordering_for: Vec<(String, OrderMode)> = args

@@ -353,3 +353,80 @@ async fn an_amqp_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
         .unwrap();
     topology.delete_exchange().await;
 }
+
+/// `crates/outbox/examples/<name>`, as `cargo test` built it beside the
+/// test binary (`target/<profile>/deps/it-…` → `target/<profile>/examples`).
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let path = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("target/<profile>/deps")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: cargo build -p outbox --features redis --examples",
+        path.display()
+    );
+    path
+}
+
+/// The Redis worker example, run as a user runs it: it ships each of 20
+/// events once, and a re-send of all 20 (the relay after a crash between
+/// send and mark) ships nothing more.
+#[tokio::test]
+async fn the_redis_worker_example_ships_each_event_once_across_a_resend() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    publish_twenty(&mut db, &redis.url()).await;
+
+    let mut cmd = tokio::process::Command::new(example("redis_worker"));
+    cmd.env("DATABASE_URL", &db.url).env("REDIS_URL", redis.url());
+    let mut worker = Spawned::spawn(cmd).expect("spawn the example");
+    wait_until("20 shipments", LONG, || async {
+        db.count("SELECT count(*) FROM shipments").await == 20
+    })
+    .await;
+
+    // Every row unmarked and relayed again: 20 more entries, same event_ids.
+    db.client
+        .execute("UPDATE outbox SET published_at = NULL", &[])
+        .await
+        .unwrap();
+    let relay = run_cli(
+        &["relay", "--sink", &redis.url(), "--drain"],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
+    assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+    let mut r = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    assert_eq!(r.xlen::<_, i64>(STREAM).await.unwrap(), 40);
+    wait_until("all 40 entries read and acknowledged", LONG, || async {
+        let mut r = r.clone();
+        let groups: redis::streams::StreamInfoGroupsReply = r.xinfo_groups(STREAM).await.unwrap();
+        let stream: redis::streams::StreamInfoStreamReply = r.xinfo_stream(STREAM).await.unwrap();
+        groups.groups.iter().any(|g| {
+            g.name == "shipping" && g.pending == 0 && g.last_delivered_id == stream.last_generated_id
+        })
+    })
+    .await;
+
+    worker.signal(nix::sys::signal::Signal::SIGINT).unwrap();
+    assert!(worker.wait(LONG).await.unwrap().success(), "{:?}", worker.lines());
+    assert_eq!(db.count("SELECT count(*) FROM shipments").await, 20);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) FROM shipments").await,
+        20
+    );
+    let summary = worker
+        .lines()
+        .into_iter()
+        .find(|l| l.starts_with("WorkerStats"))
+        .expect("the example prints its stats");
+    assert!(summary.contains("processed: 20, duplicates: 20"), "{summary}");
+}

@@ -2,7 +2,8 @@
 //! event_id, created_at, payload and traceparent) is relayed with each
 //! format, and the exact body and headers a consumer reads back are
 //! compared with literals: Redis stream fields, the HTTP request, the NATS
-//! message from the stream, the AMQP message from a bound queue.
+//! message from the stream, the AMQP message from a bound queue, the Kafka
+//! record (key, value, headers) read back by a consumer.
 
 use lapin::options::BasicGetOptions;
 use lapin::types::AMQPValue;
@@ -318,5 +319,39 @@ async fn formats_golden_amqp() {
             "{variant:?}"
         );
         topology.delete_exchange().await;
+    }
+}
+
+#[cfg(feature = "kafka")]
+#[tokio::test]
+async fn formats_golden_kafka() {
+    let kafka = outbox_testkit::Kafka::start().await.unwrap();
+    for variant in VARIANTS {
+        // A topic per format, so each holds exactly one record.
+        let topic = format!("fmt.{variant:?}");
+        kafka.create_topic(&topic, 1).await.unwrap();
+        let db = golden_db().await;
+        drain(&db, &kafka.url(), variant, &["--kafka-topic", &topic]).await;
+
+        let (stored, records) = crate::kafka::read_topic(&kafka, &topic, 1).await;
+        assert_eq!((stored, records.len()), (1, 1), "{variant:?}: one record");
+        let r = &records[0];
+        assert_eq!(r.key, "42", "{variant:?}: the key is the aggregate id");
+        assert_eq!(
+            String::from_utf8(r.value.clone()).unwrap(),
+            variant.broker_body(),
+            "{variant:?}"
+        );
+        // The record key is Debezium's key: no `key` header beside it.
+        let mut want: Vec<(String, String)> = variant
+            .headers("ce_")
+            .into_iter()
+            .filter(|(k, _)| !(variant == Variant::Debezium && (k == "key" || k == "id")))
+            .collect();
+        want.push(("id".into(), ID.into()));
+        if variant != Variant::Native {
+            want.push(("content-type".into(), variant.content_type().into()));
+        }
+        assert_eq!(sorted(r.headers.clone()), sorted(want), "{variant:?}");
     }
 }

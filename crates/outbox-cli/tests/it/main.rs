@@ -9,6 +9,8 @@ mod cli;
 mod consume;
 mod crash;
 mod formats;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod lab;
 mod nats;
 mod ordering;

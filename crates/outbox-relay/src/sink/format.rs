@@ -3,8 +3,8 @@
 //!
 //! This module owns the bytes and header names; the sinks own the protocol.
 //! [`Formatter::message`] turns a row into a protocol-neutral [`Message`]
-//! (body, content type, headers with their final names) that the HTTP, NATS
-//! and RabbitMQ sinks map onto a request or message one to one;
+//! (body, content type, headers with their final names) that the HTTP, NATS,
+//! RabbitMQ and Kafka sinks map onto a request or message one to one;
 //! [`Formatter::fields`] gives Redis Streams, which has no body or headers,
 //! its entry fields. Dedup keys a protocol has of its own (`Nats-Msg-Id`,
 //! AMQP `message_id`, HTTP `Idempotency-Key`) are set by the sinks in every
@@ -19,13 +19,14 @@
 //!   Structured mode is one JSON document (`application/cloudevents+json`);
 //!   binary mode puts the attributes in headers (`ce-` for HTTP and NATS;
 //!   `cloudEvents_` for AMQP, the prefix the [AMQP binding] now prefers over
-//!   `cloudEvents:`) and the payload in the body. Redis has no binding:
+//!   `cloudEvents:`; `ce_` for Kafka, its binding's) and the payload in the
+//!   body. Redis has no binding:
 //!   structured mode is one field `cloudevent`, binary mode one field per
 //!   attribute (`ce_id`, `ce_source`, …) and `data`.
 //! - `debezium`: what Debezium's outbox event router emits: value = payload,
 //!   key = aggregate_id, header `id` = event_id. Kafka's record key has no
-//!   twin elsewhere, so it travels as header `key` (field `key` in Redis,
-//!   where the value is field `value`). The topic per aggregate type is the
+//!   twin elsewhere, so outside Kafka it travels as header `key` (field `key`
+//!   in Redis, where the value is field `value`). The topic per aggregate type is the
 //!   sinks' default already (`outbox.event.<aggregate_type>`).
 //!
 //! In every format but native the row's other headers travel as plain
@@ -140,6 +141,8 @@ pub enum Protocol {
     Nats,
     /// RabbitMQ (AMQP 0-9-1).
     Amqp,
+    /// Kafka: the record key is the aggregate id in every format.
+    Kafka,
 }
 
 /// One event, ready for a protocol: the sink copies it onto the wire.
@@ -206,10 +209,11 @@ impl Formatter {
         match self.format {
             Format::Native => native(row, protocol),
             Format::Debezium => {
-                let mut headers = vec![
-                    ("id".to_owned(), row.event_id.to_string()),
-                    ("key".to_owned(), row.aggregate_id.clone()),
-                ];
+                let mut headers = vec![("id".to_owned(), row.event_id.to_string())];
+                // Kafka carries the key as the record key itself.
+                if protocol != Protocol::Kafka {
+                    headers.push(("key".to_owned(), row.aggregate_id.clone()));
+                }
                 headers.extend(row_headers(row, &["id", "key"]));
                 Message {
                     body: row.payload.to_string().into_bytes(),
@@ -227,6 +231,8 @@ impl Formatter {
                     let prefix = match protocol {
                         Protocol::Http | Protocol::Nats => "ce-",
                         Protocol::Amqp => "cloudEvents_",
+                        // The Kafka binding's prefix.
+                        Protocol::Kafka => "ce_",
                     };
                     let mut headers: Vec<(String, String)> = self
                         .attributes(row)
@@ -342,7 +348,7 @@ fn native(row: &OutboxRow, protocol: Protocol) -> Message {
             content_type: Some(JSON),
             headers: Vec::new(),
         },
-        Protocol::Nats | Protocol::Amqp => Message {
+        Protocol::Nats | Protocol::Amqp | Protocol::Kafka => Message {
             body: json!({
                 "event_id": row.event_id,
                 "aggregate_type": row.aggregate_type,
@@ -467,7 +473,7 @@ mod tests {
 
     #[test]
     fn cloudevents_structured_golden() {
-        for protocol in [Protocol::Http, Protocol::Nats, Protocol::Amqp] {
+        for protocol in [Protocol::Http, Protocol::Nats, Protocol::Amqp, Protocol::Kafka] {
             let m = f(Format::CloudEvents, CloudEventsMode::Structured).message(&golden_row(), protocol);
             assert_eq!(String::from_utf8(m.body).unwrap(), STRUCTURED);
             assert_eq!(m.content_type, Some(CLOUDEVENTS_JSON));
@@ -507,6 +513,7 @@ mod tests {
             (Protocol::Http, "ce-"),
             (Protocol::Nats, "ce-"),
             (Protocol::Amqp, "cloudEvents_"),
+            (Protocol::Kafka, "ce_"),
         ] {
             let m = f(Format::CloudEvents, CloudEventsMode::Binary).message(&golden_row(), protocol);
             assert_eq!(String::from_utf8(m.body).unwrap(), PAYLOAD);
@@ -558,6 +565,10 @@ mod tests {
                 pairs(&[("id", ID), ("key", "42"), ("traceparent", TRACEPARENT)])
             );
         }
+        // Kafka's record key is the key itself, so no `key` header.
+        let m = f(Format::Debezium, CloudEventsMode::Structured).message(&golden_row(), Protocol::Kafka);
+        assert_eq!(String::from_utf8(m.body).unwrap(), PAYLOAD);
+        assert_eq!(m.headers, pairs(&[("id", ID), ("traceparent", TRACEPARENT)]));
         assert_eq!(
             f(Format::Debezium, CloudEventsMode::Structured).fields(&golden_row()),
             pairs(&[

@@ -23,6 +23,8 @@ pub mod amqp;
 pub mod format;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "redis")]
@@ -113,6 +115,8 @@ pub struct SinkOptions {
     pub amqp_routing_key: String,
     /// The envelope: `--format`, `--cloudevents-mode`, `--cloudevents-source`.
     pub formatter: Formatter,
+    /// Kafka topic, with the same placeholders.
+    pub kafka_topic: String,
 }
 
 impl Default for SinkOptions {
@@ -126,6 +130,7 @@ impl Default for SinkOptions {
             amqp_exchange: "outbox".to_owned(),
             amqp_routing_key: "{aggregate_type}.{event_type}".to_owned(),
             formatter: Formatter::default(),
+            kafka_topic: "outbox.event.{aggregate_type}".to_owned(),
         }
     }
 }
@@ -173,11 +178,17 @@ pub enum SinkError {
 }
 
 /// The schemes this build handles, for messages.
-pub const KNOWN_SCHEMES: &str = "redis, rediss, http, https, nats, amqp, amqps";
+pub const KNOWN_SCHEMES: &str = "redis, rediss, http, https, nats, amqp, amqps, kafka";
 
 /// Builds the sink a URL names. Builds no connection: an unreachable sink is
 /// a delivery failure later, never a startup crash.
 pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkError> {
+    // Before URL parsing: `kafka://a:9092,b:9092` lists several brokers,
+    // which a URL parser reads as one host with a bad port.
+    #[cfg(feature = "kafka")]
+    if url.starts_with("kafka://") {
+        return Ok(Box::new(kafka::KafkaSink::new(url, options)?));
+    }
     let parsed = url::Url::parse(url).map_err(|e| SinkError::InvalidUrl {
         url: url.to_owned(),
         reason: e.to_string(),
