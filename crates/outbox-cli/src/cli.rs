@@ -205,6 +205,18 @@ pub(crate) struct RelayArgs {
         default_value = "outbox.event.{aggregate_type}"
     )]
     pub(crate) kafka_topic: String,
+    /// A librdkafka producer property, KEY=VALUE, repeatable (TLS, SASL,
+    /// compression, linger.ms); the environment variable takes a
+    /// comma-separated list. Properties the delivery guarantee rests on
+    /// (acks, enable.idempotence, …) are refused.
+    #[arg(
+        long = "kafka-option",
+        env = "OUTBOX_KAFKA_OPTIONS",
+        value_name = "KEY=VALUE",
+        value_delimiter = ',',
+        value_parser = key_value
+    )]
+    pub(crate) kafka_options: Vec<(String, String)>,
     /// Timeout of one HTTP request (and of one Redis round trip, NATS ack,
     /// AMQP confirm or Kafka delivery report).
     #[arg(long, env = "OUTBOX_HTTP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
@@ -478,6 +490,14 @@ fn ordering_for(s: &str) -> Result<(String, Ordering), String> {
     let mode = <Ordering as clap::ValueEnum>::from_str(mode, false)
         .map_err(|_| format!("unknown ordering {mode:?} for {aggregate_type:?} (partition or strict)"))?;
     Ok((aggregate_type.to_owned(), mode))
+}
+
+/// `KEY=VALUE` of `--kafka-option`.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .filter(|(key, _)| !key.trim().is_empty())
+        .map(|(key, value)| (key.trim().to_owned(), value.to_owned()))
+        .ok_or_else(|| format!("expected KEY=VALUE (a librdkafka property), got {s:?}"))
 }
 
 /// A lease timeout: ticks come every third of it, so below a second the

@@ -66,6 +66,8 @@ struct SinkTable {
     amqp_exchange: Option<String>,
     amqp_routing_key: Option<String>,
     kafka_topic: Option<String>,
+    /// librdkafka properties, over the `--kafka-option` ones key by key.
+    kafka_options: Option<BTreeMap<String, String>>,
     http_secret: Option<String>,
     http_concurrency: Option<u16>,
     http_timeout: Option<String>,
@@ -144,6 +146,13 @@ impl SinkTable {
                 .amqp_routing_key
                 .unwrap_or_else(|| flags.amqp_routing_key.clone()),
             kafka_topic: self.kafka_topic.unwrap_or_else(|| flags.kafka_topic.clone()),
+            // librdkafka keeps the last value of a key: the table's win.
+            kafka_options: flags
+                .kafka_options
+                .iter()
+                .cloned()
+                .chain(self.kafka_options.into_iter().flatten())
+                .collect(),
             formatter: Formatter::new(
                 format,
                 mode,
@@ -205,6 +214,15 @@ mod tests {
         let e = format!("{:#}", file.router(&flags).err().unwrap());
         assert!(
             e.contains("[routes.orders]") && e.contains("--kafka-topic"),
+            "{e}"
+        );
+        let file = parse(
+            "[default]\nsink = \"kafka://k:9092\"\nkafka_options = { \"linger.ms\" = \"5\", acks = \"1\" }\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", file.router(&flags).err().unwrap());
+        assert!(
+            e.contains("[default]") && e.contains("--kafka-option") && e.contains("acks"),
             "{e}"
         );
         let file = parse("[default]\nsink = \"redis://x\"\nformat = \"avro\"\n").unwrap();

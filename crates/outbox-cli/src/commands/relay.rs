@@ -39,6 +39,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         amqp_exchange: args.amqp_exchange,
         amqp_routing_key: args.amqp_routing_key,
         kafka_topic: args.kafka_topic,
+        kafka_options: args.kafka_options,
         formatter: Formatter::new(args.format, args.cloudevents_mode, source),
     };
     let mut ordering_for: Vec<(String, OrderMode)> = args

@@ -20,7 +20,8 @@ use serde_json::json;
 
 use crate::cli::expect_config_error;
 use crate::support::{
-    Db, LONG, StreamEvent, distinct_events, order_violations, start_relay, stop_relay, wait_until,
+    Db, LONG, OUTAGE_FLAGS, StreamEvent, distinct_events, order_violations, start_relay, stop_relay,
+    wait_until,
 };
 
 /// The machine's broker, as `scripts/test.sh` ensures it.
@@ -315,35 +316,9 @@ async fn amqp_broker_down_10s_loses_nothing() {
     let mut broker = RabbitMq::start().await.unwrap();
     let topology = Topology::new(&broker.url(), "#", true).await;
     db.insert_events(2_000, 4).await;
-    let relay = start_relay(
-        &db.url,
-        &broker.url(),
-        &[
-            "--amqp-exchange",
-            &topology.exchange,
-            "--batch-size",
-            "50",
-            "--backoff-base",
-            "100ms",
-            "--backoff-max",
-            "1s",
-            "--max-attempts",
-            "1000",
-            "--http-timeout",
-            "2s",
-            // Retries are due every second at most; claim them when due.
-            "--poll-interval",
-            "200ms",
-        ],
-        &[],
-    )
-    .await;
-    wait_until("the relay under way", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-            .await
-            >= 200
-    })
-    .await;
+    let flags = [&["--amqp-exchange", &topology.exchange][..], OUTAGE_FLAGS].concat();
+    let relay = start_relay(&db.url, &broker.url(), &flags, &[]).await;
+    db.wait_published(200).await;
 
     broker.stop().await.unwrap();
     // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.

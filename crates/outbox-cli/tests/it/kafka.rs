@@ -1,7 +1,7 @@
 //! The relay to Kafka (a real Kafka-protocol broker, tansu, started by the
 //! testkit): volume and per-aggregate order per key, the broker going away
-//! for 10 s, a re-send carrying the same `id` header, headers and keys, bad
-//! URLs and topics.
+//! for 10 s, a re-send carrying the same `id` header, headers and keys,
+//! librdkafka properties passed through, bad URLs, topics and properties.
 //!
 //! tansu is found through `OUTBOX_TANSU`, `PATH` or `~/.cache/outbox-tools`,
 //! where `scripts/deps.sh` builds it once; without it these tests fail with
@@ -20,8 +20,8 @@ use serde_json::json;
 
 use crate::cli::expect_config_error;
 use crate::support::{
-    Db, LONG, StreamEvent, distinct_events, first_delivery_violations, order_violations, start_relay,
-    stop_relay, wait_until,
+    Db, LONG, OUTAGE_FLAGS, StreamEvent, distinct_events, first_delivery_violations, order_violations,
+    start_relay, stop_relay, wait_until,
 };
 
 const TOPIC: &str = "outbox.event.orders";
@@ -232,33 +232,8 @@ async fn kafka_down_10s_loses_nothing() {
     let mut kafka = Kafka::start().await.unwrap();
     create_topic(&kafka).await;
     db.insert_events(2_000, 4).await;
-    let relay = start_relay(
-        &db.url,
-        &kafka.url(),
-        &[
-            "--batch-size",
-            "50",
-            "--backoff-base",
-            "100ms",
-            "--backoff-max",
-            "1s",
-            "--max-attempts",
-            "1000",
-            "--http-timeout",
-            "2s",
-            // Retries are due every second at most; claim them when due.
-            "--poll-interval",
-            "200ms",
-        ],
-        &[],
-    )
-    .await;
-    wait_until("the relay under way", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-            .await
-            >= 200
-    })
-    .await;
+    let relay = start_relay(&db.url, &kafka.url(), OUTAGE_FLAGS, &[]).await;
+    db.wait_published(200).await;
 
     kafka.stop().await.unwrap();
     let stopped = Instant::now();
@@ -368,6 +343,59 @@ async fn kafka_resend_after_a_kill_carries_the_same_id_key_and_headers() {
 }
 
 #[tokio::test]
+async fn kafka_options_reach_librdkafka_and_an_oversized_record_dead_letters_at_once() {
+    let mut db = Db::start().await;
+    let kafka = Kafka::start().await.unwrap();
+    create_topic(&kafka).await;
+    let small = |i: usize| Event::new("orders", format!("order-{i}"), "OrderPlaced", json!({"i": i}));
+    let big = Event::new("orders", "big", "OrderPlaced", json!({"blob": "x".repeat(5_000)}));
+    let tx = db.client.transaction().await.unwrap();
+    Outbox::default()
+        .enqueue_all(&tx, &[small(0), big, small(1), small(2)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    // librdkafka refuses a record over message.max.bytes before sending it;
+    // the relay must take that as permanent, not retry it for ever.
+    let relay = start_relay(
+        &db.url,
+        &kafka.url(),
+        &["--kafka-option", "message.max.bytes=2000,linger.ms=1"],
+        &[],
+    )
+    .await;
+    wait_until("3 delivered and the big one dead", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await
+            == 3
+            && db.count("SELECT count(*) FROM outbox WHERE attempts >= 5").await == 1
+    })
+    .await;
+    stop_relay(relay).await;
+
+    let (attempts, error): (i32, String) = db
+        .client
+        .query_one(
+            "SELECT attempts, last_error FROM outbox WHERE aggregate_id = 'big'",
+            &[],
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert!(
+        error.starts_with("permanent: kafka") && error.contains("too large"),
+        "{error}"
+    );
+    assert_eq!(attempts, 5, "dead-lettered on its first attempt");
+    let (stored, records) = read_all(&kafka).await;
+    assert_eq!(stored, 3);
+    let mut keys: Vec<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["order-0", "order-1", "order-2"]);
+}
+
+#[tokio::test]
 async fn kafka_bad_urls_and_topics_exit_2() {
     let db = Db::start().await;
     let env = [("DATABASE_URL", db.url.as_str())];
@@ -408,4 +436,14 @@ async fn kafka_bad_urls_and_topics_exit_2() {
         "not allowed",
     )
     .await;
+    let kafka = ["relay", "--sink", "kafka://127.0.0.1:9092"];
+    for (option, needle) in [
+        ("acks=1", "acks=all"),
+        ("enable.idempotence=false", "idempotent"),
+        ("no.such.property=1", "no.such.property"),
+        ("compression.type=rot13", "rot13"),
+        ("linger.ms", "KEY=VALUE"),
+    ] {
+        expect_config_error(&[&kafka[..], &["--kafka-option", option]].concat(), &env, needle).await;
+    }
 }

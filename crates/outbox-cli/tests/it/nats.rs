@@ -12,7 +12,8 @@ use serde_json::json;
 
 use crate::cli::expect_config_error;
 use crate::support::{
-    Db, LONG, StreamEvent, distinct_events, order_violations, start_relay, stop_relay, wait_until,
+    Db, LONG, OUTAGE_FLAGS, StreamEvent, distinct_events, order_violations, start_relay, stop_relay,
+    wait_until,
 };
 
 pub(crate) const STREAM: &str = "OUTBOX";
@@ -123,33 +124,8 @@ async fn nats_down_10s_loses_nothing_and_resends_are_deduplicated() {
     let mut nats = Nats::start().await.unwrap();
     create_stream(&nats).await;
     db.insert_events(2_000, 4).await;
-    let relay = start_relay(
-        &db.url,
-        &nats.url(),
-        &[
-            "--batch-size",
-            "50",
-            "--backoff-base",
-            "100ms",
-            "--backoff-max",
-            "1s",
-            "--max-attempts",
-            "1000",
-            "--http-timeout",
-            "2s",
-            // Retries are due every second at most; claim them when due.
-            "--poll-interval",
-            "200ms",
-        ],
-        &[],
-    )
-    .await;
-    wait_until("the relay under way", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-            .await
-            >= 200
-    })
-    .await;
+    let relay = start_relay(&db.url, &nats.url(), OUTAGE_FLAGS, &[]).await;
+    db.wait_published(200).await;
 
     nats.stop().await.unwrap();
     // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.

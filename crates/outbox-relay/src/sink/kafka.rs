@@ -35,6 +35,12 @@
 //! retention are the operator's choice (a broker with
 //! `auto.create.topics.enable` creates them on first use).
 //!
+//! `--kafka-option key=value` passes any other librdkafka producer property
+//! (TLS and SASL: `security.protocol`, `sasl.mechanisms`, …; compression,
+//! `linger.ms`). The properties the delivery guarantee rests on are refused
+//! ([`RESERVED`]); librdkafka checks the rest at startup, so an unknown name
+//! or a bad value is a configuration error, not a failure per batch.
+//!
 //! The producer is made on the first batch, not at startup, and made anew
 //! after librdkafka reports a fatal error (which leaves it unusable, e.g. an
 //! idempotence sequence that the broker lost) or after a batch failed whole.
@@ -62,12 +68,28 @@ use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 const REPORT_GRACE: Duration = Duration::from_secs(1);
 /// The longest topic name Kafka accepts.
 const MAX_TOPIC_LEN: usize = 249;
+/// Producer properties `--kafka-option` may not set, and why: the URL and
+/// `--http-timeout` own the first ones, the rest would weaken "a row is
+/// delivered only when every in-sync replica has it" or change the
+/// producer's protocol (transactions).
+pub const RESERVED: &[(&str, &str)] = &[
+    ("bootstrap.servers", "the brokers come from the kafka:// URL"),
+    ("metadata.broker.list", "the brokers come from the kafka:// URL"),
+    ("message.timeout.ms", "set by --http-timeout"),
+    ("delivery.timeout.ms", "set by --http-timeout"),
+    ("enable.idempotence", "the relay needs the idempotent producer"),
+    ("acks", "the relay needs acks=all"),
+    ("request.required.acks", "the relay needs acks=all"),
+    ("transactional.id", "the relay does not use Kafka transactions"),
+];
 
 /// Delivers to Kafka.
 pub struct KafkaSink {
     brokers: String,
     topic: Template,
     timeout: Duration,
+    /// `--kafka-option` pairs, set after the relay's own properties.
+    options: Vec<(String, String)>,
     formatter: Formatter,
     /// The producer, made lazily; replaced after a fatal error. A std mutex:
     /// it is held only to clone or swap the handle, never across an await.
@@ -94,10 +116,21 @@ impl KafkaSink {
                 reason,
             });
         }
+        if let Some((key, why)) = options
+            .kafka_options
+            .iter()
+            .find_map(|(key, _)| RESERVED.iter().find(|(reserved, _)| reserved == key))
+        {
+            return Err(SinkError::InvalidOption {
+                option: "--kafka-option",
+                reason: format!("{key} cannot be set: {why}"),
+            });
+        }
         let sink = Self {
             brokers,
             topic,
             timeout: options.timeout,
+            options: options.kafka_options.clone(),
             formatter: options.formatter.clone(),
             producer: Mutex::new(None),
         };
@@ -106,7 +139,7 @@ impl KafkaSink {
         sink.config()
             .create_native_config()
             .map_err(|e| SinkError::InvalidOption {
-                option: "--http-timeout",
+                option: "--kafka-option",
                 reason: format!("librdkafka refused the producer configuration: {e}"),
             })?;
         Ok(sink)
@@ -138,6 +171,9 @@ impl KafkaSink {
             .set("reconnect.backoff.ms", "100")
             .set("reconnect.backoff.max.ms", "1000")
             .set_log_level(RDKafkaLogLevel::Warning);
+        for (key, value) in &self.options {
+            config.set(key, value);
+        }
         config
     }
 
@@ -427,6 +463,37 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("--kafka-topic") && e.contains("not allowed"), "{e}");
+    }
+
+    #[test]
+    fn passes_options_to_librdkafka_and_refuses_reserved_ones() {
+        let with = |pairs: &[(&str, &str)]| SinkOptions {
+            kafka_options: pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            ..SinkOptions::default()
+        };
+        let url = "kafka://127.0.0.1:9092";
+        let sink = KafkaSink::new(url, &with(&[("compression.type", "lz4"), ("linger.ms", "20")])).unwrap();
+        assert_eq!(sink.config().get("compression.type"), Some("lz4"));
+        assert_eq!(sink.config().get("acks"), Some("all"));
+        for (key, value, needle) in [
+            ("acks", "1", "acks=all"),
+            ("enable.idempotence", "false", "idempotent"),
+            ("bootstrap.servers", "x:1", "kafka:// URL"),
+            ("no.such.property", "1", "No such configuration property"),
+            ("compression.type", "rot13", "rot13"),
+        ] {
+            let e = KafkaSink::new(url, &with(&[(key, value)]))
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                e.contains("--kafka-option") && e.contains(needle),
+                "{key}={value}: {e}"
+            );
+        }
     }
 
     #[test]

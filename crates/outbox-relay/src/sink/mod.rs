@@ -117,6 +117,9 @@ pub struct SinkOptions {
     pub formatter: Formatter,
     /// Kafka topic, with the same placeholders.
     pub kafka_topic: String,
+    /// librdkafka producer properties (`--kafka-option key=value`): TLS,
+    /// SASL, compression, batching. Later pairs win.
+    pub kafka_options: Vec<(String, String)>,
 }
 
 impl Default for SinkOptions {
@@ -131,6 +134,7 @@ impl Default for SinkOptions {
             amqp_routing_key: "{aggregate_type}.{event_type}".to_owned(),
             formatter: Formatter::default(),
             kafka_topic: "outbox.event.{aggregate_type}".to_owned(),
+            kafka_options: Vec::new(),
         }
     }
 }
