@@ -21,6 +21,13 @@ async fn configuration_errors_exit_2_naming_the_value() {
     let url = db.url.as_str();
     let env = [("DATABASE_URL", url)];
     expect_config_error(&["relay", "--sink", "ftp://host/x"], &env, "\"ftp\"").await;
+    // The schemes offered instead are the ones this binary was built with.
+    let known = if cfg!(feature = "kafka") {
+        "known: redis, rediss, http, https, nats, amqp, amqps, kafka)"
+    } else {
+        "known: redis, rediss, http, https, nats, amqp, amqps)"
+    };
+    expect_config_error(&["relay", "--sink", "ftp://host/x"], &env, known).await;
     expect_config_error(&["relay", "--sink", "not a url"], &env, "not a url").await;
     expect_config_error(&["relay", "--sink", "redis://"], &env, "redis://").await;
     expect_config_error(

@@ -167,7 +167,7 @@ pub enum SinkError {
         /// The whole value.
         url: String,
         /// The schemes this build knows.
-        known: &'static str,
+        known: String,
     },
     /// A subject, exchange or routing key template that cannot be rendered.
     #[error("invalid {flag} {template:?}: {reason}")]
@@ -181,11 +181,40 @@ pub enum SinkError {
     },
 }
 
-/// The schemes this build handles, for messages.
-pub const KNOWN_SCHEMES: &str = "redis, rediss, http, https, nats, amqp, amqps, kafka";
+/// The schemes this build handles, for messages: a sink whose feature is
+/// off must not be offered as a fix.
+pub const KNOWN_SCHEMES: &[&str] = &[
+    #[cfg(feature = "redis")]
+    "redis",
+    #[cfg(feature = "redis")]
+    "rediss",
+    #[cfg(feature = "http")]
+    "http",
+    #[cfg(feature = "http")]
+    "https",
+    #[cfg(feature = "nats")]
+    "nats",
+    #[cfg(feature = "amqp")]
+    "amqp",
+    #[cfg(feature = "amqp")]
+    "amqps",
+    #[cfg(feature = "kafka")]
+    "kafka",
+];
 
 /// Builds the sink a URL names. Builds no connection: an unreachable sink is
 /// a delivery failure later, never a startup crash.
+// Without any sink feature nothing reads `options`.
+#[cfg_attr(
+    not(any(
+        feature = "redis",
+        feature = "http",
+        feature = "nats",
+        feature = "amqp",
+        feature = "kafka"
+    )),
+    allow(unused_variables)
+)]
 pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkError> {
     // Before URL parsing: `kafka://a:9092,b:9092` lists several brokers,
     // which a URL parser reads as one host with a bad port.
@@ -215,7 +244,7 @@ pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkE
         scheme => Err(SinkError::UnknownScheme {
             scheme: scheme.to_owned(),
             url: url.to_owned(),
-            known: KNOWN_SCHEMES,
+            known: KNOWN_SCHEMES.join(", "),
         }),
     }
 }

@@ -27,7 +27,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
 use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 use super::{Applied, Message, WorkerError, WorkerStats};
 use crate::Inbox;
@@ -80,15 +79,15 @@ impl AmqpWorker {
             ConnectionProperties::default().with_connection_name("outbox-consumer".into()),
         )
         .await
-        .map_err(|e| broker("connecting to RabbitMQ", e))?;
+        .map_err(|e| WorkerError::broker("connecting to RabbitMQ", e))?;
         let channel = connection
             .create_channel()
             .await
-            .map_err(|e| broker("opening a channel", e))?;
+            .map_err(|e| WorkerError::broker("opening a channel", e))?;
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
-            .map_err(|e| broker("setting the prefetch (basic.qos)", e))?;
+            .map_err(|e| WorkerError::broker("setting the prefetch (basic.qos)", e))?;
         let mut consumer = channel
             .basic_consume(
                 self.queue.as_str().into(),
@@ -98,7 +97,7 @@ impl AmqpWorker {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| broker("consuming the queue", e))?;
+            .map_err(|e| WorkerError::broker("consuming the queue", e))?;
         let mut stats = WorkerStats::default();
         loop {
             // Cancel-safe: a delivery not yet taken from the consumer stays
@@ -108,7 +107,7 @@ impl AmqpWorker {
                 next = consumer.next() => next,
             };
             let Some(next) = next else { break };
-            let delivery = next.map_err(|e| broker("receiving a message", e))?;
+            let delivery = next.map_err(|e| WorkerError::broker("receiving a message", e))?;
             if delivery.redelivered {
                 stats.claimed += 1;
             }
@@ -117,7 +116,7 @@ impl AmqpWorker {
                 delivery
                     .reject(BasicRejectOptions { requeue: false })
                     .await
-                    .map_err(|e| broker("rejecting a malformed message", e))?;
+                    .map_err(|e| WorkerError::broker("rejecting a malformed message", e))?;
                 stats.malformed += 1;
                 continue;
             };
@@ -135,7 +134,7 @@ impl AmqpWorker {
                     delivery
                         .ack(BasicAckOptions::default())
                         .await
-                        .map_err(|e| broker("acknowledging", e))?;
+                        .map_err(|e| WorkerError::broker("acknowledging", e))?;
                 }
                 Applied::EffectFailed => {
                     tokio::time::sleep(RETRY_DELAY).await;
@@ -145,7 +144,7 @@ impl AmqpWorker {
                             ..BasicNackOptions::default()
                         })
                         .await
-                        .map_err(|e| broker("negatively acknowledging", e))?;
+                        .map_err(|e| WorkerError::broker("negatively acknowledging", e))?;
                 }
             }
         }
@@ -158,8 +157,6 @@ impl AmqpWorker {
 
 /// A message as the relay's RabbitMQ sink publishes it (native format).
 pub fn message(delivery: &Delivery) -> Option<Message> {
-    let body: serde_json::Value = serde_json::from_slice(&delivery.data).ok()?;
-    let text = |k: &str| body[k].as_str().map(str::to_owned);
     let headers = delivery
         .properties
         .headers()
@@ -174,22 +171,8 @@ pub fn message(delivery: &Delivery) -> Option<Message> {
                     )),
                     _ => None,
                 })
-                .collect::<serde_json::Map<_, _>>()
+                .collect()
         })
         .unwrap_or_default();
-    Some(Message {
-        event_id: text("event_id")?.parse::<Uuid>().ok()?,
-        aggregate_id: text("aggregate_id").unwrap_or_default(),
-        event_type: text("event_type").unwrap_or_default(),
-        payload: body["payload"].clone(),
-        headers: serde_json::Value::Object(headers),
-        position: delivery.delivery_tag.to_string(),
-    })
-}
-
-fn broker(doing: &'static str, e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Broker {
-        doing,
-        message: e.to_string(),
-    }
+    Message::from_native_body(&delivery.data, headers, delivery.delivery_tag.to_string())
 }

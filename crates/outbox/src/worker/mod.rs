@@ -37,6 +37,29 @@ pub struct Message {
     pub position: String,
 }
 
+#[cfg(any(feature = "nats", feature = "amqp"))]
+impl Message {
+    /// A message from the JSON body the relay's NATS and RabbitMQ sinks
+    /// publish in the native format; `None` if it is not an outbox event
+    /// (no parsable `event_id`).
+    fn from_native_body(
+        body: &[u8],
+        headers: serde_json::Map<String, Value>,
+        position: String,
+    ) -> Option<Self> {
+        let body: Value = serde_json::from_slice(body).ok()?;
+        let text = |k: &str| body[k].as_str().map(str::to_owned);
+        Some(Self {
+            event_id: text("event_id")?.parse::<Uuid>().ok()?,
+            aggregate_id: text("aggregate_id").unwrap_or_default(),
+            event_type: text("event_type").unwrap_or_default(),
+            payload: body["payload"].clone(),
+            headers: Value::Object(headers),
+            position,
+        })
+    }
+}
+
 /// What a worker has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WorkerStats {
@@ -66,6 +89,16 @@ pub enum WorkerError {
     /// PostgreSQL failed (the message stays unacknowledged).
     #[error(transparent)]
     Outbox(#[from] crate::Error),
+}
+
+#[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
+impl WorkerError {
+    fn broker(doing: &'static str, e: impl std::fmt::Display) -> Self {
+        Self::Broker {
+            doing,
+            message: e.to_string(),
+        }
+    }
 }
 
 /// How running one message through the inbox ended.

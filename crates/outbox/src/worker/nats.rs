@@ -15,7 +15,6 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 use super::{Applied, Message, WorkerError, WorkerStats};
 use crate::Inbox;
@@ -63,12 +62,12 @@ impl NatsWorker {
     {
         let client = async_nats::connect(&self.url)
             .await
-            .map_err(|e| broker("connecting to NATS", e))?;
+            .map_err(|e| WorkerError::broker("connecting to NATS", e))?;
         let js = jetstream::new(client);
         let stream = js
             .get_stream(&self.stream)
             .await
-            .map_err(|e| broker("finding the JetStream stream", e))?;
+            .map_err(|e| WorkerError::broker("finding the JetStream stream", e))?;
         let consumer: jetstream::consumer::PullConsumer = stream
             .get_or_create_consumer(
                 &self.durable,
@@ -79,11 +78,11 @@ impl NatsWorker {
                 },
             )
             .await
-            .map_err(|e| broker("creating the durable consumer", e))?;
+            .map_err(|e| WorkerError::broker("creating the durable consumer", e))?;
         let mut messages = consumer
             .messages()
             .await
-            .map_err(|e| broker("pulling messages", e))?;
+            .map_err(|e| WorkerError::broker("pulling messages", e))?;
         let mut stats = WorkerStats::default();
         loop {
             let next = tokio::select! {
@@ -91,7 +90,7 @@ impl NatsWorker {
                 next = messages.next() => next,
             };
             let Some(next) = next else { break };
-            let msg = next.map_err(|e| broker("receiving a message", e))?;
+            let msg = next.map_err(|e| WorkerError::broker("receiving a message", e))?;
             if msg.info().is_ok_and(|i| i.delivered > 1) {
                 stats.claimed += 1;
             }
@@ -99,7 +98,7 @@ impl NatsWorker {
                 tracing::warn!(subject = %msg.subject, "not an outbox event; terminated");
                 msg.ack_with(AckKind::Term)
                     .await
-                    .map_err(|e| broker("terminating a malformed message", e))?;
+                    .map_err(|e| WorkerError::broker("terminating a malformed message", e))?;
                 stats.malformed += 1;
                 continue;
             };
@@ -115,11 +114,14 @@ impl NatsWorker {
             {
                 // A double ack waits for the server to record it, so a
                 // crash right after cannot bring the message back.
-                Applied::Committed => msg.double_ack().await.map_err(|e| broker("acknowledging", e))?,
+                Applied::Committed => msg
+                    .double_ack()
+                    .await
+                    .map_err(|e| WorkerError::broker("acknowledging", e))?,
                 Applied::EffectFailed => msg
                     .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                     .await
-                    .map_err(|e| broker("negatively acknowledging", e))?,
+                    .map_err(|e| WorkerError::broker("negatively acknowledging", e))?,
             }
         }
         Ok(stats)
@@ -128,8 +130,6 @@ impl NatsWorker {
 
 /// A message as the relay's NATS sink publishes it.
 pub fn message(msg: &jetstream::Message) -> Option<Message> {
-    let body: serde_json::Value = serde_json::from_slice(&msg.payload).ok()?;
-    let text = |k: &str| body[k].as_str().map(str::to_owned);
     let headers = msg
         .headers
         .iter()
@@ -139,23 +139,10 @@ pub fn message(msg: &jetstream::Message) -> Option<Message> {
             let value = values.first()?.as_str().to_owned();
             Some((name.to_string(), serde_json::Value::String(value)))
         })
-        .collect::<serde_json::Map<_, _>>();
-    Some(Message {
-        event_id: text("event_id")?.parse::<Uuid>().ok()?,
-        aggregate_id: text("aggregate_id").unwrap_or_default(),
-        event_type: text("event_type").unwrap_or_default(),
-        payload: body["payload"].clone(),
-        headers: serde_json::Value::Object(headers),
-        position: msg
-            .info()
-            .map(|i| i.stream_sequence.to_string())
-            .unwrap_or_default(),
-    })
-}
-
-fn broker(doing: &'static str, e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Broker {
-        doing,
-        message: e.to_string(),
-    }
+        .collect();
+    let position = msg
+        .info()
+        .map(|i| i.stream_sequence.to_string())
+        .unwrap_or_default();
+    Message::from_native_body(&msg.payload, headers, position)
 }

@@ -50,7 +50,8 @@ impl RedisWorker {
         consumer: impl Into<String>,
         inbox: Inbox,
     ) -> Result<Self, WorkerError> {
-        let client = redis::Client::open(redis_url).map_err(|e| broker("opening the Redis URL", &e))?;
+        let client =
+            redis::Client::open(redis_url).map_err(|e| WorkerError::broker("opening the Redis URL", &e))?;
         Ok(Self {
             client,
             stream: stream.into(),
@@ -125,7 +126,7 @@ impl RedisWorker {
             .client
             .get_multiplexed_async_connection_with_config(&config)
             .await
-            .map_err(|e| broker("connecting to Redis", &e))?;
+            .map_err(|e| WorkerError::broker("connecting to Redis", &e))?;
         self.create_group(&mut redis).await?;
         Ok(redis)
     }
@@ -186,7 +187,7 @@ impl RedisWorker {
             let _: String = redis
                 .xadd(&aside, "*", &fields)
                 .await
-                .map_err(|e| broker("moving a malformed entry aside", &e))?;
+                .map_err(|e| WorkerError::broker("moving a malformed entry aside", &e))?;
             self.ack(redis, &entry.id).await?;
             stats.malformed += 1;
             tracing::warn!(entry = %entry.id, stream = %self.stream, to = %aside, "not an outbox event; moved aside");
@@ -203,7 +204,9 @@ impl RedisWorker {
         let created: redis::RedisResult<()> =
             redis.xgroup_create_mkstream(&self.stream, &self.group, "0").await;
         match created {
-            Err(e) if e.code() != Some("BUSYGROUP") => Err(broker("creating the consumer group", &e)),
+            Err(e) if e.code() != Some("BUSYGROUP") => {
+                Err(WorkerError::broker("creating the consumer group", &e))
+            }
             _ => Ok(()),
         }
     }
@@ -216,7 +219,7 @@ impl RedisWorker {
         let reply: Option<StreamReadReply> = redis
             .xread_options(&[&self.stream], &[">"], &options)
             .await
-            .map_err(|e| broker("XREADGROUP", &e))?;
+            .map_err(|e| WorkerError::broker("XREADGROUP", &e))?;
         Ok(reply
             .into_iter()
             .flat_map(|r| r.keys)
@@ -240,7 +243,7 @@ impl RedisWorker {
                     StreamAutoClaimOptions::default().count(self.count),
                 )
                 .await
-                .map_err(|e| broker("XAUTOCLAIM", &e))?;
+                .map_err(|e| WorkerError::broker("XAUTOCLAIM", &e))?;
             claimed.extend(reply.claimed);
             if reply.next_stream_id == "0-0" || claimed.len() >= self.count {
                 return Ok(claimed);
@@ -253,7 +256,7 @@ impl RedisWorker {
         let _: i64 = redis
             .xack(&self.stream, &self.group, &[id])
             .await
-            .map_err(|e| broker("XACK", &e))?;
+            .map_err(|e| WorkerError::broker("XACK", &e))?;
         Ok(())
     }
 }
@@ -278,12 +281,5 @@ async fn pause(cancel: &CancellationToken) -> bool {
     tokio::select! {
         _ = cancel.cancelled() => true,
         _ = tokio::time::sleep(Duration::from_secs(1)) => false,
-    }
-}
-
-fn broker(doing: &'static str, e: &redis::RedisError) -> WorkerError {
-    WorkerError::Broker {
-        doing,
-        message: e.to_string(),
     }
 }
