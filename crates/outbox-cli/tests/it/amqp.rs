@@ -182,10 +182,7 @@ async fn amqp_delivers_5000_events_exactly_once_in_aggregate_order() {
         &[],
     )
     .await;
-    wait_until("all 5,000 events published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 5,000 events published").await;
     stop_relay(relay).await;
 
     assert_eq!(topology.depth().await, 5_000, "the queue's own count");
@@ -347,10 +344,8 @@ async fn amqp_broker_down_10s_loses_nothing() {
     assert!(error.contains("amqp"), "{error}");
 
     broker.restart().await.unwrap();
-    wait_until("everything published once RabbitMQ is back", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("everything published once RabbitMQ is back")
+        .await;
     stop_relay(relay).await;
 
     // The durable queue and its persistent messages survived the restart.

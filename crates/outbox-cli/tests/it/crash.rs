@@ -8,7 +8,7 @@ use outbox_testkit::{Receiver, Respond};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::support::{Db, LONG, start_relay, stop_relay, wait_until};
+use crate::support::{Db, LONG, start_relay, stop_relay};
 
 #[tokio::test]
 async fn kill_after_send_before_mark_redelivers_and_the_inbox_ships_once() {
@@ -56,10 +56,7 @@ async fn kill_after_send_before_mark_redelivers_and_the_inbox_ships_once() {
     );
 
     let relay = start_relay(&db.url, &receiver.url(), &["--batch-size", "3"], &[]).await;
-    wait_until("all 5 published after the restart", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 5 published after the restart").await;
     stop_relay(relay).await;
 
     let received = receiver.received();

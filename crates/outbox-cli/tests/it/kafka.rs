@@ -193,10 +193,7 @@ async fn kafka_delivers_5000_events_exactly_once_in_aggregate_order() {
     db.insert_events(5_000, 10).await;
 
     let relay = start_relay(&db.url, &kafka.url(), &["--batch-size", "500"], &[]).await;
-    wait_until("all 5,000 events published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 5,000 events published").await;
     stop_relay(relay).await;
 
     let (stored, records) = read_all(&kafka).await;
@@ -261,10 +258,7 @@ async fn kafka_down_10s_loses_nothing() {
     assert!(error.contains("kafka"), "{error}");
 
     kafka.restart().await.unwrap();
-    wait_until("everything published once Kafka is back", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("everything published once Kafka is back").await;
     stop_relay(relay).await;
 
     let (stored, records) = read_all(&kafka).await;
@@ -322,10 +316,7 @@ async fn kafka_resend_after_a_kill_carries_the_same_id_key_and_headers() {
     relay.wait(LONG).await.unwrap();
 
     let relay = start_relay(&db.url, &kafka.url(), &["--batch-size", "3"], &[]).await;
-    wait_until("all 5 published after the restart", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 5 published after the restart").await;
     stop_relay(relay).await;
 
     // 8 records, 5 events: Kafka keeps re-sends, and the `id` header is

@@ -97,10 +97,7 @@ async fn nats_delivers_5000_events_exactly_once_in_aggregate_order() {
     db.insert_events(5_000, 10).await;
 
     let relay = start_relay(&db.url, &nats.url(), &["--batch-size", "500"], &[]).await;
-    wait_until("all 5,000 events published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 5,000 events published").await;
     stop_relay(relay).await;
 
     assert_eq!(stored(&nats).await, 5_000, "the stream's own count");
@@ -151,10 +148,7 @@ async fn nats_down_10s_loses_nothing_and_resends_are_deduplicated() {
     assert!(error.contains("nats"), "{error}");
 
     nats.restart().await.unwrap();
-    wait_until("everything published once NATS is back", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("everything published once NATS is back").await;
     stop_relay(relay).await;
 
     assert_eq!(
@@ -202,10 +196,7 @@ async fn nats_resend_after_a_kill_is_dropped_by_msg_id_and_headers_arrive() {
     relay.wait(LONG).await.unwrap();
 
     let relay = start_relay(&db.url, &nats.url(), &["--batch-size", "3"], &[]).await;
-    wait_until("all 5 published after the restart", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 5 published after the restart").await;
     stop_relay(relay).await;
 
     // 8 publishes, 5 stored: without the Msg-Id the stream would hold 8.

@@ -63,10 +63,7 @@ async fn first_event_fails_once(ordering: &str) -> Vec<String> {
         &[],
     )
     .await;
-    wait_until("everything published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("everything published").await;
     stop_relay(relay).await;
     delivered(&receiver)
 }

@@ -20,10 +20,7 @@ async fn drains_10000_events_to_redis_exactly_once_in_aggregate_order() {
     assert_eq!(db.unpublished().await, 10_000);
 
     let relay = start_relay(&db.url, &redis.url(), &[], &[]).await;
-    wait_until("all 10,000 events published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 10,000 events published").await;
     stop_relay(relay).await;
 
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
@@ -102,7 +99,7 @@ async fn watermark_lower_id_committed_later_is_still_delivered() {
         .await;
     assert_eq!(naive, 0, "a watermark relay loses A");
 
-    wait_until("A delivered too", LONG, || async { db.unpublished().await == 0 }).await;
+    db.wait_drained("A delivered too").await;
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     assert_eq!(events.len(), 2);
     assert_eq!(events[1].outbox_id, a_id);
@@ -126,10 +123,7 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     relay.wait_for_line("relay reconnected", LONG).await.unwrap();
     db.insert_events(1_000, 1).await;
 
-    wait_until("everything published after the restart", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("everything published after the restart").await;
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     let distinct = distinct_events(&events);
     assert_eq!(distinct, 4_000, "nothing lost");
@@ -196,10 +190,7 @@ async fn redis_down_becomes_retries_and_nothing_is_lost() {
     );
 
     redis.restart().await.unwrap();
-    wait_until("everything published once Redis is back", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("everything published once Redis is back").await;
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     let distinct = distinct_events(&events);
     assert_eq!(distinct, 500);

@@ -34,10 +34,7 @@ async fn receiver_failing_three_times_is_retried_with_backoff() {
     // Lease ticks (which also find due rows) every 20 s: a retry that waited
     // for one instead of its own backoff shows as a gap of seconds.
     let relay = start_relay(&db.url, &receiver.url(), &["--lease-timeout", "60s"], &[]).await;
-    wait_until("both events published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("both events published").await;
     stop_relay(relay).await;
 
     // Requests: event 1 fails three times (500), then event 1 and event 2
@@ -130,10 +127,7 @@ async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
         "{}",
         text(&retry.stdout)
     );
-    wait_until("requeued events delivered", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("requeued events delivered").await;
     assert_eq!(receiver.count(), 12);
     stop_relay(relay).await;
 }
@@ -207,10 +201,7 @@ async fn retry_after_sets_the_earliest_next_attempt() {
     receiver.set_retry_after(Some(2));
     db.insert_events(1, 1).await;
     let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
-    wait_until("the event published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("the event published").await;
     stop_relay(relay).await;
     let received = receiver.received();
     assert_eq!(received.iter().map(|r| r.status).collect::<Vec<_>>(), [429, 200]);

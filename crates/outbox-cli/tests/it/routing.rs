@@ -77,10 +77,7 @@ async fn routing_one_sink_down_delays_only_its_own_rows() {
     assert_eq!(receiver.count(), 10, "the HTTP sink got the invoices only");
 
     redis.restart().await.unwrap();
-    wait_until("every row published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("every row published").await;
     stop_relay(relay).await;
 
     let stream = read_stream(&redis.url(), "outbox.event.orders").await;

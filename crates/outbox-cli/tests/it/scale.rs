@@ -57,10 +57,7 @@ async fn four_relays_share_the_partitions_evenly_and_keep_every_aggregate_in_ord
     wait_until("4 relays hold 16 partitions each", LONG, || balanced(&db.url, 4)).await;
 
     db.insert_events(9_000, 3).await;
-    wait_until("all 9,000 published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 9,000 published").await;
 
     let events = read_stream(&redis.url(), STREAM).await;
     assert_eq!(distinct_events(&events), 9_000);
@@ -90,10 +87,7 @@ async fn ordering_none_takes_no_leases_and_reports_its_reordering() {
     let redis = Redis::start().await.unwrap();
     db.insert_events(9_000, 3).await;
     let relays = start_relays(&db, &redis, 4, &["--ordering", "none", "--batch-size", "50"]).await;
-    wait_until("all 9,000 published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 9,000 published").await;
 
     let events = read_stream(&redis.url(), STREAM).await;
     assert_eq!(distinct_events(&events), 9_000);
@@ -155,10 +149,7 @@ async fn a_killed_relays_partitions_move_within_the_lease_timeout_and_nothing_is
         &[],
     )
     .await;
-    wait_until("all 9,000 published", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("all 9,000 published").await;
     wait_until("3 relays share the partitions again", LONG, || {
         balanced(&db.url, 3)
     })
@@ -225,10 +216,7 @@ async fn a_frozen_relay_cut_from_its_lease_is_fenced_off_and_marks_nothing() {
         &[],
     )
     .await;
-    wait_until("B published all 200", LONG, || async {
-        db.unpublished().await == 0
-    })
-    .await;
+    db.wait_drained("B published all 200").await;
     let marks_before: Vec<(i64, String)> = published_marks(&db).await;
 
     // A wakes up: its commit fails, and the batch it had claimed next is

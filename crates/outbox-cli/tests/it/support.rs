@@ -73,6 +73,12 @@ impl Db {
         .await;
     }
 
+    /// Waits until no row is left unpublished; `what` names the wait in
+    /// the timeout's panic.
+    pub async fn wait_drained(&self, what: &str) {
+        wait_until(what, LONG, || async { self.unpublished().await == 0 }).await;
+    }
+
     /// Inserts `n` events, `per_aggregate` per aggregate, aggregates interleaved.
     pub async fn insert_events(&mut self, n: usize, per_aggregate: usize) {
         let aggregates = n.div_ceil(per_aggregate);

@@ -8,7 +8,7 @@ use outbox::{Event, Outbox};
 use outbox_testkit::{Receiver, Respond};
 use serde_json::json;
 
-use crate::support::{Db, LONG, run_cli, start_relay, stop_relay, text, wait_until};
+use crate::support::{Db, run_cli, start_relay, stop_relay, text};
 
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
@@ -41,7 +41,7 @@ async fn signed_requests_verify_and_keep_their_id_across_retries() {
         &[],
     )
     .await;
-    wait_until("both published", LONG, || async { db.unpublished().await == 0 }).await;
+    db.wait_drained("both published").await;
     stop_relay(relay).await;
 
     let secret = WebhookSecret::parse(SECRET).unwrap();

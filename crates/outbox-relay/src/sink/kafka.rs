@@ -393,25 +393,8 @@ impl Sink for KafkaSink {
 
 #[cfg(test)]
 mod tests {
-    use chrono::Utc;
-    use serde_json::json;
-    use uuid::Uuid;
-
     use super::*;
-
-    fn row() -> OutboxRow {
-        OutboxRow {
-            id: 1,
-            event_id: Uuid::nil(),
-            aggregate_type: "orders".into(),
-            aggregate_id: "1".into(),
-            event_type: "OrderPlaced".into(),
-            payload: json!({}),
-            headers: json!({}),
-            created_at: Utc::now(),
-            attempts: 0,
-        }
-    }
+    use crate::sink::template::tests::row;
 
     #[test]
     fn parses_bootstrap_servers() {

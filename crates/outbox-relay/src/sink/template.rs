@@ -85,14 +85,15 @@ impl Template {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use chrono::Utc;
     use serde_json::json;
     use uuid::Uuid;
 
     use super::*;
 
-    fn row() -> OutboxRow {
+    /// A row of `orders`/`OrderPlaced`, for the sinks' template tests too.
+    pub(crate) fn row() -> OutboxRow {
         OutboxRow {
             id: 1,
             event_id: Uuid::nil(),
