@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
-use crate::relay::error_chain;
+use crate::error::error_chain;
 use crate::wake;
 
 /// What the last successful tick said.
@@ -148,40 +148,27 @@ impl Leases {
         !self.view().is_valid()
     }
 
-    /// Delivers `batch` unless the lease runs out first (each tick during
-    /// the call pushes the end back); then every row is a retryable failure,
-    /// so another relay never delivers an aggregate while this one still is.
-    pub(crate) async fn deliver_within(
-        &self,
-        sink: &dyn crate::Sink,
-        batch: &[outbox::OutboxRow],
-    ) -> Vec<crate::Delivery> {
+    /// Resolves when the lease runs out: the other relays may then declare
+    /// this one dead and take its partitions. Each tick pushes the end back.
+    /// Owned, so it can run beside the batch's delivery.
+    pub(crate) fn lapse(&self) -> impl Future<Output = ()> + Send + 'static {
         let mut changes = self.view.clone();
-        let deliver = sink.deliver(batch);
-        tokio::pin!(deliver);
-        while let Some(until) = self.view().valid_until {
-            tokio::select! {
-                answers = &mut deliver => return answers,
-                () = tokio::time::sleep_until(until) => break,
-                changed = changes.changed() => {
-                    if changed.is_err() {
-                        break;
+        async move {
+            loop {
+                let Some(until) = changes.borrow_and_update().valid_until else {
+                    return;
+                };
+                // Both branches are cancel-safe.
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => return,
+                    changed = changes.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
                     }
                 }
             }
         }
-        warn!(
-            rows = batch.len(),
-            "the lease ran out during delivery; the batch is abandoned"
-        );
-        batch
-            .iter()
-            .map(|_| {
-                Err(crate::DeliveryError::retryable(
-                    "abandoned: this relay's lease ran out during delivery",
-                ))
-            })
-            .collect()
     }
 
     /// Resolves when a tick found a due row or gained partitions.

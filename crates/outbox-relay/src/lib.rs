@@ -7,7 +7,10 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`relay`] | the loop: wait, claim, deliver, mark, commit |
+//! | [`relay`] | the cycle: wait, claim, deliver, mark, commit |
+//! | `source` | where batches come from: the `Source` trait; `source::poll`, the polling claim with leases and its two-connection overlap |
+//! | `plan` | what became of each row: delivered, retry at, permanent, held back |
+//! | `config`, `counters`, `error` | [`RelayConfig`], [`Counters`], [`RelayError`] |
 //! | `wake` | the session, LISTEN/NOTIFY and the fallback poll |
 //! | `lease` | sharing the outbox between relays: heartbeat, rebalancing, partitions held |
 //! | [`backoff`] | retry delays and the dead-letter limit |
@@ -26,11 +29,15 @@
 //! | `kafka` | `kafka://` | Kafka, idempotent producer, `acks=all`, key = aggregate id |
 
 pub mod backoff;
+mod config;
+mod counters;
+mod error;
 pub mod failpoint;
 mod lease;
 mod plan;
 pub mod relay;
 pub mod sink;
+mod source;
 mod wake;
 
 pub use backoff::Backoff;

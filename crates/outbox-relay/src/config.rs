@@ -1,0 +1,133 @@
+//! How a relay is configured: [`RelayConfig`] and the ordering modes.
+//!
+//! Plain data with defaults; the CLI fills it from flags, environment and
+//! TOML, the lab and bench fill it directly.
+
+use std::fmt;
+use std::time::Duration;
+
+use outbox::Config as OutboxConfig;
+
+use crate::backoff::Backoff;
+use crate::error::RelayError;
+use crate::failpoint::Failpoint;
+
+/// How the relay runs.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// The outbox table and NOTIFY channel.
+    pub outbox: OutboxConfig,
+    /// Rows claimed per transaction (default 100).
+    pub batch_size: u32,
+    /// Retry schedule and dead-letter limit.
+    pub backoff: Backoff,
+    /// Fallback poll interval (default 5 s). With `notify` it only covers
+    /// what NOTIFY cannot: rows committed with triggers disabled, and retries
+    /// another relay scheduled before it died. Without `notify` it is the
+    /// delivery latency, so set it lower (the CLI defaults to 1 s then).
+    pub poll_interval: Duration,
+    /// LISTEN for the insert trigger's notifications (default true).
+    pub notify: bool,
+    /// How long to keep trying PostgreSQL at startup (default 10 s).
+    pub connect_timeout: Duration,
+    /// Exit once nothing is due instead of waiting for more (cron jobs,
+    /// scripts, `outbox bench`).
+    pub drain: bool,
+    /// Per-aggregate ordering. `Partition` and `Strict` share the outbox
+    /// with other relays through partition leases; `None` claims any row.
+    pub ordering: OrderMode,
+    /// Aggregate types whose ordering differs from `ordering` (`Partition`
+    /// or `Strict` each; `None` has no per-type form, as it takes no leases).
+    pub ordering_for: Vec<(String, OrderMode)>,
+    /// How soon a dead relay's partitions move to the others (default 10 s).
+    pub lease_timeout: Duration,
+    /// How this relay shows in `outbox relays` (default `host:pid`).
+    pub name: Option<String>,
+    /// A test-only pause point.
+    pub failpoint: Option<Failpoint>,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            outbox: OutboxConfig::default(),
+            batch_size: 100,
+            backoff: Backoff::default(),
+            poll_interval: Duration::from_secs(5),
+            notify: true,
+            connect_timeout: Duration::from_secs(10),
+            drain: false,
+            ordering: OrderMode::Partition,
+            ordering_for: Vec::new(),
+            lease_timeout: Duration::from_secs(10),
+            name: None,
+            failpoint: None,
+        }
+    }
+}
+
+/// How strictly the relay keeps each aggregate's events in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrderMode {
+    /// No order promised: every relay claims any row (plain `SKIP LOCKED`),
+    /// so two relays can deliver one aggregate's events at once, in either
+    /// order. The fastest with several relays.
+    None,
+    /// One relay at a time delivers a partition of aggregates (leases), in
+    /// id order while nothing fails. Events behind a failed event of the
+    /// same aggregate in the same or the next batch are held back with it;
+    /// events claimed after its batch committed may overtake its retry.
+    #[default]
+    Partition,
+    /// An event is never delivered while an earlier event of its aggregate
+    /// is pending: due later, waiting for a retry, a dead letter nobody gave
+    /// up on (`outbox dlq skip`), or in flight. At most one event per
+    /// aggregate per batch.
+    Strict,
+}
+
+impl OrderMode {
+    /// The name used by `--ordering`, logs and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OrderMode::None => "none",
+            OrderMode::Partition => "partition",
+            OrderMode::Strict => "strict",
+        }
+    }
+}
+
+impl fmt::Display for OrderMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl RelayConfig {
+    /// Refuses per-type orderings that cannot be honoured.
+    pub(crate) fn check_ordering(&self) -> Result<(), RelayError> {
+        for (aggregate_type, mode) in &self.ordering_for {
+            let reason = if *mode == OrderMode::None {
+                "`none` applies to a whole relay (it takes no leases), not to one aggregate type"
+            } else if self.ordering == OrderMode::None {
+                "per-type ordering needs a relay with leases: use `partition` or `strict` as the default"
+            } else {
+                continue;
+            };
+            return Err(RelayError::Ordering {
+                aggregate_type: aggregate_type.clone(),
+                reason,
+            });
+        }
+        Ok(())
+    }
+
+    /// `ordering_for` as `type=mode,…`, for logs.
+    pub(crate) fn ordering_for_display(&self) -> String {
+        self.ordering_for
+            .iter()
+            .map(|(t, m)| format!("{t}={m}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}

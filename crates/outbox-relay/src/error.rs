@@ -1,0 +1,52 @@
+//! Why a relay stops, and the one-line error chain its logs print.
+
+use std::time::Duration;
+
+/// Why the relay stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// PostgreSQL could not be reached within the connect timeout at startup.
+    #[error("connecting to postgres (gave up after {timeout:?})")]
+    Connect {
+        /// The connect timeout.
+        timeout: Duration,
+        /// The last connection error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The outbox table is missing, outdated or too new.
+    #[error("checking the outbox schema")]
+    Schema(#[source] outbox::Error),
+    /// Per-type ordering that cannot be honoured.
+    #[error("invalid ordering for aggregate type {aggregate_type:?}: {reason}")]
+    Ordering {
+        /// The aggregate type.
+        aggregate_type: String,
+        /// Why.
+        reason: &'static str,
+    },
+}
+
+impl RelayError {
+    /// True when the cause is configuration or schema (CLI exit code 2).
+    pub fn is_config(&self) -> bool {
+        match self {
+            RelayError::Schema(e) => e.is_config(),
+            RelayError::Ordering { .. } => true,
+            RelayError::Connect { .. } => false,
+        }
+    }
+}
+
+/// The error and its sources on one line, for logs.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    message
+}

@@ -1,0 +1,108 @@
+//! Where batches come from, and where what became of each row is recorded.
+//!
+//! A [`Source`] yields claimed batches and is told the outcome of every row
+//! ([`Plan`]: delivered, retry at, permanent, held back). It owns everything
+//! on the PostgreSQL side of the cycle: waiting for work, claiming, the
+//! transaction a batch lives in, and the commit that makes its marks
+//! durable. The relay loop owns the rest (hold-back, delivery, planning) and
+//! never sees a connection.
+//!
+//! The contract that keeps delivery at least once: a batch handed out by
+//! [`Source::claim`] stays claimed (nobody else can deliver it, and nothing
+//! of it is durable) until the [`Plan`] passed to [`Source::settle`] is
+//! committed; any failure before that commit gives the whole batch back.
+//!
+//! [`poll`] is the first implementation: `FOR UPDATE SKIP LOCKED` claims
+//! with partition leases, woken by LISTEN/NOTIFY. A WAL source implements
+//! the same trait.
+
+use std::future::Future;
+
+use futures::future::BoxFuture;
+use outbox::OutboxRow;
+use tokio_util::sync::CancellationToken;
+
+use crate::plan::Plan;
+
+pub(crate) mod poll;
+
+/// A claimed batch, handed to the relay for delivery.
+#[derive(Debug)]
+pub(crate) struct Batch {
+    /// The rows, in delivery (id) order.
+    pub(crate) rows: Vec<OutboxRow>,
+    /// The claim filled the batch: more rows are probably due, so the next
+    /// batch is claimed while this one is at the sink.
+    pub(crate) full: bool,
+    /// Claimed while the previous batch was at the sink, before its
+    /// outcomes were committed: rows of aggregates that batch blocked must
+    /// be held back.
+    pub(crate) overlapped: bool,
+}
+
+/// What [`Source::claim`] found.
+#[derive(Debug)]
+pub(crate) enum Claim {
+    /// A batch to deliver.
+    Batch(Batch),
+    /// Nothing due now; the next claim waits for a wake-up first.
+    Empty,
+    /// Nothing due and the relay runs with `drain`: stop.
+    Drained,
+    /// Shutdown was requested while waiting.
+    Cancelled,
+}
+
+/// Why a source operation failed. Either way the batches in flight are
+/// given back: rolled back, and claimed again later.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SourceError {
+    /// A statement failed.
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    /// The connection went away while waiting.
+    #[error("the postgres connection was lost")]
+    ConnectionLost,
+}
+
+/// The PostgreSQL side of the relay's cycle.
+pub(crate) trait Source: Send {
+    /// The next batch: the one claimed during the last delivery if there is
+    /// one; otherwise, once the last settled batch is committed and (after
+    /// a claim that found little) a wake-up came, a fresh claim.
+    fn claim(
+        &mut self,
+        cancel: &CancellationToken,
+    ) -> impl Future<Output = Result<Claim, SourceError>> + Send;
+
+    /// Whether the batch just handed out may still be delivered: false when
+    /// the source can no longer vouch that nobody else owns its rows.
+    fn may_deliver(&self) -> bool;
+
+    /// Gives the batch just handed out back, unsent.
+    fn give_back(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Resolves if, during delivery, the source stops vouching for the batch
+    /// at the sink (a lease ran out). Owned, so it runs beside
+    /// [`Source::overlap`].
+    fn lapse(&self) -> BoxFuture<'static, ()>;
+
+    /// Runs while the batch is at the sink: commits the previous batch's
+    /// outcomes and, when the batch is `full`, claims the next one.
+    fn overlap(&mut self, full: bool) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// What became of each row of the batch at the sink. Durable once
+    /// committed: with the next claim, or before the next wait.
+    fn settle(&mut self, plan: Plan);
+
+    /// After a failed operation: gives back everything in flight and gets
+    /// ready to claim again. False if shutdown was requested meanwhile.
+    fn recover(
+        &mut self,
+        error: SourceError,
+        cancel: &CancellationToken,
+    ) -> impl Future<Output = bool> + Send;
+
+    /// At shutdown: commits the settled batch, gives back a claimed one.
+    fn finish(self) -> impl Future<Output = ()> + Send;
+}

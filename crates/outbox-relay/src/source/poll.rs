@@ -1,0 +1,695 @@
+//! The polling source: `FOR UPDATE SKIP LOCKED` claims over two connections,
+//! restricted to the partitions this relay leases, woken by LISTEN/NOTIFY,
+//! a retry timer, a lease tick or the fallback poll.
+//!
+//! # The two-connection overlap
+//!
+//! Each batch lives in a transaction of its own connection. While the batch
+//! on one connection is at the sink, the other connection, in one round
+//! trip, marks the previous batch's failures, commits it, and (when the
+//! batch at the sink was full) begins and claims the next. So a relay
+//! working through a backlog pays one PostgreSQL round trip and one sink
+//! round trip per batch. The [`Pipeline`] holds the three batches this
+//! involves and keeps one invariant:
+//!
+//! > at most one transaction is open per connection, and the batch at the
+//! > sink is never on the connection whose commit is in flight.
+//!
+//! A batch claimed during the previous one's delivery may hold later events
+//! of aggregates that batch failed, which is why [`Batch::overlapped`] tells
+//! the relay to hold them back.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use outbox::OutboxRow;
+use outbox::sql::OutboxSql;
+use tokio_postgres::{Client, Statement};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use uuid::Uuid;
+
+use super::{Batch, Claim, Source, SourceError};
+use crate::config::{OrderMode, RelayConfig};
+use crate::counters::Counters;
+use crate::error::{RelayError, error_chain};
+use crate::lease::{LeaseSettings, Leases};
+use crate::plan::{Failures, Plan};
+use crate::wake::{self, Wake, Wakeups};
+
+/// One connection with its prepared statements and notifications.
+struct Session {
+    client: Client,
+    /// (pid, backend start), recorded in the relays table.
+    backend: (i32, chrono::DateTime<chrono::Utc>),
+    wakeups: Wakeups,
+    claim: Statement,
+    mark_failed: Statement,
+    next_retry: Statement,
+}
+
+/// The source's two connections. The first LISTENs and takes every fresh
+/// claim; batches alternate between them while a backlog lasts.
+type Sessions = [Session; 2];
+
+/// A batch claimed during the last delivery, not yet handed out.
+struct Claimed {
+    conn: usize,
+    rows: Vec<OutboxRow>,
+    /// The lease epoch it was claimed in (0 without leases).
+    epoch: u64,
+}
+
+/// The batch at the sink.
+struct AtSink {
+    conn: usize,
+    epoch: u64,
+    rows: usize,
+    started: Instant,
+}
+
+/// A batch whose outcomes are known, waiting for its marks and COMMIT.
+struct Settled {
+    conn: usize,
+    claimed: usize,
+    published: usize,
+    failures: Failures,
+    started: Instant,
+}
+
+/// The batches in flight across the two connections (see the module docs
+/// for the invariant).
+#[derive(Default)]
+struct Pipeline {
+    /// Claimed on its connection during the last delivery.
+    prefetched: Option<Claimed>,
+    /// Handed out by the last claim.
+    at_sink: Option<AtSink>,
+    /// Delivered and planned; committed by the next round trip on its
+    /// connection.
+    settled: Option<Settled>,
+    /// The last claim was not full: wait for a wake-up before the next.
+    idle: bool,
+}
+
+/// The polling source. Open with [`PollSource::open`].
+pub(crate) struct PollSource {
+    config: RelayConfig,
+    pg: tokio_postgres::Config,
+    sql: OutboxSql,
+    counters: Arc<Counters>,
+    /// None after a lost connection, until the next claim reconnects.
+    sessions: Option<Sessions>,
+    pipeline: Pipeline,
+    /// The earliest `next_attempt_at` this relay set, so it wakes for the
+    /// retry instead of waiting out the fallback poll.
+    earliest_retry: Option<Instant>,
+    /// Partition leases, unless the ordering is `None`.
+    leases: Option<Leases>,
+    /// The aggregate types whose ordering is not the default, and whether
+    /// the default is strict: `$6` and `$7` of the strict claim.
+    exceptions: Vec<String>,
+    default_strict: bool,
+}
+
+impl PollSource {
+    /// Connects (retrying until the connect timeout; a schema problem fails
+    /// at once) and starts the lease task. None if cancelled first.
+    pub(crate) async fn open(
+        config: RelayConfig,
+        pg: tokio_postgres::Config,
+        counters: Arc<Counters>,
+        cancel: &CancellationToken,
+    ) -> Result<Option<Self>, RelayError> {
+        let sql = OutboxSql::new(&config.outbox);
+        let exceptions = config
+            .ordering_for
+            .iter()
+            .filter(|(_, mode)| *mode != config.ordering)
+            .map(|(t, _)| t.clone())
+            .collect();
+        let mut source = Self {
+            default_strict: config.ordering == OrderMode::Strict,
+            exceptions,
+            config,
+            pg,
+            sql,
+            counters,
+            sessions: None,
+            pipeline: Pipeline::default(),
+            earliest_retry: None,
+            leases: None,
+        };
+        let Some(sessions) = source.connect_at_startup(cancel).await? else {
+            return Ok(None);
+        };
+        source.start_leases();
+        source.use_sessions(sessions);
+        Ok(Some(source))
+    }
+
+    /// This relay's id in the lease table, if it takes leases.
+    pub(crate) fn relay_id(&self) -> Option<Uuid> {
+        self.leases.as_ref().map(Leases::relay_id)
+    }
+
+    fn start_leases(&mut self) {
+        if self.config.ordering == OrderMode::None {
+            return;
+        }
+        let mut pg = self.pg.clone();
+        pg.application_name("outbox-relay lease");
+        let settings = LeaseSettings {
+            pg,
+            relay_id: Uuid::new_v4(),
+            name: self.config.name.clone().unwrap_or_else(default_name),
+            timeout: self.config.lease_timeout,
+            max_attempts: self.config.backoff.max_attempts,
+        };
+        self.leases = Some(Leases::start(settings, &self.sql));
+    }
+
+    fn use_sessions(&mut self, sessions: Sessions) {
+        if let Some(leases) = &self.leases {
+            leases.set_backends(sessions.iter().map(|s| s.backend).collect());
+        }
+        self.sessions = Some(sessions);
+    }
+
+    /// Whether any aggregate type is held to strict order.
+    fn any_strict(&self) -> bool {
+        self.config.ordering == OrderMode::Strict
+            || self
+                .config
+                .ordering_for
+                .iter()
+                .any(|(_, m)| *m == OrderMode::Strict)
+    }
+
+    /// The lease epoch a claim made now belongs to.
+    fn lease_epoch(&self) -> u64 {
+        self.leases.as_ref().map_or(0, |l| l.view().epoch)
+    }
+
+    /// Whether the leases say this relay holds no partition (after the first
+    /// tick), so a `--drain` relay has nothing left to do.
+    fn holds_nothing(&self) -> bool {
+        self.leases.as_ref().is_some_and(|l| {
+            let view = l.view();
+            view.count > 0 && view.claimable.is_empty()
+        })
+    }
+
+    /// The connections, reconnecting first if they were lost. None if
+    /// cancelled while reconnecting.
+    async fn sessions(&mut self, cancel: &CancellationToken) -> Option<&mut Sessions> {
+        if self.sessions.is_none() {
+            let sessions = self.reconnect(cancel).await?;
+            self.use_sessions(sessions);
+        }
+        self.sessions.as_mut()
+    }
+
+    /// Commits the settled batch on its own, before a wait or a fresh claim.
+    async fn commit_settled(&mut self) -> Result<(), SourceError> {
+        let Some(settled) = self.pipeline.settled.take() else {
+            return Ok(());
+        };
+        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+        let (done, _) = self.round_trip(&ss[settled.conn], Some(settled), false).await?;
+        self.account(done);
+        Ok(())
+    }
+
+    /// Sleeps until a notification, a due retry, a lease tick that found
+    /// work, the fallback poll, or shutdown.
+    async fn wait(&mut self, cancel: &CancellationToken) -> Result<bool, SourceError> {
+        let wait = self.next_wait();
+        let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
+        let woken = async {
+            match &self.leases {
+                Some(leases) => leases.woken().await,
+                None => std::future::pending().await,
+            }
+        };
+        // Both branches are cancel-safe: `wait` loses no notification and
+        // `woken` is a `Notify` permit, kept if not consumed.
+        let wake = tokio::select! {
+            wake = ss[0].wakeups.wait(wait, cancel) => wake,
+            () = woken => Wake::Notified,
+        };
+        match wake {
+            Wake::Cancelled => Ok(false),
+            Wake::ConnectionLost => Err(SourceError::ConnectionLost),
+            Wake::Notified | Wake::Timer => Ok(true),
+        }
+    }
+
+    /// On one connection, in one round trip: the failure marks and COMMIT of
+    /// `settled` (if any), then, if `claim`, BEGIN and the next claim.
+    ///
+    /// The transaction is driven by hand rather than through
+    /// `tokio_postgres::Transaction` because tokio-postgres pipelines
+    /// requests whose futures are polled together, in the order polled. If
+    /// a mark fails, PostgreSQL answers the COMMIT with a rollback, so
+    /// nothing of the batch is marked and it is redelivered; the caller then
+    /// rolls back the claim that followed.
+    async fn round_trip(
+        &self,
+        s: &Session,
+        settled: Option<Settled>,
+        claim: bool,
+    ) -> Result<(Option<Settled>, Option<Vec<OutboxRow>>), tokio_postgres::Error> {
+        let client = &s.client;
+        let limit = i64::from(self.config.batch_size);
+        let max_attempts = self.config.backoff.max_attempts;
+        let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
+        let count = lease.as_ref().map_or(0, |(_, v)| i64::from(v.count));
+        type Param<'p> = &'p (dyn tokio_postgres::types::ToSql + Sync);
+        let mut claim_params: Vec<Param<'_>> = vec![&max_attempts, &limit];
+        if let Some((relay_id, view)) = &lease {
+            let leased: [Param<'_>; 3] = [relay_id, &view.claimable, &count];
+            claim_params.extend(leased);
+            if self.any_strict() {
+                let strict: [Param<'_>; 2] = [&self.exceptions, &self.default_strict];
+                claim_params.extend(strict);
+            }
+        }
+        // Holding no partition, there is nothing to claim: no transaction.
+        // With the lease lapsed, a batch could not be sent: none either.
+        let claim = claim
+            && lease
+                .as_ref()
+                .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid());
+        let failures = settled.as_ref().map(|d| &d.failures);
+        let (failed, committed, begun, claimed) = tokio::join!(
+            async {
+                match failures {
+                    Some(f) if !f.ids.is_empty() => {
+                        let params: [Param<'_>; 4] = [&f.ids, &f.errors, &f.attempts, &f.delay_ms];
+                        client.execute(&s.mark_failed, &params).await
+                    }
+                    _ => Ok(0),
+                }
+            },
+            async {
+                if settled.is_some() {
+                    client.batch_execute("COMMIT").await?;
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            },
+            async {
+                if claim {
+                    client.batch_execute("BEGIN").await?;
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            },
+            async {
+                if claim {
+                    return client.query(&s.claim, &claim_params).await.map(Some);
+                }
+                Ok(None)
+            },
+        );
+        failed?;
+        committed?;
+        begun?;
+        let rows = match claimed? {
+            Some(rows) => Some(to_rows(rows)?),
+            None => None,
+        };
+        Ok((settled, rows))
+    }
+
+    /// Books a committed batch: counters, the retry wake-up, a debug line.
+    fn account(&mut self, done: Option<Settled>) {
+        let Some(d) = done else { return };
+        if let Some(soonest) = d.failures.soonest {
+            // Measured from after the commit, so the wake-up is never before
+            // the time PostgreSQL recorded.
+            let at = Instant::now() + soonest;
+            self.retry_at(at);
+        }
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .delivered
+            .fetch_add(d.published as u64, Ordering::Relaxed);
+        debug!(
+            claimed = d.claimed,
+            delivered = d.published,
+            failed = d.failures.ids.len(),
+            elapsed = ?d.started.elapsed(),
+            "batch committed"
+        );
+    }
+
+    /// Wakes for a retry due at `at`, unless one is due sooner. A wake-up
+    /// already in the past was spent by the claim that came before: keeping
+    /// it would win every `min` and drop this retry to the next poll.
+    fn retry_at(&mut self, at: Instant) {
+        let pending = self.earliest_retry.filter(|e| *e > Instant::now());
+        self.earliest_retry = Some(pending.map_or(at, |e| e.min(at)));
+    }
+
+    /// How long to sleep: the fallback poll, or less if a retry is due sooner.
+    /// With leases and NOTIFY, the lease tick reports due rows, so there is
+    /// no fallback poll of its own.
+    fn next_wait(&mut self) -> Duration {
+        let poll = if self.leases.is_some() && self.config.notify {
+            NO_POLL
+        } else {
+            wake::jittered(self.config.poll_interval)
+        };
+        match self.earliest_retry {
+            Some(at) => {
+                let until = at.saturating_duration_since(Instant::now());
+                if until.is_zero() {
+                    self.earliest_retry = None;
+                }
+                poll.min(until)
+            }
+            None => poll,
+        }
+    }
+
+    async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
+        let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
+        let (client, wakeups) = wake::connect(&self.pg, wake::Purpose::Batches(channel)).await?;
+        if listen {
+            outbox::check(&client, &self.config.outbox)
+                .await
+                .map_err(SessionError::Schema)?;
+        }
+        let me = client
+            .query_one(
+                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+                &[],
+            )
+            .await?;
+        Ok(Session {
+            backend: (me.try_get(0)?, me.try_get(1)?),
+            claim: client
+                .prepare(if self.config.ordering == OrderMode::None {
+                    &self.sql.claim_batch
+                } else if self.any_strict() {
+                    &self.sql.claim_batch_strict_leased
+                } else {
+                    &self.sql.claim_batch_leased
+                })
+                .await?,
+            mark_failed: client.prepare(&self.sql.mark_failed).await?,
+            next_retry: client.prepare(&self.sql.next_retry).await?,
+            client,
+            wakeups,
+        })
+    }
+
+    /// Both connections, then when the next retry is due.
+    async fn open_sessions(&mut self) -> Result<Sessions, SessionError> {
+        let listening = self.open_session(true).await?;
+        let other = self.open_session(false).await?;
+        self.learn_next_retry(&listening).await;
+        Ok([listening, other])
+    }
+
+    /// Learns when the next row waiting for a retry comes due, whoever
+    /// scheduled it, so an idle relay wakes for it instead of relying on the
+    /// fallback poll. Run once per (re)connect: this relay tracks the retries
+    /// it schedules itself.
+    async fn learn_next_retry(&mut self, s: &Session) {
+        let max_attempts = self.config.backoff.max_attempts;
+        let due_in = s
+            .client
+            .query_one(&s.next_retry, &[&max_attempts])
+            .await
+            .and_then(|row| row.try_get::<_, Option<f64>>(0));
+        match due_in {
+            Ok(due_in) => {
+                if let Some(secs) = due_in.filter(|s| *s > 0.0) {
+                    let at = Instant::now() + Duration::from_secs_f64(secs);
+                    self.retry_at(at);
+                }
+            }
+            // Not fatal: the fallback poll still finds the row.
+            Err(error) => warn!(error = %error_chain(&error), "reading the next retry time"),
+        }
+    }
+
+    /// Keeps trying until `connect_timeout`; a schema problem fails at once.
+    async fn connect_at_startup(
+        &mut self,
+        cancel: &CancellationToken,
+    ) -> Result<Option<Sessions>, RelayError> {
+        let deadline = Instant::now() + self.config.connect_timeout;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self.open_sessions().await {
+                Ok(ss) => return Ok(Some(ss)),
+                Err(SessionError::Schema(e)) => return Err(RelayError::Schema(e)),
+                Err(SessionError::Postgres(source)) => {
+                    if Instant::now() + delay >= deadline {
+                        return Err(RelayError::Connect {
+                            timeout: self.config.connect_timeout,
+                            source,
+                        });
+                    }
+                    debug!(error = %error_chain(&source), "postgres not reachable yet");
+                }
+            }
+            if wait_or_cancel(delay, cancel).await {
+                return Ok(None);
+            }
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Reconnects with backoff until it works or `cancel` fires.
+    async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Sessions> {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self.open_sessions().await {
+                Ok(ss) => {
+                    // Notifications sent while we were away are lost; the
+                    // loop claims at once, which covers them.
+                    info!("relay reconnected");
+                    return Some(ss);
+                }
+                Err(error) => warn!(error = %error, retry_in = ?delay, "reconnecting to postgres"),
+            }
+            if wait_or_cancel(delay, cancel).await {
+                return None;
+            }
+            delay = (delay * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Hands a claimed batch to the relay.
+    fn hand_out(&mut self, conn: usize, rows: Vec<OutboxRow>, epoch: u64, overlapped: bool) -> Claim {
+        let full = rows.len() == self.config.batch_size as usize;
+        self.pipeline.idle = !full && !self.config.drain;
+        self.pipeline.at_sink = Some(AtSink {
+            conn,
+            epoch,
+            rows: rows.len(),
+            started: Instant::now(),
+        });
+        Claim::Batch(Batch {
+            rows,
+            full,
+            overlapped,
+        })
+    }
+}
+
+impl Source for PollSource {
+    async fn claim(&mut self, cancel: &CancellationToken) -> Result<Claim, SourceError> {
+        if self.sessions(cancel).await.is_none() {
+            return Ok(Claim::Cancelled);
+        }
+        if let Some(c) = self.pipeline.prefetched.take() {
+            return Ok(self.hand_out(c.conn, c.rows, c.epoch, true));
+        }
+        self.commit_settled().await?;
+        if self.pipeline.idle && !self.wait(cancel).await? {
+            return Ok(Claim::Cancelled);
+        }
+        let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
+        if !ss[0].wakeups.drain() {
+            return Err(SourceError::ConnectionLost);
+        }
+        let epoch = self.lease_epoch();
+        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+        let (_, rows) = self.round_trip(&ss[0], None, true).await?;
+        let claimed = rows.is_some();
+        let rows = rows.unwrap_or_default();
+        if rows.is_empty() {
+            if claimed {
+                ss[0].client.batch_execute("COMMIT").await?;
+            }
+            if self.config.drain && (claimed || self.holds_nothing()) {
+                return Ok(Claim::Drained);
+            }
+            self.pipeline.idle = true;
+            return Ok(Claim::Empty);
+        }
+        Ok(self.hand_out(0, rows, epoch, false))
+    }
+
+    fn may_deliver(&self) -> bool {
+        let epoch = self.pipeline.at_sink.as_ref().map_or(0, |a| a.epoch);
+        // Claimed before the heartbeat lapsed: another relay may own these
+        // rows now.
+        self.leases
+            .as_ref()
+            .is_none_or(|l| !l.expired() && l.view().epoch == epoch)
+    }
+
+    async fn give_back(&mut self) -> Result<(), SourceError> {
+        let Some(at_sink) = self.pipeline.at_sink.take() else {
+            return Ok(());
+        };
+        warn!(
+            rows = at_sink.rows,
+            "lease expired before delivery; giving the batch back"
+        );
+        self.pipeline.idle = true;
+        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+        ss[at_sink.conn].client.batch_execute("ROLLBACK").await?;
+        Ok(())
+    }
+
+    fn lapse(&self) -> BoxFuture<'static, ()> {
+        match &self.leases {
+            Some(leases) => leases.lapse().boxed(),
+            None => std::future::pending().boxed(),
+        }
+    }
+
+    async fn overlap(&mut self, full: bool) -> Result<(), SourceError> {
+        let Some(conn) = self.pipeline.at_sink.as_ref().map(|a| a.conn) else {
+            return Ok(());
+        };
+        let other = 1 - conn;
+        let settled = self.pipeline.settled.take();
+        debug_assert!(settled.as_ref().is_none_or(|s| s.conn == other));
+        let epoch = self.lease_epoch();
+        let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
+        // Notifications up to here are covered by the next claim.
+        let chain = full && ss[0].wakeups.drain();
+        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+        let (done, next) = self.round_trip(&ss[other], settled, chain).await?;
+        self.account(done);
+        self.pipeline.prefetched = match next {
+            Some(rows) if rows.is_empty() => {
+                let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+                ss[other].client.batch_execute("COMMIT").await?;
+                None
+            }
+            Some(rows) => Some(Claimed {
+                conn: other,
+                rows,
+                epoch,
+            }),
+            None => None,
+        };
+        Ok(())
+    }
+
+    fn settle(&mut self, plan: Plan) {
+        let Some(at_sink) = self.pipeline.at_sink.take() else {
+            return;
+        };
+        self.pipeline.settled = Some(Settled {
+            conn: at_sink.conn,
+            claimed: at_sink.rows,
+            published: plan.published,
+            failures: plan.failures,
+            started: at_sink.started,
+        });
+    }
+
+    async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
+        self.pipeline = Pipeline::default();
+        let lost = matches!(error, SourceError::ConnectionLost)
+            || self
+                .sessions
+                .as_ref()
+                .is_none_or(|ss| ss.iter().any(|s| s.client.is_closed()));
+        if lost {
+            warn!(error = %error_chain(&error), "lost the postgres connection; batches in flight will be redelivered");
+            // Dropping both connections rolls back whatever the surviving
+            // one had open.
+            self.sessions = None;
+            return !cancel.is_cancelled();
+        }
+        warn!(error = %error_chain(&error), "batch failed; retrying");
+        if let Some(ss) = &self.sessions {
+            for s in ss {
+                // Outside a transaction this is a harmless warning.
+                let _ = s.client.batch_execute("ROLLBACK").await;
+            }
+        }
+        let pause = self.config.poll_interval.min(Duration::from_secs(1));
+        !wait_or_cancel(pause, cancel).await
+    }
+
+    async fn finish(mut self) {
+        if let Some(ss) = &self.sessions {
+            if let Some(claimed) = self.pipeline.prefetched.take() {
+                let _ = ss[claimed.conn].client.batch_execute("ROLLBACK").await;
+            }
+            if let Err(error) = self.commit_settled().await {
+                warn!(error = %error_chain(&error), "committing the last batch failed; it will be redelivered");
+            }
+        }
+        if let Some(leases) = self.leases.take() {
+            leases.leave().await;
+        }
+    }
+}
+
+/// The idle wait when nothing but a notification, a retry or a lease tick
+/// should wake the relay.
+const NO_POLL: Duration = Duration::from_secs(3600);
+
+/// `host:pid`, how a relay shows in `outbox relays` unless named.
+fn default_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("{host}:{}", std::process::id())
+}
+
+/// Decodes claimed rows in id order, which is delivery order: the claim's
+/// `RETURNING` does not promise one.
+fn to_rows(rows: Vec<tokio_postgres::Row>) -> Result<Vec<OutboxRow>, tokio_postgres::Error> {
+    let mut rows = rows
+        .iter()
+        .map(OutboxRow::try_from)
+        .collect::<Result<Vec<_>, _>>()?;
+    rows.sort_unstable_by_key(|r| r.id);
+    Ok(rows)
+}
+
+/// Opening a session fails either on the connection or on the schema check.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Schema(outbox::Error),
+}
+
+/// Sleeps for `d`; true if `cancel` fired first.
+async fn wait_or_cancel(d: Duration, cancel: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = cancel.cancelled() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}
