@@ -90,26 +90,37 @@ pub(crate) fn sendable(rows: &[OutboxRow], blocked: &Blocked) -> Option<Vec<Outb
     )
 }
 
+/// What became of one row of a batch: the sink's answer, or held back by
+/// the relay before it reached the sink. Hold-back is the relay's state,
+/// which is why it is not one of the sink's [`DeliveryError`]s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The sink answered for the row.
+    Sent(Delivery),
+    /// A later event of an aggregate the previous batch blocked: not sent.
+    HeldBack,
+}
+
+/// The message recorded in `last_error` for a row the relay held back.
+const HELD_BACK: &str = "held back: an earlier event of this aggregate failed in the previous batch";
+
 /// Merges the sink's answers for the sendable rows back into batch order,
-/// answering `HeldBack` for the rest.
-pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) -> Vec<Delivery> {
+/// [`Outcome::HeldBack`] for the rest.
+pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) -> Vec<Outcome> {
     if blocked.is_empty() {
-        return sent;
+        return sent.into_iter().map(Outcome::Sent).collect();
     }
     let mut sent = sent.into_iter();
     rows.iter()
         .map(|r| {
             if holds(blocked, r).is_some() {
-                Err(DeliveryError::HeldBack {
-                    message: "held back: an earlier event of this aggregate failed in the previous batch"
-                        .to_owned(),
-                })
+                Outcome::HeldBack
             } else {
-                sent.next().unwrap_or_else(|| {
+                Outcome::Sent(sent.next().unwrap_or_else(|| {
                     Err(DeliveryError::retryable(
                         "the sink answered for fewer rows than it was given",
                     ))
-                })
+                }))
             }
         })
         .collect()
@@ -120,7 +131,7 @@ pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) 
 pub(crate) fn plan(
     backoff: Backoff,
     rows: &[OutboxRow],
-    deliveries: Vec<Delivery>,
+    outcomes: Vec<Outcome>,
     carried: &Blocked,
 ) -> Plan {
     let mut plan = Plan::default();
@@ -128,7 +139,7 @@ pub(crate) fn plan(
     // The delay given to the last failed row of each aggregate, which rows
     // held back behind it inherit so they come due together, in order.
     let mut blocked: HashMap<(&str, &str), Block> = HashMap::new();
-    for (row, delivery) in rows.iter().zip(deliveries) {
+    for (row, outcome) in rows.iter().zip(outcomes) {
         let k = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
         // Rows come in id order, so a block started in this batch is
         // always behind an earlier row.
@@ -137,12 +148,12 @@ pub(crate) fn plan(
             .copied()
             .or_else(|| holds(carried, row))
             .map(|b| b.delay);
-        let (message, attempts, delay) = match delivery {
-            Ok(()) => {
+        let (message, attempts, delay) = match outcome {
+            Outcome::Sent(Ok(())) => {
                 plan.published += 1;
                 continue;
             }
-            Err(DeliveryError::Retryable { message, retry_after }) => {
+            Outcome::Sent(Err(DeliveryError::Retryable { message, retry_after })) => {
                 let attempts = row.attempts.saturating_add(1);
                 // Never due before an earlier failed row of the same
                 // aggregate, whatever the jitter drew.
@@ -152,11 +163,15 @@ pub(crate) fn plan(
                     .max(behind.unwrap_or_default());
                 (message, attempts, delay)
             }
-            Err(DeliveryError::Permanent { message }) => {
+            Outcome::Sent(Err(DeliveryError::Permanent { message })) => {
                 let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
                 (format!("permanent: {message}"), attempts, Duration::ZERO)
             }
-            Err(DeliveryError::HeldBack { message }) => {
+            Outcome::HeldBack | Outcome::Sent(Err(DeliveryError::HeldBack { .. })) => {
+                let message = match outcome {
+                    Outcome::Sent(Err(DeliveryError::HeldBack { message })) => message,
+                    _ => HELD_BACK.to_owned(),
+                };
                 let delay = behind.unwrap_or_default();
                 failures.push(row.id, message, row.attempts, delay);
                 block(&mut blocked, k, row.id, delay);
@@ -220,8 +235,8 @@ mod tests {
         }
     }
 
-    fn failed() -> Delivery {
-        Err(DeliveryError::retryable("down"))
+    fn failed() -> Outcome {
+        Outcome::Sent(Err(DeliveryError::retryable("down")))
     }
 
     #[test]
@@ -230,7 +245,7 @@ mod tests {
         let plan = plan(
             Backoff::default(),
             &first,
-            vec![failed(), Ok(())],
+            vec![failed(), Outcome::Sent(Ok(()))],
             &Blocked::new(),
         );
         assert_eq!(plan.published, 1);
@@ -238,8 +253,8 @@ mod tests {
         let sendable = sendable(&next, &plan.blocked).expect("a is held back");
         assert_eq!(sendable.iter().map(|r| r.id).collect::<Vec<_>>(), [4]);
         let answers = merge(&next, &plan.blocked, vec![Ok(())]);
-        assert!(matches!(answers[0], Err(DeliveryError::HeldBack { .. })));
-        assert_eq!(answers[1], Ok(()));
+        assert_eq!(answers[0], Outcome::HeldBack);
+        assert_eq!(answers[1], Outcome::Sent(Ok(())));
     }
 
     #[test]
@@ -249,15 +264,16 @@ mod tests {
         let held = plan(
             Backoff::default(),
             &[row(6, "a")],
-            vec![Err(DeliveryError::HeldBack {
-                message: "held back".to_owned(),
-            })],
+            vec![Outcome::HeldBack],
             &Blocked::new(),
         );
         assert_eq!(held.blocked[&("orders".to_owned(), "a".to_owned())].from_id, 6);
         let again = [row(5, "a")];
         assert!(sendable(&again, &held.blocked).is_none(), "row 5 is sent");
-        assert_eq!(merge(&again, &held.blocked, vec![Ok(())]), vec![Ok(())]);
+        assert_eq!(
+            merge(&again, &held.blocked, vec![Ok(())]),
+            vec![Outcome::Sent(Ok(()))]
+        );
     }
 
     #[test]
@@ -266,12 +282,7 @@ mod tests {
         let plan = plan(
             Backoff::default(),
             &rows,
-            vec![
-                failed(),
-                Err(DeliveryError::HeldBack {
-                    message: "held back".to_owned(),
-                }),
-            ],
+            vec![failed(), Outcome::HeldBack],
             &Blocked::new(),
         );
         assert_eq!(plan.failures.ids, [1, 2]);
