@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox::sql::OutboxSql;
+use outbox::sql::{OutboxSql, TickParams, TickStatement};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
@@ -108,8 +108,7 @@ impl Leases {
         let ticker = Ticker {
             relay_id: settings.relay_id,
             settings,
-            tick_sql: sql.relay_tick.clone(),
-            leave_sql: sql.relay_leave.clone(),
+            sql: sql.clone(),
             view: tx,
             wake: Arc::clone(&wake),
             backends: Arc::clone(&backends),
@@ -191,8 +190,7 @@ impl Leases {
 struct Ticker {
     relay_id: Uuid,
     settings: LeaseSettings,
-    tick_sql: String,
-    leave_sql: String,
+    sql: OutboxSql,
     view: watch::Sender<Arc<LeaseView>>,
     wake: Arc<Notify>,
     backends: Arc<Mutex<Backends>>,
@@ -200,7 +198,7 @@ struct Ticker {
 
 impl Ticker {
     async fn run(self, stop: CancellationToken) {
-        let mut client: Option<(Client, Statement)> = None;
+        let mut client: Option<(Client, TickStatement)> = None;
         loop {
             if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
                 client = match self.connect().await {
@@ -230,7 +228,7 @@ impl Ticker {
             }
         }
         if let Some((c, _)) = client.filter(|(c, _)| !c.is_closed()) {
-            match c.execute(&self.leave_sql, &[&self.relay_id]).await {
+            match self.sql.relay_leave(&c, self.relay_id).await {
                 Ok(n) => info!(partitions = n, "relay left; partitions handed back"),
                 Err(error) => {
                     warn!(error = %error_chain(&error), "handing partitions back failed; they move when the heartbeat expires");
@@ -241,13 +239,13 @@ impl Ticker {
 
     /// The lease connection with the tick prepared: an unprepared query
     /// would cost a second round trip, and a second transaction, per tick.
-    async fn connect(&self) -> Result<(Client, Statement), tokio_postgres::Error> {
+    async fn connect(&self) -> Result<(Client, TickStatement), tokio_postgres::Error> {
         let (c, _) = wake::connect(&self.settings.pg, wake::Purpose::Leases).await?;
-        let tick = c.prepare(&self.tick_sql).await?;
+        let tick = self.sql.prepare_tick(&c).await?;
         Ok((c, tick))
     }
 
-    async fn tick(&self, c: &Client, tick: &Statement) -> Result<(), tokio_postgres::Error> {
+    async fn tick(&self, c: &Client, tick: &TickStatement) -> Result<(), tokio_postgres::Error> {
         let (pids, starts): (Vec<i32>, Vec<DateTime<Utc>>) = self
             .backends
             .lock()
@@ -256,17 +254,17 @@ impl Ticker {
             .copied()
             .unzip();
         let sent = Instant::now();
-        let rows = c
-            .query(
-                tick,
-                &[
-                    &self.relay_id,
-                    &self.settings.name,
-                    &self.settings.dead_after().as_secs_f64(),
-                    &self.settings.max_attempts,
-                    &pids,
-                    &starts,
-                ],
+        let rows = tick
+            .run(
+                c,
+                &TickParams {
+                    relay_id: self.relay_id,
+                    name: &self.settings.name,
+                    dead_after_secs: self.settings.dead_after().as_secs_f64(),
+                    max_attempts: self.settings.max_attempts,
+                    backend_pids: &pids,
+                    backend_starts: &starts,
+                },
             )
             .await?;
         let mut next = LeaseView {
@@ -276,14 +274,13 @@ impl Ticker {
         let mut due = false;
         let mut releasing = 0;
         for row in &rows {
-            let partition: i32 = row.try_get(0)?;
-            if row.try_get::<_, bool>(1)? {
+            if row.releasing {
                 releasing += 1;
             } else {
-                next.claimable.push(partition);
+                next.claimable.push(row.partition);
             }
-            due |= row.try_get::<_, bool>(2)?;
-            next.count = row.try_get(3)?;
+            due |= row.due;
+            next.count = row.partitions;
         }
         let previous = self.view.borrow().clone();
         next.epoch = if previous.valid_until.is_some_and(|t| t > sent) {

@@ -117,22 +117,3 @@ pub struct OutboxRow {
     /// Failed deliveries so far.
     pub attempts: i32,
 }
-
-#[cfg(feature = "tokio-postgres")]
-impl TryFrom<&tokio_postgres::Row> for OutboxRow {
-    type Error = tokio_postgres::Error;
-
-    fn try_from(row: &tokio_postgres::Row) -> Result<Self, Self::Error> {
-        Ok(Self {
-            id: row.try_get("id")?,
-            event_id: row.try_get("event_id")?,
-            aggregate_type: row.try_get("aggregate_type")?,
-            aggregate_id: row.try_get("aggregate_id")?,
-            event_type: row.try_get("event_type")?,
-            payload: row.try_get("payload")?,
-            headers: row.try_get("headers")?,
-            created_at: row.try_get("created_at")?,
-            attempts: row.try_get("attempts")?,
-        })
-    }
-}

@@ -3,25 +3,9 @@
 //! expire on their own.
 
 use anyhow::Context;
-use chrono::{DateTime, Utc};
-use serde::Serialize;
-use uuid::Uuid;
+use outbox::sql::DeadFilter;
 
 use crate::cli::{DlqCommand, Global, RetryArgs};
-
-#[derive(Debug, Serialize)]
-struct DeadLetter {
-    id: i64,
-    event_id: Uuid,
-    aggregate_type: String,
-    aggregate_id: String,
-    event_type: String,
-    attempts: i32,
-    last_error: Option<String>,
-    created_at: DateTime<Utc>,
-    /// Set by `dlq skip`: kept for the record, no longer blocking.
-    given_up_at: Option<DateTime<Utc>>,
-}
 
 pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
@@ -30,24 +14,10 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
     let sql = outbox::sql::OutboxSql::new(&config);
     match command {
         DlqCommand::List { json, limit } => {
-            let rows = client
-                .query(&sql.list_dead, &[&g.max_attempts, &limit])
+            let dead = sql
+                .dead_letters(&client, g.max_attempts, limit)
                 .await
                 .context("listing dead letters")?;
-            let dead: Vec<DeadLetter> = rows
-                .iter()
-                .map(|r| DeadLetter {
-                    id: r.get("id"),
-                    event_id: r.get("event_id"),
-                    aggregate_type: r.get("aggregate_type"),
-                    aggregate_id: r.get("aggregate_id"),
-                    event_type: r.get("event_type"),
-                    attempts: r.get("attempts"),
-                    last_error: r.get("last_error"),
-                    created_at: r.get("created_at"),
-                    given_up_at: r.get("given_up_at"),
-                })
-                .collect();
             if json {
                 println!("{}", serde_json::to_string_pretty(&dead)?);
             } else if dead.is_empty() {
@@ -77,14 +47,13 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
         }
         DlqCommand::Retry(args) => retry(&client, &sql, &config, g.max_attempts, args).await?,
         DlqCommand::Skip { id } => {
-            let n = client
-                .execute(&sql.give_up_dead, &[&g.max_attempts, &id])
+            let n = sql
+                .give_up(&client, g.max_attempts, &id)
                 .await
                 .context("giving up on dead letters")?;
             if n > 0 {
                 // The aggregates' later events may be claimable now.
-                client
-                    .execute(sql.notify, &[&config.channel.as_str()])
+                sql.notify(&client, config.channel.as_str())
                     .await
                     .context("notifying relays")?;
             }
@@ -102,26 +71,27 @@ async fn retry(
     args: RetryArgs,
 ) -> anyhow::Result<()> {
     // `--all` is the absence of filters; other selectors narrow it.
-    let ids: Option<Vec<i64>> = (!args.id.is_empty()).then_some(args.id);
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-        [&max_attempts, &ids, &args.aggregate_type, &args.error_contains];
+    let filter = DeadFilter {
+        max_attempts,
+        ids: (!args.id.is_empty()).then_some(&args.id),
+        aggregate_type: args.aggregate_type.as_deref(),
+        error_contains: args.error_contains.as_deref(),
+    };
     if args.dry_run {
-        let n: i64 = client
-            .query_one(&sql.count_dead, &params)
+        let n = sql
+            .count_dead(client, &filter)
             .await
-            .context("counting dead letters")?
-            .get(0);
+            .context("counting dead letters")?;
         println!("would requeue {n} dead letters in {}", config.display_name());
         return Ok(());
     }
-    let n = client
-        .execute(&sql.requeue_dead, &params)
+    let n = sql
+        .requeue_dead(client, &filter)
         .await
         .context("requeueing dead letters")?;
     if n > 0 {
         // Requeued rows produce no INSERT, so wake the relays explicitly.
-        client
-            .execute(sql.notify, &[&config.channel.as_str()])
+        sql.notify(client, config.channel.as_str())
             .await
             .context("notifying relays")?;
     }

@@ -21,13 +21,6 @@ struct LiveRelay {
 }
 
 #[derive(Debug, Serialize)]
-struct Partition {
-    partition: i32,
-    owner: Option<Uuid>,
-    backlog: i64,
-}
-
-#[derive(Debug, Serialize)]
 struct Relays {
     table: String,
     partitions: usize,
@@ -35,7 +28,7 @@ struct Relays {
     /// takeover, or with no relay running).
     unowned: Vec<i32>,
     relays: Vec<LiveRelay>,
-    by_partition: Vec<Partition>,
+    by_partition: Vec<outbox::sql::PartitionRow>,
 }
 
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
@@ -43,36 +36,27 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     let client = super::connect(&super::pg_config(g)?).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
-    let by_partition: Vec<Partition> = client
-        .query(&sql.partition_backlog, &[&g.max_attempts])
+    let by_partition = sql
+        .partition_backlog(&client, g.max_attempts)
         .await
-        .context("reading the partition backlog")?
-        .iter()
-        .map(|r| Partition {
-            partition: r.get("partition"),
-            owner: r.get("owner"),
-            backlog: r.get("rows"),
-        })
-        .collect();
-    let relays: Vec<LiveRelay> = client
-        .query(&sql.relays, &[])
+        .context("reading the partition backlog")?;
+    let relays: Vec<LiveRelay> = sql
+        .relays(&client)
         .await
         .context("reading the relays")?
-        .iter()
-        .map(|r| {
-            let partitions: Vec<i32> = r.get("partitions");
-            LiveRelay {
-                relay_id: r.get("relay_id"),
-                name: r.get("name"),
-                started_at: r.get("started_at"),
-                silent_for_seconds: r.get("silent_for"),
-                backlog: partitions
-                    .iter()
-                    .filter_map(|p| by_partition.get(usize::try_from(*p).ok()?))
-                    .map(|p| p.backlog)
-                    .sum(),
-                partitions,
-            }
+        .into_iter()
+        .map(|r| LiveRelay {
+            backlog: r
+                .partitions
+                .iter()
+                .filter_map(|p| by_partition.get(usize::try_from(*p).ok()?))
+                .map(|p| p.backlog)
+                .sum(),
+            relay_id: r.relay_id,
+            name: r.name,
+            started_at: r.started_at,
+            silent_for_seconds: r.silent_for_seconds,
+            partitions: r.partitions,
         })
         .collect();
     let unowned = by_partition

@@ -4,18 +4,9 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::cli::{Global, StatsArgs};
+use outbox::sql::TypeStats;
 
-#[derive(Debug, Serialize)]
-struct TypeStats {
-    aggregate_type: String,
-    unpublished: i64,
-    dead_letters: i64,
-    given_up: i64,
-    /// Aggregates a dead letter holds back under `--ordering strict`.
-    blocked_aggregates: i64,
-    oldest_unpublished: Option<DateTime<Utc>>,
-}
+use crate::cli::{Global, StatsArgs};
 
 #[derive(Debug, Serialize)]
 struct Stats {
@@ -34,21 +25,10 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     let client = super::connect(&super::pg_config(g)?).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
-    let rows = client
-        .query(&sql.stats, &[&g.max_attempts])
+    let by_type = sql
+        .stats(&client, g.max_attempts)
         .await
         .context("reading outbox statistics")?;
-    let by_type: Vec<TypeStats> = rows
-        .iter()
-        .map(|r| TypeStats {
-            aggregate_type: r.get("aggregate_type"),
-            unpublished: r.get("pending"),
-            dead_letters: r.get("dead"),
-            given_up: r.get("given_up"),
-            blocked_aggregates: r.get("blocked"),
-            oldest_unpublished: r.get("oldest_pending"),
-        })
-        .collect();
     let oldest = by_type.iter().filter_map(|t| t.oldest_unpublished).min();
     let stats = Stats {
         table: config.display_name(),

@@ -280,30 +280,42 @@ async fn claim_uses_the_partial_index() {
     let sql = outbox::sql::OutboxSql::new(&Config::default());
     // The leased claim as a relay sharing the outbox binds it: its id, the
     // partitions it holds, the partition count.
-    let leased = sql
-        .claim_batch_leased
-        .replace("$3", "'00000000-0000-0000-0000-000000000000'::uuid")
-        .replace("$4", "ARRAY[0, 1, 2]")
-        .replace("$5", "64");
-    for claim in [&sql.claim_batch, &leased] {
-        let explain = format!("EXPLAIN {}", claim.replace("$1", "5").replace("$2", "100"));
-        let plan: Vec<String> = db
-            .client
-            .query(&explain, &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let plan = plan.join("\n");
-        assert!(plan.contains("Index Scan using outbox_unpublished_idx"), "{plan}");
+    let leased = outbox::sql::ClaimScope::Partitions(outbox::sql::Partitions {
+        relay_id: uuid::Uuid::nil(),
+        claimable: &[0, 1, 2],
+        count: 64,
+        strict: None,
+    });
+    for scope in [outbox::sql::ClaimScope::All, leased] {
+        let claim = outbox::sql::ClaimParams {
+            max_attempts: 5,
+            limit: 100,
+            scope,
+        };
+        let plan = sql.explain_claim(&db.client, &claim, false).await.unwrap();
+        let nodes = plan_nodes(&plan[0]["Plan"]);
+        assert!(
+            nodes.contains(&("Index Scan".to_owned(), "outbox_unpublished_idx".to_owned())),
+            "{plan:#}"
+        );
         // The 64-row lease table may be scanned whole; the outbox never.
-        let scans_outbox = plan.lines().any(|line| {
-            let words: Vec<&str> = line.split_whitespace().collect();
-            words
-                .windows(4)
-                .any(|w| w[..3] == ["Seq", "Scan", "on"] && w[3] == "outbox")
-        });
-        assert!(!scans_outbox, "{plan}");
+        assert!(
+            !nodes.contains(&("Seq Scan".to_owned(), "outbox".to_owned())),
+            "{plan:#}"
+        );
     }
+}
+
+/// Every node of a JSON plan as (node type, index name or relation name).
+fn plan_nodes(node: &serde_json::Value) -> Vec<(String, String)> {
+    let kind = node["Node Type"].as_str().unwrap_or_default().to_owned();
+    let target = node["Index Name"]
+        .as_str()
+        .or(node["Relation Name"].as_str())
+        .unwrap_or_default()
+        .to_owned();
+    let children = node["Plans"].as_array().into_iter().flatten();
+    std::iter::once((kind, target))
+        .chain(children.flat_map(plan_nodes))
+        .collect()
 }

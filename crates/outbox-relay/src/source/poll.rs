@@ -26,8 +26,10 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
-use outbox::sql::OutboxSql;
-use tokio_postgres::{Client, Statement};
+use outbox::sql::{
+    ClaimParams, ClaimScope, MarkFailedParams, OutboxSql, Partitions, RelayStatements, Strict,
+};
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
@@ -46,9 +48,7 @@ struct Session {
     /// (pid, backend start), recorded in the relays table.
     backend: (i32, chrono::DateTime<chrono::Utc>),
     wakeups: Wakeups,
-    claim: Statement,
-    mark_failed: Statement,
-    next_retry: Statement,
+    statements: RelayStatements,
 }
 
 /// The source's two connections. The first LISTENs and takes every fresh
@@ -110,7 +110,7 @@ pub(crate) struct PollSource {
     /// Partition leases, unless the ordering is `None`.
     leases: Option<Leases>,
     /// The aggregate types whose ordering is not the default, and whether
-    /// the default is strict: `$6` and `$7` of the strict claim.
+    /// the default is strict.
     exceptions: Vec<String>,
     default_strict: bool,
 }
@@ -264,20 +264,23 @@ impl PollSource {
         claim: bool,
     ) -> Result<(Option<Settled>, Option<Vec<OutboxRow>>), tokio_postgres::Error> {
         let client = &s.client;
-        let limit = i64::from(self.config.batch_size);
-        let max_attempts = self.config.backoff.max_attempts;
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
-        let count = lease.as_ref().map_or(0, |(_, v)| i64::from(v.count));
-        type Param<'p> = &'p (dyn tokio_postgres::types::ToSql + Sync);
-        let mut claim_params: Vec<Param<'_>> = vec![&max_attempts, &limit];
-        if let Some((relay_id, view)) = &lease {
-            let leased: [Param<'_>; 3] = [relay_id, &view.claimable, &count];
-            claim_params.extend(leased);
-            if self.any_strict() {
-                let strict: [Param<'_>; 2] = [&self.exceptions, &self.default_strict];
-                claim_params.extend(strict);
-            }
-        }
+        let params = ClaimParams {
+            max_attempts: self.config.backoff.max_attempts,
+            limit: i64::from(self.config.batch_size),
+            scope: match &lease {
+                None => ClaimScope::All,
+                Some((relay_id, view)) => ClaimScope::Partitions(Partitions {
+                    relay_id: *relay_id,
+                    claimable: &view.claimable,
+                    count: i64::from(view.count),
+                    strict: self.any_strict().then_some(Strict {
+                        by_default: self.default_strict,
+                        exceptions: &self.exceptions,
+                    }),
+                }),
+            },
+        };
         // Holding no partition, there is nothing to claim: no transaction.
         // With the lease lapsed, a batch could not be sent: none either.
         let claim = claim
@@ -289,8 +292,13 @@ impl PollSource {
             async {
                 match failures {
                     Some(f) if !f.ids.is_empty() => {
-                        let params: [Param<'_>; 4] = [&f.ids, &f.errors, &f.attempts, &f.delay_ms];
-                        client.execute(&s.mark_failed, &params).await
+                        let failed = MarkFailedParams {
+                            ids: &f.ids,
+                            errors: &f.errors,
+                            attempts: &f.attempts,
+                            delay_ms: &f.delay_ms,
+                        };
+                        s.statements.mark_failed(client, &failed).await
                     }
                     _ => Ok(0),
                 }
@@ -309,7 +317,7 @@ impl PollSource {
             },
             async {
                 if claim {
-                    return client.query(&s.claim, &claim_params).await.map(Some);
+                    return s.statements.claim(client, &params).await.map(Some);
                 }
                 Ok(None)
             },
@@ -317,11 +325,7 @@ impl PollSource {
         failed?;
         committed?;
         begun?;
-        let rows = match claimed? {
-            Some(rows) => Some(to_rows(rows)?),
-            None => None,
-        };
-        Ok((settled, rows))
+        Ok((settled, claimed?))
     }
 
     /// Books a committed batch: counters, the retry wake-up, a debug line.
@@ -383,25 +387,9 @@ impl PollSource {
                 .await
                 .map_err(SessionError::Schema)?;
         }
-        let me = client
-            .query_one(
-                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
-                &[],
-            )
-            .await?;
         Ok(Session {
-            backend: (me.try_get(0)?, me.try_get(1)?),
-            claim: client
-                .prepare(if self.config.ordering == OrderMode::None {
-                    &self.sql.claim_batch
-                } else if self.any_strict() {
-                    &self.sql.claim_batch_strict_leased
-                } else {
-                    &self.sql.claim_batch_leased
-                })
-                .await?,
-            mark_failed: client.prepare(&self.sql.mark_failed).await?,
-            next_retry: client.prepare(&self.sql.next_retry).await?,
+            backend: outbox::sql::backend_identity(&client).await?,
+            statements: self.sql.prepare_relay(&client).await?,
             client,
             wakeups,
         })
@@ -421,11 +409,7 @@ impl PollSource {
     /// it schedules itself.
     async fn learn_next_retry(&mut self, s: &Session) {
         let max_attempts = self.config.backoff.max_attempts;
-        let due_in = s
-            .client
-            .query_one(&s.next_retry, &[&max_attempts])
-            .await
-            .and_then(|row| row.try_get::<_, Option<f64>>(0));
+        let due_in = s.statements.next_retry(&s.client, max_attempts).await;
         match due_in {
             Ok(due_in) => {
                 if let Some(secs) = due_in.filter(|s| *s > 0.0) {
@@ -668,15 +652,6 @@ fn default_name() -> String {
 
 /// Decodes claimed rows in id order, which is delivery order: the claim's
 /// `RETURNING` does not promise one.
-fn to_rows(rows: Vec<tokio_postgres::Row>) -> Result<Vec<OutboxRow>, tokio_postgres::Error> {
-    let mut rows = rows
-        .iter()
-        .map(OutboxRow::try_from)
-        .collect::<Result<Vec<_>, _>>()?;
-    rows.sort_unstable_by_key(|r| r.id);
-    Ok(rows)
-}
-
 /// Opening a session fails either on the connection or on the schema check.
 #[derive(Debug, thiserror::Error)]
 enum SessionError {

@@ -19,6 +19,7 @@
 
 mod idle;
 pub(crate) mod latency;
+mod naive_sql;
 mod report;
 pub(crate) mod scratch;
 pub(crate) mod throughput;

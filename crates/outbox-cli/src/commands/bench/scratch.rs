@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
+use super::naive_sql::NaiveSql;
 use anyhow::{Context, bail};
-use outbox::sql::OutboxSql;
 use outbox::{Config, Event, Outbox};
 use outbox_testkit::Spawned;
 use redis::AsyncCommands;
@@ -27,7 +27,7 @@ pub(crate) struct Scratch {
     /// The bench's own connection, for setup and counting.
     pub(super) db: Client,
     pub(super) config: Config,
-    pub(super) sql: OutboxSql,
+    pub(super) sql: NaiveSql,
 }
 
 impl Scratch {
@@ -47,7 +47,7 @@ impl Scratch {
             pg_url,
             redis_url,
             db,
-            sql: OutboxSql::new(&config),
+            sql: NaiveSql::new(&config),
             config,
         })
     }

@@ -9,7 +9,6 @@
 
 use anyhow::Context;
 use serde_json::Value;
-use tokio_postgres::types::Type;
 
 use super::report::{Outcome, Table, Verdict};
 use super::scratch::{Lab, SCHEMA};
@@ -78,14 +77,13 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let ours = lab.outbox.sql().claim_batch.clone();
     let seed = format!(
         "SELECT id, event_id, aggregate_type, aggregate_id, event_type, payload FROM {} \
           WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < 5 \
           ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED",
         lab.table()
     );
-    let with = explain(lab, &ours).await?;
+    let with = explain_ours(lab).await?;
     let seed_with = explain(lab, &seed).await?;
     for (name, _) in &indexes {
         lab.db
@@ -93,7 +91,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
             .await?;
     }
     lab.db.batch_execute(&format!("ANALYZE {}", lab.table())).await?;
-    let without = explain(lab, &ours).await?;
+    let without = explain_ours(lab).await?;
     let seed_without = explain(lab, &seed).await?;
 
     let unpublished_idx = indexes
@@ -164,32 +162,45 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 }
 
 /// Runs the claim under EXPLAIN (ANALYZE, BUFFERS) and rolls it back.
+/// Our claim (5 attempts, batch of 100), run and rolled back.
+async fn explain_ours(lab: &mut Lab) -> anyhow::Result<Explained> {
+    let claim = outbox::sql::ClaimParams {
+        max_attempts: 5,
+        limit: 100,
+        scope: outbox::sql::ClaimScope::All,
+    };
+    let tx = lab.db.transaction().await?;
+    let plan = lab
+        .outbox
+        .sql()
+        .explain_claim(&tx, &claim, true)
+        .await
+        .context("EXPLAIN of the claim")?;
+    tx.rollback().await?;
+    Ok(explained(&plan))
+}
+
+/// The reference relay's claim, which has literals, run and rolled back.
 async fn explain(lab: &mut Lab, statement: &str) -> anyhow::Result<Explained> {
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement}");
     let tx = lab.db.transaction().await?;
-    let statement = tx.prepare(&sql).await?;
-    // Our claim's $1 max attempts and $2 batch size, typed as PostgreSQL
-    // inferred them; the reference's query has literals.
-    let row = match statement.params() {
-        [] => tx.query_one(&statement, &[]).await,
-        [a, b] if *a == Type::INT4 && *b == Type::INT8 => tx.query_one(&statement, &[&5_i32, &100_i64]).await,
-        [a, b] if *a == Type::INT4 && *b == Type::INT4 => tx.query_one(&statement, &[&5_i32, &100_i32]).await,
-        other => anyhow::bail!("unexpected parameters of the claim: {other:?}"),
-    }
-    .context("EXPLAIN of the claim")?;
+    let row = tx.query_one(&sql, &[]).await.context("EXPLAIN of the claim")?;
     tx.rollback().await?;
-    let plan: Value = row.get(0);
+    Ok(explained(&row.get(0)))
+}
+
+fn explained(plan: &Value) -> Explained {
     let top = &plan[0];
     let root = &top["Plan"];
     let mut scans = Vec::new();
     walk(root, &mut scans);
-    Ok(Explained {
+    Explained {
         ms: top["Execution Time"].as_f64().unwrap_or(f64::NAN),
         buffers: root["Shared Hit Blocks"].as_i64().unwrap_or(0)
             + root["Shared Read Blocks"].as_i64().unwrap_or(0),
         rows: root["Actual Rows"].as_i64().unwrap_or(-1),
         scans,
-    })
+    }
 }
 
 /// The scan nodes of a plan: `Index Scan using outbox_unpublished_idx`.

@@ -7,6 +7,19 @@
 
 use crate::{Config, InboxConfig};
 
+#[cfg(feature = "tokio-postgres")]
+mod admin;
+#[cfg(feature = "tokio-postgres")]
+mod relay;
+
+#[cfg(feature = "tokio-postgres")]
+pub use admin::{DeadFilter, DeadLetter, PartitionRow, RelayRow, TypeStats};
+#[cfg(feature = "tokio-postgres")]
+pub use relay::{
+    ClaimParams, ClaimScope, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams, TickRow,
+    TickStatement, backend_identity,
+};
+
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
 const ROW_COLUMNS: &str =
     "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
@@ -40,23 +53,6 @@ const CLAIM_BATCH: &str = "WITH claimed AS ( \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
 
-/// `CLAIM_BATCH` for strict per-aggregate order: a row is claimed only if
-/// no earlier event of its aggregate is still pending: not due yet, waiting
-/// for a retry, a dead letter nobody gave up on, or locked by a batch in
-/// flight (whose mark is not committed). So at most one event per aggregate
-/// per batch, and an aggregate stops at its first undelivered event. The
-/// `NOT EXISTS` is one probe of `<table>_pending_by_aggregate_idx`.
-const CLAIM_BATCH_STRICT: &str = "WITH claimed AS ( \
-        SELECT c.id, c.created_at FROM {t} AS c \
-         WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 \
-           AND NOT EXISTS (SELECT 1 FROM {t} AS e \
-                 WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
-                   AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL) \
-         ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
-      WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
-     RETURNING {ocols}";
-
 /// The logical partition of a row (`$5` partitions): a stable hash of its
 /// aggregate_id, the same expression the tick function uses.
 const PARTITION_OF: &str = "((hashtextextended({a}aggregate_id, 0) % $5::int8 + $5::int8) % $5::int8)::int4";
@@ -86,8 +82,13 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {ocols}";
 
-/// `CLAIM_BATCH_STRICT` restricted to the partitions this relay holds,
-/// with per-aggregate-type modes: `$6` the aggregate types whose mode is
+/// `CLAIM_BATCH_LEASED` for strict per-aggregate order: a row is claimed
+/// only if no earlier event of its aggregate is still pending: not due yet,
+/// waiting for a retry, a dead letter nobody gave up on, or locked by a
+/// batch in flight (whose mark is not committed). So at most one event per
+/// aggregate per batch, and an aggregate stops at its first undelivered
+/// event. The `NOT EXISTS` is one probe of
+/// `<table>_pending_by_aggregate_idx`. Per-aggregate-type modes: `$6` the aggregate types whose mode is
 /// not the default, `$7` whether the default is strict. A row is held to
 /// strict order when exactly one of "its type is listed" and "the default
 /// is strict" holds; the others skip the `NOT EXISTS` probe.
@@ -137,12 +138,6 @@ const PARTITION_BACKLOG: &str = "WITH n AS (SELECT count(*)::int8 AS n FROM {lea
 const GIVE_UP_DEAD: &str = "UPDATE {t} SET given_up_at = clock_timestamp() \
       WHERE id = ANY($2::int8[]) AND published_at IS NULL AND attempts >= $1 AND given_up_at IS NULL";
 
-/// The claim as a plain locking read, for the naive baseline of `outbox
-/// bench`, which marks row by row as the reference relay does.
-const SELECT_BATCH: &str = "SELECT {cols} FROM {t} \
-      WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
-      ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
-
 /// `$1` max attempts. Seconds until the next row waiting for a retry comes due
 /// (NULL if none; negative if one is due now), so an
 /// idle relay sleeps until then instead of polling. Reads every unpublished
@@ -161,26 +156,15 @@ const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
        FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
       WHERE o.id = f.id";
 
-/// `$1` batch size. Claim and mark in one autocommit statement with no sink
-/// in between: the floor `outbox bench` compares the relay against. Same
-/// index as `CLAIM_BATCH`.
-const CLAIM_AND_MARK: &str = "UPDATE {t} SET published_at = clock_timestamp() WHERE id IN ( \
-        SELECT id FROM {t} WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() \
-         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)";
-
-/// `$1` id. One row at a time, as the reference relay marks: the naive
-/// baseline of `outbox bench`. Primary key lookup.
-const MARK_ONE: &str = "UPDATE {t} SET published_at = clock_timestamp() WHERE id = $1";
-
-/// `$1` max attempts. Unpublished rows per aggregate type: pending, dead
-/// letters, given up, aggregates a dead letter blocks in strict mode,
-/// oldest pending. Scans the partial index only.
+/// `$1` max attempts. Unpublished rows per aggregate type: waiting for
+/// delivery, dead letters, given up, aggregates a dead letter blocks in
+/// strict mode, oldest waiting. Scans the partial index only.
 const STATS: &str = "SELECT aggregate_type, \
-            count(*) FILTER (WHERE attempts < $1) AS pending, \
-            count(*) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS dead, \
+            count(*) FILTER (WHERE attempts < $1) AS unpublished, \
+            count(*) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS dead_letters, \
             count(*) FILTER (WHERE given_up_at IS NOT NULL) AS given_up, \
-            count(DISTINCT aggregate_id) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS blocked, \
-            min(created_at) FILTER (WHERE attempts < $1) AS oldest_pending \
+            count(DISTINCT aggregate_id) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS blocked_aggregates, \
+            min(created_at) FILTER (WHERE attempts < $1) AS oldest_unpublished \
        FROM {t} WHERE published_at IS NULL GROUP BY aggregate_type ORDER BY aggregate_type";
 
 /// `$1` max attempts, `$2` limit. Dead letters oldest first.
@@ -202,6 +186,9 @@ const REQUEUE_DEAD: &str =
 
 /// What [`REQUEUE_DEAD`] would touch.
 const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";
+
+/// This connection's backend pid and start time.
+const BACKEND_IDENTITY: &str = "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()";
 
 /// `$1` channel. Wakes relays after a requeue, which the insert trigger does not see.
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, '')";
@@ -231,32 +218,28 @@ const DELETE_PROCESSED: &str = "WITH batch AS ( \
 /// `$1` event_id. The inbox's whole trick: a conflict means "seen before".
 const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (event_id) DO NOTHING";
 
-/// The outbox statements for one table.
+/// The outbox statements for one table, rendered; callers run them through
+/// the typed methods of the submodules, never as text.
 #[derive(Debug, Clone)]
-#[allow(missing_docs)] // Each field is the constant of the same name above.
 pub struct OutboxSql {
-    pub insert_event: String,
-    pub insert_events: String,
-    pub claim_batch: String,
-    pub claim_batch_strict: String,
-    pub claim_batch_leased: String,
-    pub claim_batch_strict_leased: String,
-    pub relay_tick: String,
-    pub relay_leave: String,
-    pub relays: String,
-    pub partition_backlog: String,
-    pub give_up_dead: String,
-    pub select_batch: String,
-    pub next_retry: String,
-    pub mark_failed: String,
-    pub stats: String,
-    pub list_dead: String,
-    pub requeue_dead: String,
-    pub count_dead: String,
-    pub notify: &'static str,
-    pub claim_and_mark: String,
-    pub mark_one: String,
-    pub delete_published: String,
+    pub(crate) insert_event: String,
+    pub(crate) insert_events: String,
+    pub(crate) claim_batch: String,
+    pub(crate) claim_batch_leased: String,
+    pub(crate) claim_batch_strict_leased: String,
+    pub(crate) relay_tick: String,
+    pub(crate) relay_leave: String,
+    pub(crate) relays: String,
+    pub(crate) partition_backlog: String,
+    pub(crate) give_up_dead: String,
+    pub(crate) next_retry: String,
+    pub(crate) mark_failed: String,
+    pub(crate) stats: String,
+    pub(crate) list_dead: String,
+    pub(crate) requeue_dead: String,
+    pub(crate) count_dead: String,
+    pub(crate) notify: &'static str,
+    pub(crate) delete_published: String,
 }
 
 impl OutboxSql {
@@ -294,7 +277,6 @@ impl OutboxSql {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
             claim_batch: render(CLAIM_BATCH),
-            claim_batch_strict: render(CLAIM_BATCH_STRICT),
             claim_batch_leased: render(CLAIM_BATCH_LEASED),
             claim_batch_strict_leased: render(CLAIM_BATCH_STRICT_LEASED),
             relay_tick: render(RELAY_TICK),
@@ -302,7 +284,6 @@ impl OutboxSql {
             relays: render(RELAYS),
             partition_backlog: render(PARTITION_BACKLOG),
             give_up_dead: render(GIVE_UP_DEAD),
-            select_batch: render(SELECT_BATCH),
             next_retry: render(NEXT_RETRY),
             mark_failed: render(MARK_FAILED),
             stats: render(STATS),
@@ -310,8 +291,6 @@ impl OutboxSql {
             requeue_dead: render(REQUEUE_DEAD),
             count_dead: render(COUNT_DEAD),
             notify: NOTIFY,
-            claim_and_mark: render(CLAIM_AND_MARK),
-            mark_one: render(MARK_ONE),
             delete_published: render(DELETE_PUBLISHED),
         }
     }
@@ -321,9 +300,9 @@ impl OutboxSql {
 #[derive(Debug, Clone)]
 pub struct InboxSql {
     /// See `INBOX_RECORD`.
-    pub record: String,
+    pub(crate) record: String,
     /// See `DELETE_PROCESSED`.
-    pub delete_processed: String,
+    pub(crate) delete_processed: String,
 }
 
 impl InboxSql {

@@ -1,0 +1,294 @@
+//! The relay's statements with typed parameters and rows: the claim in its
+//! three shapes, the update of failed rows, the next retry time, the lease
+//! tick and the goodbye.
+//!
+//! The batch statements are prepared once per connection
+//! ([`RelayStatements`]), and every method returns a future that sends its
+//! request on first poll, so a caller may poll several together and
+//! tokio-postgres pipelines them in that order (marks, `COMMIT`, `BEGIN` and
+//! the next claim in one round trip).
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Error, GenericClient, Row, Statement};
+use uuid::Uuid;
+
+use super::OutboxSql;
+use crate::OutboxRow;
+
+type Param<'p> = &'p (dyn ToSql + Sync);
+
+/// What one claim asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimParams<'a> {
+    /// Rows with this many attempts are dead letters, never claimed.
+    pub max_attempts: i32,
+    /// The batch size.
+    pub limit: i64,
+    /// Which rows this relay may claim.
+    pub scope: ClaimScope<'a>,
+}
+
+/// Which rows a claim may take.
+#[derive(Debug, Clone, Copy)]
+pub enum ClaimScope<'a> {
+    /// Any due row: a relay alone on the outbox, no order kept.
+    All,
+    /// Only rows of the partitions this relay holds (see migration 0003).
+    Partitions(Partitions<'a>),
+}
+
+/// The partitions a relay holds, and how strictly each aggregate type is
+/// ordered inside them.
+#[derive(Debug, Clone, Copy)]
+pub struct Partitions<'a> {
+    /// This relay's id, as the lease rows name it.
+    pub relay_id: Uuid,
+    /// The partitions it holds and is not releasing.
+    pub claimable: &'a [i32],
+    /// How many partitions the outbox has.
+    pub count: i64,
+    /// Strict order for some or all aggregate types; `None`: partition
+    /// order only, for every type.
+    pub strict: Option<Strict<'a>>,
+}
+
+/// Which aggregate types wait for their aggregate's earlier events.
+#[derive(Debug, Clone, Copy)]
+pub struct Strict<'a> {
+    /// Whether types not listed in `exceptions` are strict.
+    pub by_default: bool,
+    /// Types whose mode is the opposite of the default.
+    pub exceptions: &'a [String],
+}
+
+/// The failed rows of a batch, as parallel arrays (one statement for all).
+#[derive(Debug, Clone, Copy)]
+pub struct MarkFailedParams<'a> {
+    /// Row ids.
+    pub ids: &'a [i64],
+    /// Each row's `last_error`.
+    pub errors: &'a [String],
+    /// Each row's new attempt count.
+    pub attempts: &'a [i32],
+    /// Milliseconds until each row's next attempt.
+    pub delay_ms: &'a [f64],
+}
+
+/// One relay heartbeat.
+#[derive(Debug, Clone, Copy)]
+pub struct TickParams<'a> {
+    /// This relay's id.
+    pub relay_id: Uuid,
+    /// Its display name, for `outbox relays`.
+    pub name: &'a str,
+    /// Seconds of silence after which a relay counts as dead.
+    pub dead_after_secs: f64,
+    /// Dead-letter threshold, for `due`.
+    pub max_attempts: i32,
+    /// Its batch connections' backend pids...
+    pub backend_pids: &'a [i32],
+    /// ...and their start times (a pid alone may be reused).
+    pub backend_starts: &'a [DateTime<Utc>],
+}
+
+/// One partition of a tick's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TickRow {
+    /// A partition this relay holds.
+    pub partition: i32,
+    /// Whether it is being handed to another relay (claim nothing there).
+    pub releasing: bool,
+    /// Whether any of its rows is due.
+    pub due: bool,
+    /// The outbox's partition count.
+    pub partitions: i32,
+}
+
+/// One batch connection's prepared statements.
+#[derive(Debug)]
+pub struct RelayStatements {
+    claim_all: Statement,
+    claim_partitions: Statement,
+    claim_partitions_strict: Statement,
+    mark_failed: Statement,
+    next_retry: Statement,
+}
+
+impl OutboxSql {
+    /// Prepares the batch statements on `client`.
+    pub async fn prepare_relay(&self, client: &Client) -> Result<RelayStatements, Error> {
+        let (claim_all, claim_partitions, claim_partitions_strict, mark_failed, next_retry) = tokio::try_join!(
+            client.prepare(&self.claim_batch),
+            client.prepare(&self.claim_batch_leased),
+            client.prepare(&self.claim_batch_strict_leased),
+            client.prepare(&self.mark_failed),
+            client.prepare(&self.next_retry),
+        )?;
+        Ok(RelayStatements {
+            claim_all,
+            claim_partitions,
+            claim_partitions_strict,
+            mark_failed,
+            next_retry,
+        })
+    }
+
+    /// The plan of the claim `p` would run, as `EXPLAIN (FORMAT JSON)`
+    /// gives it. With `analyze`, the claim runs (`ANALYZE, BUFFERS`): call
+    /// it in a transaction that is rolled back.
+    pub async fn explain_claim(
+        &self,
+        client: &impl GenericClient,
+        p: &ClaimParams<'_>,
+        analyze: bool,
+    ) -> Result<serde_json::Value, Error> {
+        let (shape, params) = claim_params(p);
+        let text = match shape {
+            Shape::All => &self.claim_batch,
+            Shape::Partitions => &self.claim_batch_leased,
+            Shape::Strict => &self.claim_batch_strict_leased,
+        };
+        let options = if analyze {
+            "ANALYZE, BUFFERS, FORMAT JSON"
+        } else {
+            "FORMAT JSON"
+        };
+        let explain = format!("EXPLAIN ({options}) {text}");
+        client.query_one(&explain, &params).await?.try_get(0)
+    }
+
+    /// The lease connection's tick, prepared: an unprepared query would cost
+    /// a second round trip, and a second transaction, per tick.
+    pub async fn prepare_tick(&self, client: &Client) -> Result<TickStatement, Error> {
+        client.prepare(&self.relay_tick).await.map(TickStatement)
+    }
+
+    /// A relay leaving: its partitions go to the others at their next
+    /// tick. Returns how many it held.
+    pub async fn relay_leave(&self, client: &Client, relay_id: Uuid) -> Result<u64, Error> {
+        client.execute(&self.relay_leave, &[&relay_id]).await
+    }
+}
+
+/// The lease tick, prepared on the lease connection.
+#[derive(Debug)]
+pub struct TickStatement(Statement);
+
+impl TickStatement {
+    /// One relay tick (heartbeat and rebalance; see migration 0003): the
+    /// partitions it holds, whether each is being released, whether any of
+    /// them has a row due, and the partition count.
+    pub async fn run(&self, client: &Client, p: &TickParams<'_>) -> Result<Vec<TickRow>, Error> {
+        let params: [Param<'_>; 6] = [
+            &p.relay_id,
+            &p.name,
+            &p.dead_after_secs,
+            &p.max_attempts,
+            &p.backend_pids,
+            &p.backend_starts,
+        ];
+        let rows = client.query(&self.0, &params).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(TickRow {
+                    partition: r.try_get(0)?,
+                    releasing: r.try_get(1)?,
+                    due: r.try_get(2)?,
+                    partitions: r.try_get(3)?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The claim's three shapes, one statement each.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    All,
+    Partitions,
+    Strict,
+}
+
+/// Which claim `p` needs and its parameters, in `$n` order.
+fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
+    let mut params: Vec<Param<'a>> = vec![&p.max_attempts, &p.limit];
+    let shape = match &p.scope {
+        ClaimScope::All => Shape::All,
+        ClaimScope::Partitions(l) => {
+            params.extend([&l.relay_id as Param<'a>, &l.claimable, &l.count]);
+            match &l.strict {
+                None => Shape::Partitions,
+                Some(s) => {
+                    params.extend([&s.exceptions as Param<'a>, &s.by_default]);
+                    Shape::Strict
+                }
+            }
+        }
+    };
+    (shape, params)
+}
+
+impl RelayStatements {
+    /// Claims a batch in the open transaction and marks it published
+    /// (a promise the commit keeps). Rows come back in id order.
+    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<Vec<OutboxRow>, Error> {
+        let (shape, params) = claim_params(p);
+        let statement = match shape {
+            Shape::All => &self.claim_all,
+            Shape::Partitions => &self.claim_partitions,
+            Shape::Strict => &self.claim_partitions_strict,
+        };
+        let rows = client.query(statement, &params).await?;
+        let mut rows = rows
+            .iter()
+            .map(OutboxRow::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        // `RETURNING` order is unspecified.
+        rows.sort_unstable_by_key(|r| r.id);
+        Ok(rows)
+    }
+
+    /// Turns failed rows of the claim back into unpublished ones with their
+    /// retry time. Returns rows updated.
+    pub async fn mark_failed(&self, client: &Client, p: &MarkFailedParams<'_>) -> Result<u64, Error> {
+        let params: [Param<'_>; 4] = [&p.ids, &p.errors, &p.attempts, &p.delay_ms];
+        client.execute(&self.mark_failed, &params).await
+    }
+
+    /// Seconds until the next row waiting for a retry comes due: `None` if
+    /// none waits, negative if one is due now.
+    pub async fn next_retry(&self, client: &Client, max_attempts: i32) -> Result<Option<f64>, Error> {
+        client
+            .query_one(&self.next_retry, &[&max_attempts])
+            .await?
+            .try_get(0)
+    }
+}
+
+/// This connection's backend pid and start time: what the lease tick
+/// reports so a takeover can tell a frozen relay's sessions from live ones.
+pub async fn backend_identity(client: &Client) -> Result<(i32, DateTime<Utc>), Error> {
+    let me = client.query_one(super::BACKEND_IDENTITY, &[]).await?;
+    Ok((me.try_get(0)?, me.try_get(1)?))
+}
+
+/// A row with the columns of `ROW_COLUMNS`, in any order: the claims'
+/// `RETURNING`, or a caller's own `SELECT` of them.
+impl TryFrom<&Row> for OutboxRow {
+    type Error = Error;
+
+    fn try_from(row: &Row) -> Result<Self, Self::Error> {
+        Ok(Self {
+            id: row.try_get("id")?,
+            event_id: row.try_get("event_id")?,
+            aggregate_type: row.try_get("aggregate_type")?,
+            aggregate_id: row.try_get("aggregate_id")?,
+            event_type: row.try_get("event_type")?,
+            payload: row.try_get("payload")?,
+            headers: row.try_get("headers")?,
+            created_at: row.try_get("created_at")?,
+            attempts: row.try_get("attempts")?,
+        })
+    }
+}
