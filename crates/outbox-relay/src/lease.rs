@@ -73,11 +73,22 @@ pub(crate) struct LeaseSettings {
     pub(crate) name: String,
     pub(crate) timeout: Duration,
     pub(crate) max_attempts: i32,
+    /// The relay's fallback poll. The tick reports due rows, so it is the
+    /// poll: ticking at least this often lets the relay skip a claim
+    /// transaction of its own per poll.
+    pub(crate) poll: Duration,
 }
 
 impl LeaseSettings {
-    /// Ticks come three times per lease timeout.
+    /// Ticks come three times per lease timeout, or once per poll if that
+    /// is more often.
     fn interval(&self) -> Duration {
+        self.tick_timeout().min(self.poll)
+    }
+
+    /// How long one tick may take before the connection is replaced: a
+    /// short poll must not turn a slow server into reconnects.
+    fn tick_timeout(&self) -> Duration {
         self.timeout / 3
     }
 
@@ -211,7 +222,7 @@ impl Ticker {
             }
             if let Some((c, tick)) = &client {
                 // A tick that hangs must not stop the heartbeat for good.
-                match tokio::time::timeout(self.settings.interval(), self.tick(c, tick)).await {
+                match tokio::time::timeout(self.settings.tick_timeout(), self.tick(c, tick)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => {
                         warn!(error = %error_chain(&error), "lease tick failed");

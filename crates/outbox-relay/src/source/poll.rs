@@ -168,6 +168,7 @@ impl PollSource {
             name: self.config.name.clone().unwrap_or_else(default_name),
             timeout: self.config.lease_timeout,
             max_attempts: self.config.backoff.max_attempts,
+            poll: self.config.poll_interval,
         };
         self.leases = Some(Leases::start(settings, &self.sql));
     }
@@ -359,10 +360,11 @@ impl PollSource {
     }
 
     /// How long to sleep: the fallback poll, or less if a retry is due sooner.
-    /// With leases and NOTIFY, the lease tick reports due rows, so there is
-    /// no fallback poll of its own.
+    /// With leases, the lease tick (at least once per poll interval) reports
+    /// due rows and wakes the relay, so there is no poll of its own: an idle
+    /// poll costs the tick's one short transaction, not a second for a claim.
     fn next_wait(&mut self) -> Duration {
-        let poll = if self.leases.is_some() && self.config.notify {
+        let poll = if self.leases.is_some() {
             NO_POLL
         } else {
             wake::jittered(self.config.poll_interval)
