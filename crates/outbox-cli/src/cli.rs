@@ -350,10 +350,12 @@ pub(crate) enum DlqCommand {
         limit: i64,
     },
     /// Requeue dead letters: attempts = 0, due now.
-    Retry(RetryArgs),
+    #[command(alias = "retry")]
+    Requeue(RequeueArgs),
     /// Give up on dead letters: they stay for inspection but no longer hold
     /// their aggregate back under `--ordering strict`.
-    Skip {
+    #[command(alias = "skip")]
+    GiveUp {
         /// These outbox ids.
         #[arg(long, num_args = 1.., required = true)]
         id: Vec<i64>,
@@ -363,7 +365,7 @@ pub(crate) enum DlqCommand {
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("selector").required(true).multiple(true)
     .args(["all", "id", "aggregate_type", "error_contains"])))]
-pub(crate) struct RetryArgs {
+pub(crate) struct RequeueArgs {
     /// Every dead letter.
     #[arg(long)]
     pub(crate) all: bool,

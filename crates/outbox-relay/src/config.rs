@@ -81,7 +81,7 @@ pub enum OrderMode {
     Partition,
     /// An event is never delivered while an earlier event of its aggregate
     /// is pending: due later, waiting for a retry, a dead letter nobody gave
-    /// up on (`outbox dlq skip`), or in flight. At most one event per
+    /// up on (`outbox dlq give-up`), or in flight. At most one event per
     /// aggregate per batch.
     Strict,
 }

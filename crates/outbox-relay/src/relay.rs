@@ -30,7 +30,7 @@
 //! until the batch committed or rolled back. [`OrderMode::None`] skips the
 //! leases and just skips rows another relay holds. A row failing
 //! `max_attempts` times is a dead letter: the claim no longer sees it until
-//! `outbox dlq retry` requeues it.
+//! `outbox dlq requeue` requeues it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -5,7 +5,7 @@
 
 use anyhow::Context;
 use outbox::Inbox;
-use outbox::worker::Message;
+use outbox::worker::Received;
 use outbox::worker::amqp::AmqpWorker;
 use outbox::worker::nats::NatsWorker;
 use outbox::worker::redis::RedisWorker;
@@ -64,7 +64,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
     let pause_after_commit = std::env::var("OUTBOX_FAILPOINT").is_ok_and(|v| v == "pause-after-commit");
     let cancel = super::shutdown_token()?;
-    let effect = async |tx: &tokio_postgres::Transaction<'_>, m: &Message| {
+    let effect = async |tx: &tokio_postgres::Transaction<'_>, m: &Received| {
         tx.execute(
             &apply,
             &[

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use outbox::worker::redis::RedisWorker;
-use outbox::worker::{Message, WorkerStats};
+use outbox::worker::{Received, WorkerStats};
 use outbox::{Config, Event, Inbox, InboxConfig, Outbox, Processed};
 use outbox_relay::{Relay, RelayConfig, SinkOptions};
 use outbox_testkit::{Postgres, Redis};
@@ -280,7 +280,7 @@ async fn place_orders(db: &mut Client, outbox: &Outbox, n: u32) -> anyhow::Resul
 
 /// The shipping side effect: an `OrderPaid` event ships its order. Run
 /// inside the inbox transaction, so a redelivered event ships nothing.
-async fn ship(tx: &tokio_postgres::Transaction<'_>, event: &Message) -> anyhow::Result<()> {
+async fn ship(tx: &tokio_postgres::Transaction<'_>, event: &Received) -> anyhow::Result<()> {
     if let ("OrderPaid", Some(order_id)) = (event.event_type.as_str(), event.payload["order_id"].as_i64()) {
         tx.execute(
             &format!("INSERT INTO {SCHEMA}.shipments (order_id, event_id) VALUES ($1, $2)"),

@@ -5,7 +5,7 @@
 use anyhow::Context;
 use outbox::sql::DeadFilter;
 
-use crate::cli::{DlqCommand, Global, RetryArgs};
+use crate::cli::{DlqCommand, Global, RequeueArgs};
 
 pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
@@ -45,8 +45,8 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        DlqCommand::Retry(args) => retry(&client, &sql, &config, g.max_attempts, args).await?,
-        DlqCommand::Skip { id } => {
+        DlqCommand::Requeue(args) => requeue(&client, &sql, &config, g.max_attempts, args).await?,
+        DlqCommand::GiveUp { id } => {
             let n = sql
                 .give_up(&client, g.max_attempts, &id)
                 .await
@@ -63,12 +63,12 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn retry(
+async fn requeue(
     client: &tokio_postgres::Client,
     sql: &outbox::sql::OutboxSql,
     config: &outbox::Config,
     max_attempts: i32,
-    args: RetryArgs,
+    args: RequeueArgs,
 ) -> anyhow::Result<()> {
     // `--all` is the absence of filters; other selectors narrow it.
     let filter = DeadFilter {

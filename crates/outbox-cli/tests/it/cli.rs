@@ -63,7 +63,9 @@ async fn configuration_errors_exit_2_naming_the_value() {
     )
     .await;
     expect_config_error(&["migrate", "--schema", "Bad-Name"], &env, "Bad-Name").await;
-    expect_config_error(&["dlq", "retry"], &env, "--all").await;
+    expect_config_error(&["dlq", "requeue"], &env, "--all").await;
+    // `skip`: the old name of `give-up`, kept as a hidden alias.
+    expect_config_error(&["dlq", "skip"], &env, "--id").await;
     // The table exists untouched after all that.
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
 }

@@ -1,6 +1,6 @@
 //! `--ordering strict`: an aggregate never gets past its earliest
 //! undelivered event, a dead letter blocks only its own aggregate, and
-//! `dlq skip` unblocks it. The seed's case, with `partition` beside it.
+//! `dlq give-up` unblocks it. The seed's case, with `partition` beside it.
 
 use outbox::{Event, Outbox};
 use outbox_testkit::{Receiver, Respond};
@@ -118,7 +118,7 @@ async fn a_dead_letter_blocks_only_its_aggregate_until_skipped() {
     assert_eq!(stats["dead_letters"], 1, "{stats}");
     assert_eq!(stats["blocked_aggregates"], 1, "{stats}");
 
-    let skip = run_cli(&["dlq", "skip", "--id", "1"], &env).await;
+    let skip = run_cli(&["dlq", "give-up", "--id", "1"], &env).await;
     assert_eq!(skip.status.code(), Some(0), "{}", text(&skip.stderr));
     assert!(text(&skip.stdout).contains("gave up on 1 dead letters"));
     wait_until("order 1's later events delivered", LONG, || async {

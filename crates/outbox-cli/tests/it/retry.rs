@@ -110,7 +110,7 @@ async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
     // Dead letters stay dead while nothing is done about them.
     receiver.set_respond(Respond::Ok);
     let dry = run_cli(
-        &["dlq", "retry", "--all", "--dry-run", "--max-attempts", "3"],
+        &["dlq", "requeue", "--all", "--dry-run", "--max-attempts", "3"],
         &env,
     )
     .await;
@@ -121,7 +121,7 @@ async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
     );
     assert_eq!(receiver.count(), 9);
 
-    let retry = run_cli(&["dlq", "retry", "--all", "--max-attempts", "3"], &env).await;
+    let retry = run_cli(&["dlq", "requeue", "--all", "--max-attempts", "3"], &env).await;
     assert!(
         text(&retry.stdout).contains("requeued 3"),
         "{}",
@@ -164,13 +164,14 @@ async fn permanent_refusal_dead_letters_at_once_and_retry_filters_select() {
 
     receiver.set_respond(Respond::Ok);
     let env = [("DATABASE_URL", db.url.as_str())];
+    // `retry`: the old name of `requeue`, kept as a hidden alias.
     let none = run_cli(&["dlq", "retry", "--error-contains", "HTTP 500"], &env).await;
     assert!(
         text(&none.stdout).contains("requeued 0"),
         "{}",
         text(&none.stdout)
     );
-    let one = run_cli(&["dlq", "retry", "--aggregate-type", "payments"], &env).await;
+    let one = run_cli(&["dlq", "requeue", "--aggregate-type", "payments"], &env).await;
     assert!(text(&one.stdout).contains("requeued 1"), "{}", text(&one.stdout));
     wait_until("the payments event delivered", LONG, || async {
         db.unpublished().await == 1

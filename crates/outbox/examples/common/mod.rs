@@ -4,7 +4,7 @@
 
 use std::error::Error;
 
-use outbox::worker::Message;
+use outbox::worker::Received;
 use outbox::{Inbox, InboxConfig};
 use tokio_postgres::{Client, NoTls, Transaction};
 use tokio_util::sync::CancellationToken;
@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 /// The side effect: ship the order. It runs inside the inbox transaction,
 /// so it commits together with the event_id that marks it done, and a
 /// redelivered event does not reach it again.
-pub(crate) async fn ship(tx: &Transaction<'_>, m: &Message) -> Result<(), tokio_postgres::Error> {
+pub(crate) async fn ship(tx: &Transaction<'_>, m: &Received) -> Result<(), tokio_postgres::Error> {
     tx.execute(
         "INSERT INTO shipments (order_id, event_id) VALUES ($1, $2)",
         &[&m.aggregate_id, &m.event_id],

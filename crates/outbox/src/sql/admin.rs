@@ -21,7 +21,7 @@ pub struct TypeStats {
     pub unpublished: i64,
     /// Rows past the attempt limit that nobody gave up on.
     pub dead_letters: i64,
-    /// Dead letters given up on (`dlq skip`).
+    /// Dead letters given up on (`dlq give-up`).
     pub given_up: i64,
     /// Aggregates a dead letter holds back under strict order.
     pub blocked_aggregates: i64,
@@ -48,7 +48,7 @@ pub struct DeadLetter {
     pub last_error: Option<String>,
     /// When the writer inserted it.
     pub created_at: DateTime<Utc>,
-    /// Set by `dlq skip`: kept for the record, no longer blocking.
+    /// Set by `dlq give-up`: kept for the record, no longer blocking.
     pub given_up_at: Option<DateTime<Utc>>,
 }
 

@@ -14,7 +14,7 @@
 //!
 //! Messages are read as the relay's RabbitMQ sink publishes them in the
 //! native format: a JSON body with `event_id`, `aggregate_id`, `event_type`
-//! and `payload`; the header table becomes [`Message::headers`].
+//! and `payload`; the header table becomes [`Received::headers`].
 
 use std::time::Duration;
 
@@ -28,7 +28,7 @@ use lapin::{Connection, ConnectionProperties};
 use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 
-use super::{Applied, Message, WorkerError, WorkerStats};
+use super::{Applied, Received, WorkerError, WorkerStats};
 use crate::Inbox;
 
 /// How long a failed effect waits before its message is requeued.
@@ -69,7 +69,7 @@ impl AmqpWorker {
         &self,
         db: &mut Client,
         cancel: CancellationToken,
-        mut effect: impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        mut effect: impl AsyncFnMut(&Transaction<'_>, &Received) -> Result<(), E>,
     ) -> Result<WorkerStats, WorkerError>
     where
         E: std::fmt::Display,
@@ -156,7 +156,7 @@ impl AmqpWorker {
 }
 
 /// A message as the relay's RabbitMQ sink publishes it (native format).
-pub fn message(delivery: &Delivery) -> Option<Message> {
+pub fn message(delivery: &Delivery) -> Option<Received> {
     let headers = delivery
         .properties
         .headers()
@@ -174,5 +174,5 @@ pub fn message(delivery: &Delivery) -> Option<Message> {
                 .collect()
         })
         .unwrap_or_default();
-    Message::from_native_body(&delivery.data, headers, delivery.delivery_tag.to_string())
+    Received::from_native_body(&delivery.data, headers, delivery.delivery_tag.to_string())
 }

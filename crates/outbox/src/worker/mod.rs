@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 /// One event as a worker hands it to the side effect.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Message {
+pub struct Received {
     /// The idempotency key the inbox records.
     pub event_id: Uuid,
     /// The aggregate the event belongs to.
@@ -38,7 +38,7 @@ pub struct Message {
 }
 
 #[cfg(any(feature = "nats", feature = "amqp"))]
-impl Message {
+impl Received {
     /// A message from the JSON body the relay's NATS and RabbitMQ sinks
     /// publish in the native format; `None` if it is not an outbox event
     /// (no parsable `event_id`).
@@ -134,8 +134,8 @@ impl From<crate::Error> for Failed {
 async fn apply<E: std::fmt::Display>(
     db: &mut tokio_postgres::Client,
     inbox: &crate::Inbox,
-    message: &Message,
-    effect: &mut impl AsyncFnMut(&tokio_postgres::Transaction<'_>, &Message) -> Result<(), E>,
+    message: &Received,
+    effect: &mut impl AsyncFnMut(&tokio_postgres::Transaction<'_>, &Received) -> Result<(), E>,
     stats: &mut WorkerStats,
     pause_after_commit: bool,
 ) -> Result<Applied, WorkerError> {

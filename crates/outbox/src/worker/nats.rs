@@ -16,7 +16,7 @@ use futures::StreamExt;
 use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 
-use super::{Applied, Message, WorkerError, WorkerStats};
+use super::{Applied, Received, WorkerError, WorkerStats};
 use crate::Inbox;
 
 /// A worker of one durable pull consumer on a JetStream stream.
@@ -55,7 +55,7 @@ impl NatsWorker {
         &self,
         db: &mut Client,
         cancel: CancellationToken,
-        mut effect: impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        mut effect: impl AsyncFnMut(&Transaction<'_>, &Received) -> Result<(), E>,
     ) -> Result<WorkerStats, WorkerError>
     where
         E: std::fmt::Display,
@@ -129,7 +129,7 @@ impl NatsWorker {
 }
 
 /// A message as the relay's NATS sink publishes it.
-pub fn message(msg: &jetstream::Message) -> Option<Message> {
+pub fn message(msg: &jetstream::Message) -> Option<Received> {
     let headers = msg
         .headers
         .iter()
@@ -144,5 +144,5 @@ pub fn message(msg: &jetstream::Message) -> Option<Message> {
         .info()
         .map(|i| i.stream_sequence.to_string())
         .unwrap_or_default();
-    Message::from_native_body(&msg.payload, headers, position)
+    Received::from_native_body(&msg.payload, headers, position)
 }

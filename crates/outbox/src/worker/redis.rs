@@ -19,7 +19,7 @@ use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{Applied, Message, WorkerError, WorkerStats};
+use super::{Applied, Received, WorkerError, WorkerStats};
 use crate::Inbox;
 
 /// A consumer in a Redis consumer group.
@@ -74,7 +74,7 @@ impl RedisWorker {
         &self,
         db: &mut Client,
         cancel: CancellationToken,
-        mut effect: impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        mut effect: impl AsyncFnMut(&Transaction<'_>, &Received) -> Result<(), E>,
     ) -> Result<WorkerStats, WorkerError>
     where
         E: std::fmt::Display,
@@ -137,7 +137,7 @@ impl RedisWorker {
         db: &mut Client,
         redis: &mut MultiplexedConnection,
         next_claim: &mut tokio::time::Instant,
-        effect: &mut impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        effect: &mut impl AsyncFnMut(&Transaction<'_>, &Received) -> Result<(), E>,
         stats: &mut WorkerStats,
         cancel: &CancellationToken,
     ) -> Result<(), WorkerError> {
@@ -169,7 +169,7 @@ impl RedisWorker {
         db: &mut Client,
         redis: &mut MultiplexedConnection,
         entry: StreamId,
-        effect: &mut impl AsyncFnMut(&Transaction<'_>, &Message) -> Result<(), E>,
+        effect: &mut impl AsyncFnMut(&Transaction<'_>, &Received) -> Result<(), E>,
         stats: &mut WorkerStats,
     ) -> Result<(), WorkerError> {
         let Some(message) = message(&entry) else {
@@ -263,10 +263,10 @@ impl RedisWorker {
 
 /// An entry as the relay's Redis sink writes it; `None` if it is not an
 /// outbox event (no parsable `event_id`).
-pub fn message(entry: &StreamId) -> Option<Message> {
+pub fn message(entry: &StreamId) -> Option<Received> {
     let text = |name: &str| entry.get::<String>(name);
     let json = |name: &str| text(name).and_then(|s| serde_json::from_str(&s).ok());
-    Some(Message {
+    Some(Received {
         event_id: text("event_id")?.parse::<Uuid>().ok()?,
         aggregate_id: text("aggregate_id").unwrap_or_default(),
         event_type: text("event_type").unwrap_or_default(),
