@@ -16,6 +16,7 @@
 //! | [`backoff`] | retry delays and the dead-letter limit |
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
+//! | `retention` | [`Retention`]: cleanup or partition maintenance on a schedule, one relay at a time |
 //!
 //! Each sink is a feature, all but `kafka` on by default (it builds
 //! librdkafka, a C library; the `outbox` binary turns it on):
@@ -36,6 +37,7 @@ pub mod failpoint;
 mod lease;
 mod plan;
 pub mod relay;
+mod retention;
 pub mod sink;
 mod source;
 mod wake;
@@ -43,4 +45,5 @@ mod wake;
 pub use backoff::Backoff;
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
+pub use retention::Retention;
 pub use sink::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};

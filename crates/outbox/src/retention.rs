@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
-use crate::sql::{CUTOFF, InboxSql, OutboxSql};
+use crate::sql::{CUTOFF, InboxSql, OutboxSql, RETENTION_LOCK};
 use crate::{Config, Error, InboxConfig};
 
 /// What a cleanup deleted.
@@ -94,6 +94,17 @@ pub async fn delete_processed<C: GenericClient>(
         done.batches += 1;
         progress(done.deleted);
     }
+}
+
+/// Takes the session advisory lock that lets one process at a time run
+/// scheduled retention on `config`'s table; false if another holds it.
+/// Closing the connection releases it.
+pub async fn try_lock<C: GenericClient>(client: &C, config: &Config) -> Result<bool, Error> {
+    client
+        .query_one(RETENTION_LOCK, &[&config.qualified()])
+        .await
+        .and_then(|row| row.try_get(0))
+        .map_err(Error::pg("taking the retention lock"))
 }
 
 /// The database's now minus `older_than`: the server's clock decides, as it

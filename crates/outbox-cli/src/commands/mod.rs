@@ -11,7 +11,6 @@ mod migrate;
 mod partitions;
 mod relay;
 mod relays;
-mod retention;
 mod stats;
 
 use anyhow::Context;

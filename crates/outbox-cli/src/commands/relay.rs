@@ -9,7 +9,6 @@ use outbox_relay::sink::format::Formatter;
 use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig, SinkOptions};
 
 use crate::cli::{Global, Ordering, RelayArgs};
-use crate::commands::retention;
 use crate::config::RelayFile;
 use crate::exit::ConfigError;
 
@@ -89,13 +88,11 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
     };
     let cancel = super::shutdown_token()?;
     let retention = args.retention.map(|keep| {
-        tokio::spawn(retention::run(
-            pg.clone(),
-            config.outbox.clone(),
+        let schedule = outbox_relay::Retention {
             keep,
-            args.retention_interval,
-            cancel.clone(),
-        ))
+            interval: args.retention_interval,
+        };
+        tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone()))
     });
     let result = Relay::new(pg, Arc::from(sink), config)
         .run(cancel.clone())

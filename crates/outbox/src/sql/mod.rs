@@ -197,6 +197,10 @@ pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, '')";
 /// every batch uses the same one.
 pub(crate) const CUTOFF: &str = "SELECT clock_timestamp() - make_interval(secs => $1)";
 
+/// `$1` the qualified table name. One session advisory lock per table for
+/// scheduled retention, so of several relays one runs it.
+pub(crate) const RETENTION_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('outbox retention ' || $1))";
+
 /// `$1` last id deleted (0 to start), `$2` cutoff, `$3` batch size. One
 /// short transaction of published rows older than the cutoff, walked by
 /// primary key so each batch starts where the last ended instead of
