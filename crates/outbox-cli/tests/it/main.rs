@@ -22,4 +22,3 @@ mod routing;
 mod scale;
 mod support;
 mod webhooks;
-mod writer;

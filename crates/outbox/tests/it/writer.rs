@@ -178,6 +178,9 @@ async fn inbox_runs_the_side_effect_once_per_event() {
     );
 }
 
+// With the `sqlx` feature, which the workspace build turns on (the CLI
+// tests use it).
+#[cfg(feature = "sqlx")]
 #[tokio::test]
 async fn sqlx_writer_and_inbox() {
     let db = Db::start().await;
