@@ -1,100 +1,210 @@
-//! The lab's scratch world: schema `outbox_lab` (an outbox with its own
-//! NOTIFY channel, a processed_events table, and the shop's `orders` and
-//! `shipments`), rebuilt from nothing by every experiment, and the `outbox
-//! relay` and `outbox lab --app` child processes the experiments start and
-//! kill.
+//! The one harness the lab and the bench share: where PostgreSQL and Redis
+//! come from (`DATABASE_URL` and `--sink`, or throwaway servers started
+//! here), a scratch schema with a migrated outbox and the harness's own
+//! connection, and the `outbox` child processes (`relay`, short commands,
+//! the lab's `--app`) started on it and stopped, with none of the user's
+//! `OUTBOX_*` settings.
+//!
+//! What is the lab's alone (the shop's tables, the inbox consumers) is in
+//! `lab/shop.rs`; what is the bench's alone (its stream, bulk fills) in
+//! `bench/mod.rs`: both as `impl Scratch` blocks.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use outbox::{Config, Event, Inbox, InboxConfig, Outbox, Processed};
-use outbox_testkit::{Received, Spawned};
-use serde_json::json;
-use tokio_postgres::Client;
-use uuid::Uuid;
+use outbox::{Config, Inbox, InboxConfig, Outbox};
+use outbox_testkit::Spawned;
+use tokio_postgres::types::FromSql;
+use tokio_postgres::{Client, NoTls};
 
-pub(super) const SCHEMA: &str = "outbox_lab";
-const CHANNEL: &str = "outbox_lab_new";
-/// How long any wait on state may take before the experiment fails.
-pub(super) const LONG: Duration = Duration::from_secs(60);
+use crate::ConfigError;
 
-/// The scratch schema and what the experiments share.
-pub(super) struct Lab {
-    pub(super) pg: tokio_postgres::Config,
-    pub(super) pg_url: String,
-    /// A throwaway redis-server, started by the first experiment that needs one.
-    redis: Option<outbox_testkit::Redis>,
-    /// The run's progress bar, for experiments with long phases.
-    pub(super) progress: Option<indicatif::ProgressBar>,
-    /// The lab's own connection, for setup and counting.
-    pub(super) db: Client,
-    pub(super) config: Config,
-    pub(super) outbox: Outbox,
-    pub(super) inbox: Inbox,
-    pub(super) quick: bool,
+/// How long any wait on state or on a child process may take before the
+/// run fails.
+pub(crate) const LONG: Duration = Duration::from_secs(60);
+
+/// Where the lab and the bench find PostgreSQL: the CLI's `--database-url`
+/// (`DATABASE_URL`) and `--connect-timeout`.
+#[derive(Debug, Clone)]
+pub struct Database {
+    /// A connection string (URL or key=value); `None` starts a throwaway
+    /// cluster (the testkit's, `fsync=off`) for the run.
+    pub url: Option<String>,
+    /// How long to keep trying to connect.
+    pub connect_timeout: Duration,
 }
 
-impl Lab {
-    pub(super) async fn new(
-        pg: &tokio_postgres::Config,
+/// The PostgreSQL of one run: its URL and parsed config, and the throwaway
+/// cluster behind them, if any, which lives as long as this does.
+pub(crate) struct Postgres {
+    pub(crate) url: String,
+    pub(crate) config: tokio_postgres::Config,
+    throwaway: Option<outbox_testkit::Postgres>,
+}
+
+impl Postgres {
+    /// `DATABASE_URL`, or else a throwaway cluster started here.
+    pub(crate) async fn start(db: &Database) -> anyhow::Result<Self> {
+        let (url, throwaway) = match &db.url {
+            Some(url) => (url.clone(), None),
+            None => {
+                let pg = outbox_testkit::Postgres::start()
+                    .await
+                    .context("starting a throwaway PostgreSQL")?;
+                (pg.url("postgres"), Some(pg))
+            }
+        };
+        Ok(Self {
+            config: parse_pg_url(&url, db.connect_timeout)?,
+            url,
+            throwaway,
+        })
+    }
+
+    /// Whether this is the run's own cluster (fsync=off).
+    pub(crate) fn is_throwaway(&self) -> bool {
+        self.throwaway.is_some()
+    }
+}
+
+/// `url` parsed (a [`ConfigError`] if it does not), with the connect timeout.
+pub(crate) fn parse_pg_url(url: &str, timeout: Duration) -> anyhow::Result<tokio_postgres::Config> {
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url))))?;
+    config.connect_timeout(timeout);
+    Ok(config)
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// One connection (`application_name` `outbox` unless set); its driver
+/// runs in a task.
+pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
+    let mut config = config.clone();
+    if config.get_application_name().is_none() {
+        config.application_name("outbox");
+    }
+    let (client, connection) = config.connect(NoTls).await.context("connecting to postgres")?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::warn!(%error, "postgres connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// A scratch schema with its outbox (own NOTIFY channel) and inbox table,
+/// the harness's own connection, the run's Redis and progress bar.
+pub(crate) struct Scratch {
+    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) pg_url: String,
+    schema: &'static str,
+    channel: &'static str,
+    /// Given (`--sink`), or a throwaway redis-server started on first use.
+    redis_url: Option<String>,
+    redis: Option<outbox_testkit::Redis>,
+    /// The run's progress bar, for long phases.
+    pub(crate) progress: Option<indicatif::ProgressBar>,
+    /// The harness's own connection, for setup and counting.
+    pub(crate) db: Client,
+    pub(crate) config: Config,
+    pub(crate) outbox: Outbox,
+    /// `processed_events` in the scratch schema (the lab's consumers).
+    pub(crate) inbox: Inbox,
+    /// Smaller sizes (`--quick`).
+    pub(crate) quick: bool,
+}
+
+impl Scratch {
+    /// Connects; the schema is built by [`Scratch::reset_outbox`] (or the
+    /// lab's `reset`).
+    pub(crate) async fn new(
+        pg: tokio_postgres::Config,
         pg_url: String,
+        schema: &'static str,
+        channel: &'static str,
+        redis_url: Option<String>,
         quick: bool,
     ) -> anyhow::Result<Self> {
-        let db = super::super::connect(pg).await?;
-        let config = Config::new(SCHEMA, "outbox")?.with_channel(CHANNEL)?;
+        let db = connect(&pg).await?;
+        let config = Config::new(schema, "outbox")?.with_channel(channel)?;
         Ok(Self {
-            pg: pg.clone(),
+            pg,
             pg_url,
+            schema,
+            channel,
+            redis_url,
             redis: None,
             progress: None,
             db,
             outbox: Outbox::new(config.clone()),
             config,
-            inbox: Inbox::new(InboxConfig::new(SCHEMA, "processed_events")?),
+            inbox: Inbox::new(InboxConfig::new(schema, "processed_events")?),
             quick,
         })
     }
 
-    /// Drops and recreates the scratch schema: a migrated outbox and inbox,
-    /// and empty `orders` and `shipments`.
-    pub(super) async fn reset(&mut self) -> anyhow::Result<()> {
-        self.db
-            .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-            .await
-            .context("dropping the lab schema")?;
+    /// Drops the scratch schema and migrates a fresh outbox into it.
+    pub(crate) async fn reset_outbox(&mut self) -> anyhow::Result<()> {
+        self.drop_schema().await?;
         outbox::migrate(&mut self.db, &self.config).await?;
-        outbox::migrate_inbox(&mut self.db, self.inbox.config()).await?;
-        self.db
-            .batch_execute(&format!(
-                "CREATE TABLE {SCHEMA}.orders (id bigserial PRIMARY KEY, customer text NOT NULL); \
-                 CREATE TABLE {SCHEMA}.shipments (order_id bigint NOT NULL)"
-            ))
-            .await
-            .context("creating the shop's tables")?;
         Ok(())
     }
 
-    /// The URL of the lab's redis-server, started on first use.
-    pub(super) async fn redis_url(&mut self) -> anyhow::Result<String> {
-        if self.redis.is_none() {
-            let redis = outbox_testkit::Redis::start()
-                .await
-                .context("starting a throwaway redis-server")?;
-            self.redis = Some(redis);
+    /// Drops the scratch schema, if there is one.
+    pub(crate) async fn drop_schema(&self) -> anyhow::Result<()> {
+        self.db
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema))
+            .await
+            .with_context(|| format!("dropping schema {}", self.schema))
+    }
+
+    /// The run's Redis URL, starting a throwaway redis-server on first use
+    /// if none was given.
+    pub(crate) async fn redis_url(&mut self) -> anyhow::Result<String> {
+        if let Some(url) = &self.redis_url {
+            return Ok(url.clone());
         }
-        Ok(self.redis.as_ref().map(|r| r.url()).unwrap_or_default())
+        let redis = outbox_testkit::Redis::start()
+            .await
+            .context("starting a throwaway redis-server")?;
+        let url = redis.url();
+        self.redis = Some(redis);
+        self.redis_url = Some(url.clone());
+        Ok(url)
+    }
+
+    /// A connection to the run's Redis.
+    pub(crate) async fn redis(&mut self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+        let url = self.redis_url().await?;
+        redis::Client::open(url.as_str())?
+            .get_multiplexed_async_connection()
+            .await
+            .context("connecting to Redis")
     }
 
     /// Shows the phase a long experiment is in.
-    pub(super) fn step(&self, phase: &str) {
+    pub(crate) fn step(&self, phase: &str) {
         if let Some(p) = &self.progress {
             p.set_message(phase.to_owned());
         }
     }
 
     /// `DATABASE_URL` with another database name.
-    pub(super) fn url_of(&self, dbname: &str) -> String {
+    pub(crate) fn url_of(&self, dbname: &str) -> String {
         match url::Url::parse(&self.pg_url) {
             Ok(mut u) if u.scheme().starts_with("postgres") => {
                 u.set_path(dbname);
@@ -106,31 +216,24 @@ impl Lab {
     }
 
     /// A connection to another database.
-    pub(super) async fn connect_to(&self, dbname: &str) -> anyhow::Result<Client> {
+    pub(crate) async fn connect_to(&self, dbname: &str) -> anyhow::Result<Client> {
         let mut pg = self.pg.clone();
         pg.dbname(dbname);
-        super::super::connect(&pg).await
+        connect(&pg).await
     }
 
     /// Another connection, for a second session.
-    pub(super) async fn connect(&self) -> anyhow::Result<Client> {
-        super::super::connect(&self.pg).await
-    }
-
-    pub(super) async fn drop_all(&self) -> anyhow::Result<()> {
-        self.db
-            .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-            .await
-            .context("dropping the lab schema")
+    pub(crate) async fn connect(&self) -> anyhow::Result<Client> {
+        connect(&self.pg).await
     }
 
     /// The outbox table, qualified and quoted.
-    pub(super) fn table(&self) -> String {
+    pub(crate) fn table(&self) -> String {
         self.config.qualified()
     }
 
     /// The single bigint a query returns.
-    pub(super) async fn count(&self, sql: &str) -> anyhow::Result<i64> {
+    pub(crate) async fn count(&self, sql: &str) -> anyhow::Result<i64> {
         let row = self
             .db
             .query_one(sql, &[])
@@ -139,7 +242,7 @@ impl Lab {
         Ok(row.get(0))
     }
 
-    pub(super) async fn unpublished(&self) -> anyhow::Result<i64> {
+    pub(crate) async fn unpublished(&self) -> anyhow::Result<i64> {
         self.count(&format!(
             "SELECT count(*) FROM {} WHERE published_at IS NULL",
             self.table()
@@ -147,87 +250,41 @@ impl Lab {
         .await
     }
 
-    pub(super) async fn rows(&self) -> anyhow::Result<i64> {
+    pub(crate) async fn published(&self) -> anyhow::Result<i64> {
+        self.count(&format!(
+            "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
+            self.table()
+        ))
+        .await
+    }
+
+    pub(crate) async fn rows(&self) -> anyhow::Result<i64> {
         self.count(&format!("SELECT count(*) FROM {}", self.table()))
             .await
     }
 
-    /// Orders, shipments, ghost shipments (of an order that does not exist)
-    /// and orders without shipment.
-    pub(super) async fn shop(&self) -> anyhow::Result<Shop> {
-        let row = self
-            .db
-            .query_one(
-                &format!(
-                    "SELECT (SELECT count(*) FROM {SCHEMA}.orders), \
-                            (SELECT count(*) FROM {SCHEMA}.shipments), \
-                            (SELECT count(*) FROM {SCHEMA}.shipments s \
-                              WHERE NOT EXISTS (SELECT 1 FROM {SCHEMA}.orders o WHERE o.id = s.order_id)), \
-                            (SELECT count(*) FROM {SCHEMA}.orders o \
-                              WHERE NOT EXISTS (SELECT 1 FROM {SCHEMA}.shipments s WHERE s.order_id = o.id)), \
-                            (SELECT count(*) FROM (SELECT order_id FROM {SCHEMA}.shipments \
-                              GROUP BY order_id HAVING count(*) > 1) d)"
-                ),
-                &[],
-            )
-            .await
-            .context("counting orders and shipments")?;
-        Ok(Shop {
-            orders: row.get(0),
-            shipments: row.get(1),
-            ghosts: row.get(2),
-            unshipped: row.get(3),
-            shipped_twice: row.get(4),
-        })
-    }
-
-    /// The naive consumer: one shipment per request that got a 2xx.
-    pub(super) async fn ship_naively(&self, received: &[Received]) -> anyhow::Result<()> {
-        for r in received.iter().filter(|r| (200..300).contains(&r.status)) {
-            let order_id = order_id(r)?;
-            self.db
-                .execute(
-                    &format!("INSERT INTO {SCHEMA}.shipments VALUES ($1)"),
-                    &[&order_id],
-                )
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// The idempotent consumer: the shipment and the inbox record in one
-    /// transaction per request that got a 2xx. Returns the duplicates it
-    /// skipped.
-    pub(super) async fn ship_through_inbox(&mut self, received: &[Received]) -> anyhow::Result<usize> {
-        let mut duplicates = 0;
-        let insert = format!("INSERT INTO {SCHEMA}.shipments VALUES ($1)");
-        for r in received.iter().filter(|r| (200..300).contains(&r.status)) {
-            let order_id = order_id(r)?;
-            let tx = self.db.transaction().await?;
-            let outcome = self
-                .inbox
-                .process(&tx, event_id(r)?, async |tx| {
-                    tx.execute(&insert, &[&order_id])
-                        .await
-                        .map_err(anyhow::Error::from)
-                })
-                .await?;
-            tx.commit().await?;
-            if outcome == Processed::Duplicate {
-                duplicates += 1;
-            }
-        }
-        Ok(duplicates)
+    /// Each row's `created_at` in epoch seconds, by `key` (`id` or
+    /// `event_id`).
+    pub(crate) async fn created_at<K>(&self, key: &str) -> anyhow::Result<HashMap<K, f64>>
+    where
+        K: for<'a> FromSql<'a> + Eq + Hash,
+    {
+        let sql = format!(
+            "SELECT {key}, extract(epoch FROM created_at)::float8 FROM {}",
+            self.table()
+        );
+        let rows = self.db.query(&sql, &[]).await.with_context(|| sql.clone())?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
     /// This binary with the scratch outbox's flags and `DATABASE_URL`, and
     /// none of the user's `OUTBOX_*` settings.
-    pub(super) fn outbox_cmd(&self, args: &[&str]) -> anyhow::Result<tokio::process::Command> {
+    pub(crate) fn outbox_cmd(&self, args: &[&str]) -> anyhow::Result<tokio::process::Command> {
         self.outbox_cmd_on(&self.pg_url, args)
     }
 
-    /// [`Lab::outbox_cmd`] on another database.
-    pub(super) fn outbox_cmd_on(
+    /// [`Scratch::outbox_cmd`] on another database.
+    pub(crate) fn outbox_cmd_on(
         &self,
         pg_url: &str,
         args: &[&str],
@@ -240,7 +297,7 @@ impl Lab {
             }
         }
         cmd.args(args)
-            .args(["--schema", SCHEMA, "--channel", CHANNEL])
+            .args(["--schema", self.schema, "--channel", self.channel])
             .env("DATABASE_URL", pg_url)
             .env("RUST_LOG", "info")
             .kill_on_drop(true);
@@ -249,7 +306,7 @@ impl Lab {
 
     /// Starts `outbox relay --sink <sink> <args>` (JSON logs) with `envs`,
     /// and returns once it logged that it is ready.
-    pub(super) async fn spawn_relay(
+    pub(crate) async fn spawn_relay(
         &self,
         sink: &str,
         args: &[&str],
@@ -258,8 +315,8 @@ impl Lab {
         self.spawn_relay_on(&self.pg_url, sink, args, envs).await
     }
 
-    /// [`Lab::spawn_relay`] on another database.
-    pub(super) async fn spawn_relay_on(
+    /// [`Scratch::spawn_relay`] on another database.
+    pub(crate) async fn spawn_relay_on(
         &self,
         pg_url: &str,
         sink: &str,
@@ -276,9 +333,12 @@ impl Lab {
         Ok(relay)
     }
 
-    /// SIGTERMs a relay and checks it drained and exited 0.
-    pub(super) async fn stop_relay(&self, mut relay: Spawned) -> anyhow::Result<()> {
-        relay.signal(nix::sys::signal::Signal::SIGTERM)?;
+    /// SIGTERMs a relay (unless it drained and stopped by itself, with
+    /// `--drain`) and checks it exited 0.
+    pub(crate) async fn stop_relay(&self, mut relay: Spawned) -> anyhow::Result<()> {
+        if relay.lines().iter().all(|l| !l.contains("relay drained")) {
+            relay.signal(nix::sys::signal::Signal::SIGTERM)?;
+        }
         let status = relay.wait(LONG).await?;
         if !status.success() {
             bail!("the relay exited with {status}: {:?}", relay.lines());
@@ -286,8 +346,32 @@ impl Lab {
         Ok(())
     }
 
+    /// Lets `relay` idle for `idle`, stops it, and waits until `gone` (a
+    /// count over `pg_stat_activity`) finds none of its backends: a backend
+    /// publishes its transaction counters as it exits. Returns how many
+    /// times it ran `gone` (each is two transactions: prepare, execute).
+    pub(crate) async fn idle_and_stop(
+        &self,
+        relay: Spawned,
+        idle: Duration,
+        gone: &str,
+    ) -> anyhow::Result<i64> {
+        tokio::time::sleep(idle).await;
+        self.stop_relay(relay).await?;
+        let deadline = Instant::now() + LONG;
+        let mut probes = 1;
+        while self.count(gone).await? > 0 {
+            probes += 1;
+            if Instant::now() > deadline {
+                bail!("the relay's backends did not exit within {LONG:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(probes)
+    }
+
     /// Runs `outbox <args>` on the scratch outbox to completion.
-    pub(super) async fn run_cli(&self, args: &[&str]) -> anyhow::Result<String> {
+    pub(crate) async fn run_cli(&self, args: &[&str]) -> anyhow::Result<String> {
         let mut cmd = self.outbox_cmd(args)?;
         let out = tokio::time::timeout(LONG, cmd.output())
             .await
@@ -302,30 +386,10 @@ impl Lab {
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
-
-    /// An `orders` event for order `order_id` of aggregate `order_id`.
-    pub(super) fn order_event(order_id: i64, event_type: &str) -> Event {
-        Event::new(
-            "orders",
-            order_id.to_string(),
-            event_type,
-            json!({"order_id": order_id}),
-        )
-    }
-}
-
-/// The shop's books after an experiment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Shop {
-    pub(super) orders: i64,
-    pub(super) shipments: i64,
-    pub(super) ghosts: i64,
-    pub(super) unshipped: i64,
-    pub(super) shipped_twice: i64,
 }
 
 /// Waits until `check` holds, polling state every 20 ms, for at most `LONG`.
-pub(super) async fn wait_until<F, Fut>(what: &str, mut check: F) -> anyhow::Result<()>
+pub(crate) async fn wait_until<F, Fut>(what: &str, mut check: F) -> anyhow::Result<()>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<bool>>,
@@ -338,20 +402,4 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(())
-}
-
-/// `payload.order_id` of a relay request, or `order_id` of a naive one.
-pub(super) fn order_id(r: &Received) -> anyhow::Result<i64> {
-    r.body["payload"]["order_id"]
-        .as_i64()
-        .or_else(|| r.body["order_id"].as_i64())
-        .with_context(|| format!("no order_id in {}", r.body))
-}
-
-/// `event_id` of a request.
-pub(super) fn event_id(r: &Received) -> anyhow::Result<Uuid> {
-    r.body["event_id"]
-        .as_str()
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("no event_id in {}", r.body))
 }

@@ -11,8 +11,9 @@ use anyhow::Context;
 use serde_json::Value;
 use tokio_postgres::types::Type;
 
-use super::report::{Outcome, Table, Verdict};
-use super::scratch::{Lab, SCHEMA};
+use super::shop::SCHEMA;
+use crate::report::{Outcome, Table, Verdict};
+use crate::scratch::Scratch;
 
 const UNPUBLISHED: usize = 50;
 
@@ -24,7 +25,7 @@ struct Explained {
     scans: Vec<String>,
 }
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let published: i64 = if lab.quick { 20_000 } else { 200_000 };
     let mut out = Outcome::new(
         "index",
@@ -53,7 +54,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         .await
         .context("inserting published rows")?;
     let events: Vec<_> = (0..UNPUBLISHED as i64)
-        .map(|i| Lab::order_event(published + i, "OrderPlaced"))
+        .map(|i| Scratch::order_event(published + i, "OrderPlaced"))
         .collect();
     lab.outbox.enqueue_all(&lab.db, &events).await?;
     lab.db
@@ -164,7 +165,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 }
 
 /// Runs the claim under EXPLAIN (ANALYZE, BUFFERS) and rolls it back.
-async fn explain(lab: &mut Lab, statement: &str) -> anyhow::Result<Explained> {
+async fn explain(lab: &mut Scratch, statement: &str) -> anyhow::Result<Explained> {
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement}");
     let tx = lab.db.transaction().await?;
     let statement = tx.prepare(&sql).await?;
