@@ -15,7 +15,7 @@ use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use outbox::{Config, Inbox, InboxConfig, Outbox};
+use outbox::{Config, Event, Inbox, InboxConfig, Outbox};
 use outbox_testkit::Spawned;
 use tokio_postgres::types::FromSql;
 use tokio_postgres::{Client, NoTls};
@@ -227,6 +227,16 @@ impl Scratch {
         connect(&self.pg).await
     }
 
+    /// Inserts `events` in order, 1000 per transaction (`enqueue_all`).
+    pub(crate) async fn insert(&mut self, events: &[Event]) -> anyhow::Result<()> {
+        for chunk in events.chunks(1000) {
+            let tx = self.db.transaction().await?;
+            self.outbox.enqueue_all(&tx, chunk).await?;
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+
     /// The outbox table, qualified and quoted.
     pub(crate) fn table(&self) -> String {
         self.config.qualified()
@@ -333,6 +343,23 @@ impl Scratch {
         Ok(relay)
     }
 
+    /// Starts a relay like [`Scratch::spawn_relay`] with the failpoint
+    /// `OUTBOX_FAILPOINT=<failpoint>`, and returns once it parked there.
+    pub(crate) async fn spawn_relay_parked(
+        &self,
+        sink: &str,
+        args: &[&str],
+        failpoint: &str,
+    ) -> anyhow::Result<Spawned> {
+        let relay = self
+            .spawn_relay(sink, args, &[("OUTBOX_FAILPOINT", failpoint)])
+            .await?;
+        relay
+            .wait_for_line(&format!("failpoint {failpoint} reached"), LONG)
+            .await?;
+        Ok(relay)
+    }
+
     /// SIGTERMs a relay (unless it drained and stopped by itself, with
     /// `--drain`) and checks it exited 0.
     pub(crate) async fn stop_relay(&self, mut relay: Spawned) -> anyhow::Result<()> {
@@ -386,6 +413,16 @@ impl Scratch {
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
+}
+
+/// The run's progress bar: `len` steps drawn by `template`, ticking.
+pub(crate) fn progress_bar(len: u64, template: &str) -> anyhow::Result<indicatif::ProgressBar> {
+    let style = indicatif::ProgressStyle::with_template(template)
+        .context("progress bar template")?
+        .progress_chars("=> ");
+    let progress = indicatif::ProgressBar::new(len).with_style(style);
+    progress.enable_steady_tick(Duration::from_millis(120));
+    Ok(progress)
 }
 
 /// Waits until `check` holds, polling state every 20 ms, for at most `LONG`.

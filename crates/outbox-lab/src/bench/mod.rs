@@ -29,14 +29,12 @@ mod writer;
 
 use std::time::Duration;
 
-use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
 use outbox::Event;
 use redis::AsyncCommands;
 use serde_json::json;
 
 use crate::latency::Wakeup;
-use crate::scratch::{Postgres, Scratch};
+use crate::scratch::{Postgres, Scratch, progress_bar};
 use crate::{ConfigError, Database};
 use results::Report;
 use throughput::Strategy;
@@ -175,12 +173,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     let throwaway_pg = pg.is_throwaway();
     let mut scratch = Scratch::bench(pg.config.clone(), pg.url.clone(), args.redis_url.clone()).await?;
 
-    let progress = ProgressBar::new(plan.steps(&phases)).with_style(
-        ProgressStyle::with_template("{spinner} {msg:<48} [{bar:30}] {pos}/{len}")
-            .context("progress bar template")?
-            .progress_chars("=> "),
-    );
-    progress.enable_steady_tick(Duration::from_millis(120));
+    let progress = progress_bar(plan.steps(&phases), "{spinner} {msg:<48} [{bar:30}] {pos}/{len}")?;
     let mut report = Report::new(plan.events, plan.reps, throwaway_pg);
     let reps = plan.reps;
     for phase in &phases {
@@ -284,12 +277,7 @@ impl Scratch {
     async fn fill(&mut self, n: usize) -> anyhow::Result<()> {
         self.clear().await?;
         let events: Vec<Event> = (0..n).map(event).collect();
-        for chunk in events.chunks(1000) {
-            let tx = self.db.transaction().await?;
-            self.outbox.enqueue_all(&tx, chunk).await?;
-            tx.commit().await?;
-        }
-        Ok(())
+        self.insert(&events).await
     }
 
     /// Starts `outbox relay` to the bench's stream with `args`, and returns

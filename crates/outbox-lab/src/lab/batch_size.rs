@@ -105,22 +105,11 @@ async fn crash(lab: &mut Scratch, batch: u32) -> anyhow::Result<(usize, usize)> 
     let events: Vec<_> = (0..n as i64)
         .map(|i| Scratch::order_event(i, "OrderPlaced"))
         .collect();
-    for chunk in events.chunks(1000) {
-        let tx = lab.db.transaction().await?;
-        lab.outbox.enqueue_all(&tx, chunk).await?;
-        tx.commit().await?;
-    }
+    lab.insert(&events).await?;
     let receiver = Receiver::start(Respond::Ok).await?;
     let b = batch.to_string();
     let mut relay = lab
-        .spawn_relay(
-            &receiver.url(),
-            &["--batch-size", &b],
-            &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-        )
-        .await?;
-    relay
-        .wait_for_line("failpoint pause-after-deliver reached", LONG)
+        .spawn_relay_parked(&receiver.url(), &["--batch-size", &b], "pause-after-deliver")
         .await?;
     relay.kill()?;
     relay.wait(LONG).await?;

@@ -45,14 +45,11 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     tx.commit().await?;
 
     let mut relay = lab
-        .spawn_relay(
+        .spawn_relay_parked(
             &receiver.url(),
             &["--batch-size", BATCH, "--lease-timeout", LEASE],
-            &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
+            "pause-after-deliver",
         )
-        .await?;
-    relay
-        .wait_for_line("failpoint pause-after-deliver reached", LONG)
         .await?;
     // The fault happened: 3 acknowledged by the receiver, none marked.
     let (sent, unpublished) = (receiver.count(), lab.unpublished().await?);

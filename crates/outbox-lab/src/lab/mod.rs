@@ -30,13 +30,12 @@ mod rollback;
 mod shop;
 mod watermark;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::report::{self, Outcome};
-use crate::scratch::{Postgres, Scratch};
+use crate::scratch::{Postgres, Scratch, progress_bar};
 use crate::{ConfigError, Database};
 
 /// `outbox lab`'s arguments.
@@ -151,15 +150,13 @@ pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
         if args.quick { "--quick sizes" } else { "full sizes" },
     );
 
-    let progress = ProgressBar::new(names.len() as u64).with_style(
-        ProgressStyle::with_template("{spinner} {msg:<40} [{bar:20}] {pos}/{len} {elapsed}")
-            .context("progress bar template")?
-            .progress_chars("=> "),
-    );
+    let progress = progress_bar(
+        names.len() as u64,
+        "{spinner} {msg:<40} [{bar:20}] {pos}/{len} {elapsed}",
+    )?;
     if args.json {
         progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    progress.enable_steady_tick(Duration::from_millis(120));
     lab.progress = Some(progress.clone());
     let mut outcomes = Vec::with_capacity(names.len());
     for name in names {
