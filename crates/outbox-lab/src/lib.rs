@@ -1,10 +1,10 @@
 //! `outbox lab` and `outbox bench`: the reference design's experiments and
 //! the relay's measurements, run against throwaway services.
 //!
-//! - [`lab`]: each experiment breaks something (a dual write, a crash before
+//! - [`mod@lab`]: each experiment breaks something (a dual write, a crash before
 //!   the mark, a watermark relay...) and reports `measure | ours | reference
 //!   | verdict`, as text, JSON and one HTML page with plots;
-//! - [`bench`]: throughput, latency, idle cost and writer rate, each figure
+//! - [`mod@bench`]: throughput, latency, idle cost and writer rate, each figure
 //!   beside a baseline measured in the same run.
 //!
 //! Both work in one harness (`scratch`: a scratch schema, the throwaway

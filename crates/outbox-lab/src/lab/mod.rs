@@ -3,10 +3,10 @@
 //!
 //! Each experiment is one module that reads as a story: what it breaks, what
 //! it shows. It rebuilds the scratch schema (the shared `scratch.rs`, with
-//! the shop's tables of `shop.rs`), runs real
-//! processes (the relay, the shop app of `app.rs`) against a real HTTP
-//! receiver (the testkit's), and returns an [`report::Outcome`]: a table
-//! `measure | ours | reference | verdict`, logs and plots.
+//! the shop's tables of `shop.rs`), runs real processes (the relay, the shop
+//! app of `app.rs`) against a real HTTP receiver (the testkit's), and returns
+//! an `Outcome` (of `report.rs`): a table `measure | ours | reference |
+//! verdict`, logs and plots.
 //!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL (the testkit's,
 //! `fsync=off`); with it, it works in schema `outbox_lab`, dropped at the end.
