@@ -1,7 +1,7 @@
 //! The one report renderer of the lab and the bench: the statistics they
 //! report (nearest-rank percentiles, `median [min–max]` spreads), text
 //! tables (the lab's ruled ones and the bench's fixed columns, through one
-//! line renderer), and for the lab its [`Outcome`]s: the table `measure |
+//! line renderer, both from a [`Table`]), and for the lab its [`Outcome`]s: the table `measure |
 //! ours | reference | verdict`, extra tables (logs) and plots (drawn by
 //! `plot.rs`), as text, JSON and one self-contained HTML file. The bench's
 //! figures and their check are in `bench/results.rs`.
@@ -134,12 +134,37 @@ pub(crate) struct Row {
     pub(crate) verdict: Verdict,
 }
 
-/// A secondary table: an attempt log, a plan summary.
+/// A table beside the verdicts (an attempt log, a plan summary), or one of
+/// the bench's.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Table {
     pub(crate) title: String,
     pub(crate) header: Vec<String>,
     pub(crate) rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// An empty table under `title` with these column names (none: no
+    /// header line).
+    pub(crate) fn new(title: impl Into<String>, header: &[&str]) -> Self {
+        Self {
+            title: title.into(),
+            header: header.iter().map(|&h| h.to_owned()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// The bench's style: a blank line, the title, then the header and the
+    /// rows in fixed `cols` joined by one space.
+    pub(crate) fn print_fixed(&self, cols: &[Col]) {
+        println!("\n{}", self.title);
+        if !self.header.is_empty() {
+            println!("{}", line(cols, &self.header, " "));
+        }
+        for row in &self.rows {
+            println!("{}", line(cols, row, " "));
+        }
+    }
 }
 
 /// A plot, rendered to SVG by `plot.rs`.

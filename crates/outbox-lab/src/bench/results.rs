@@ -1,5 +1,5 @@
-//! The bench's figures: medians with ranges per phase, ratios, their text
-//! tables (drawn with the shared `report.rs`) and JSON, and the correctness
+//! The bench's figures: medians with ranges per phase, ratios, their
+//! tables (rendered by the shared `report.rs`) and JSON, and the correctness
 //! check that decides the exit code (speed never does).
 
 use anyhow::bail;
@@ -10,7 +10,7 @@ use super::latency::LatencyRun;
 use super::throughput::{Run, Strategy};
 use super::writer::{Shape, WriterRun};
 use crate::latency::Wakeup;
-use crate::report::{Col, Spread, line};
+use crate::report::{Col, Spread, Table};
 
 const LATENCY: [Col; 6] = [
     Col::Left(14),
@@ -20,7 +20,8 @@ const LATENCY: [Col; 6] = [
     Col::Right(26),
     Col::Right(9),
 ];
-const IDLE: [Col; 2] = [Col::Left(14), Col::Right(26)];
+/// The last column is the unit.
+const IDLE: [Col; 3] = [Col::Left(14), Col::Right(26), Col::Left(0)];
 const WRITER: [Col; 3] = [Col::Left(34), Col::Right(24), Col::Right(24)];
 const THROUGHPUT: [Col; 7] = [
     Col::Left(30),
@@ -189,56 +190,64 @@ impl Report {
             self.print_throughput();
         }
         if !self.latency.is_empty() {
-            println!("\nlatency: created_at → consumer XREAD, one event per transaction");
-            let header = ["wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"];
-            println!("{}", line(&LATENCY, &header, " "));
+            let mut t = Table::new(
+                "latency: created_at → consumer XREAD, one event per transaction",
+                &["wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"],
+            );
             for r in &self.latency {
                 let received = r.runs.iter().map(|x| x.received).min().unwrap_or(0);
                 let written = r.runs.iter().map(|x| x.written).max().unwrap_or(0);
-                let cells = [
+                t.rows.push(vec![
                     r.wakeup.label(),
                     r.rate.to_string(),
                     r.p50_ms.show(2),
                     r.p99_ms.show(2),
                     r.max_ms.show(2),
                     format!("{received}/{written}"),
-                ];
-                println!("{}", line(&LATENCY, &cells, " "));
+                ]);
             }
+            t.print_fixed(&LATENCY);
         }
         if !self.idle.is_empty() {
-            println!("\nidle: transactions committed per second with nothing to do (pg_stat_database)");
+            let mut t = Table::new(
+                "idle: transactions committed per second with nothing to do (pg_stat_database)",
+                &[],
+            );
             for r in &self.idle {
-                let cells = [r.wakeup.label(), r.transactions_per_second.show(2)];
-                println!("{} tx/s", line(&IDLE, &cells, " "));
+                let tps = r.transactions_per_second.show(2);
+                t.rows.push(vec![r.wakeup.label(), tps, "tx/s".to_owned()]);
             }
+            t.print_fixed(&IDLE);
         }
         if !self.writer.is_empty() {
-            println!("\nwriter: one connection, each transaction committed");
-            println!("{}", line(&WRITER, &["shape", "transactions/s", "events/s"], " "));
+            let mut t = Table::new(
+                "writer: one connection, each transaction committed",
+                &["shape", "transactions/s", "events/s"],
+            );
             for r in &self.writer {
-                let cells = [
+                t.rows.push(vec![
                     r.shape.label().to_owned(),
                     r.transactions_per_second.show(0),
                     r.events_per_second.show(0),
-                ];
-                println!("{}", line(&WRITER, &cells, " "));
+                ]);
             }
+            t.print_fixed(&WRITER);
         }
     }
 
     fn print_throughput(&self) {
-        println!("\nthroughput: {} events per drain", self.events);
-        let header = [
-            "strategy",
-            "batch",
-            "events/s",
-            "wall s",
-            "delivered",
-            "dup",
-            "relay RSS",
-        ];
-        println!("{}", line(&THROUGHPUT, &header, " "));
+        let mut t = Table::new(
+            format!("throughput: {} events per drain", self.events),
+            &[
+                "strategy",
+                "batch",
+                "events/s",
+                "wall s",
+                "delivered",
+                "dup",
+                "relay RSS",
+            ],
+        );
         for r in &self.throughput {
             let delivered = r.runs.iter().map(|x| x.delivered).min().unwrap_or(0);
             let dup = r.runs.iter().map(|x| x.duplicates).max().unwrap_or(0);
@@ -248,7 +257,7 @@ impl Report {
                 .filter_map(|x| x.peak_rss)
                 .max()
                 .map_or("-".to_owned(), |b| format!("{:.1} MB", b as f64 / 1_048_576.0));
-            let cells = [
+            t.rows.push(vec![
                 r.strategy.label().to_owned(),
                 r.batch_size.to_string(),
                 r.events_per_second.show(0),
@@ -260,9 +269,9 @@ impl Report {
                 },
                 dup.to_string(),
                 rss,
-            ];
-            println!("{}", line(&THROUGHPUT, &cells, " "));
+            ]);
         }
+        t.print_fixed(&THROUGHPUT);
         println!();
         for ratio in &self.ratios {
             println!(
