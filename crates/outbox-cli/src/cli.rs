@@ -91,7 +91,7 @@ pub(crate) enum Command {
     /// Measure relay throughput against the no-sink floor and the naive
     /// per-row relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
     /// OUTBOX_SINK, in a scratch schema it drops).
-    Bench(BenchArgs),
+    Bench(outbox_lab::bench::BenchArgs),
     /// Reproduce the reference design's experiments (dual write, crash
     /// before mark, retries, watermark relay, latency, ordering, ...) on a
     /// throwaway PostgreSQL, redis-server and HTTP receiver (or
@@ -100,7 +100,7 @@ pub(crate) enum Command {
     /// failed (a lost event, a duplicate side effect behind the inbox, an
     /// order violation where the mode promises order) or an experiment
     /// could not run; 2 an unknown experiment. Timings are never judged.
-    Lab(LabArgs),
+    Lab(outbox_lab::lab::LabArgs),
 }
 
 #[derive(Debug, Args)]
@@ -394,71 +394,6 @@ pub(crate) struct DemoArgs {
     pub(crate) sink: Option<String>,
 }
 
-#[derive(Debug, Args)]
-pub(crate) struct BenchArgs {
-    /// Events per drain.
-    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
-    pub(crate) events: u32,
-    /// Batch sizes to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1000",
-          value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub(crate) batch_sizes: Vec<u32>,
-    /// Repetitions of each figure (reported as median [min–max]).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
-    pub(crate) reps: u32,
-    /// A few hundred events, one repetition: checks the bench itself.
-    #[arg(long)]
-    pub(crate) quick: bool,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub(crate) json: bool,
-    /// Redis to deliver to (redis://…); without it the bench starts its own.
-    #[arg(long = "sink", env = "OUTBOX_SINK")]
-    pub(crate) redis_url: Option<String>,
-    /// Phases to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "throughput,latency,idle,writer")]
-    pub(crate) phases: Vec<Phase>,
-    /// Events per second the latency phase writes.
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub(crate) rate: u32,
-    /// How long the latency phase writes.
-    #[arg(long, default_value = "10s", value_parser = positive_duration)]
-    pub(crate) latency_duration: Duration,
-    /// The polling relay's interval in the latency and idle phases.
-    #[arg(long, default_value = "1s", value_parser = positive_duration)]
-    pub(crate) poll_interval: Duration,
-    /// How long the idle phase watches an idle relay.
-    #[arg(long, default_value = "10s", value_parser = positive_duration)]
-    pub(crate) idle_duration: Duration,
-    /// Events per writer figure (one transaction each for `enqueue`; the
-    /// 100-event shapes commit a hundredth as many transactions).
-    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(10..=1_000_000))]
-    pub(crate) writer_transactions: u32,
-}
-
-#[derive(Debug, Args)]
-pub(crate) struct LabArgs {
-    /// `list`, `all`, or experiment names (see `outbox lab list`).
-    #[arg(default_value = "list")]
-    pub(crate) experiments: Vec<String>,
-    /// Smaller sizes, for CI.
-    #[arg(long)]
-    pub(crate) quick: bool,
-    /// Also write a self-contained HTML report (tables and SVG plots) here.
-    #[arg(long)]
-    pub(crate) report: Option<std::path::PathBuf>,
-    /// Print JSON instead of tables.
-    #[arg(long)]
-    pub(crate) json: bool,
-    /// Internal: run one step of the lab's order-placing application (a
-    /// child process the lab may kill -9), e.g. `naive:crash-after-commit`.
-    #[arg(long, hide = true, requires = "app_sink")]
-    pub(crate) app: Option<String>,
-    /// Internal: where the application's naive POST goes.
-    #[arg(long, hide = true)]
-    pub(crate) app_sink: Option<String>,
-}
-
 /// `relay --ordering`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Ordering {
@@ -468,19 +403,6 @@ pub(crate) enum Ordering {
     Partition,
     /// An aggregate waits for its earliest undelivered event.
     Strict,
-}
-
-/// A part of `outbox bench`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Phase {
-    /// Drain N events at each batch size: relay, floor, naive.
-    Throughput,
-    /// Commit-to-consumer latency, NOTIFY and polling.
-    Latency,
-    /// Transactions per second of an idle relay.
-    Idle,
-    /// Commit rate of the writer API.
-    Writer,
 }
 
 /// `TYPE=MODE` of `--ordering-for`.

@@ -1,12 +1,10 @@
 //! One module per subcommand, and the few things they share: turning global
 //! flags into validated configs and a PostgreSQL connection.
 
-mod bench;
 mod cleanup;
 mod consume;
 mod demo;
 mod dlq;
-mod lab;
 mod migrate;
 mod partitions;
 mod relay;
@@ -32,30 +30,22 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq(command) => dlq::run(g, command).await,
         Command::Partitions(command) => partitions::run(g, command).await,
         Command::Demo(args) => demo::run(g, args).await,
-        Command::Bench(args) => bench::run(g, args).await,
-        Command::Lab(args) => lab::run(g, args).await,
+        Command::Bench(args) => outbox_lab::bench::run(&lab_database(g), args).await,
+        Command::Lab(args) => outbox_lab::lab::run(&lab_database(g), args).await,
+    }
+}
+
+/// Where `outbox lab` and `outbox bench` find PostgreSQL.
+fn lab_database(g: &Global) -> outbox_lab::Database {
+    outbox_lab::Database {
+        url: g.database_url.clone(),
+        connect_timeout: g.connect_timeout,
     }
 }
 
 /// The outbox table named by `--schema`, `--table`, `--channel`.
 pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
     Ok(outbox::Config::new(&g.schema, &g.table)?.with_channel(&g.channel)?)
-}
-
-/// `DATABASE_URL`, or else a throwaway cluster started here: its URL and
-/// the cluster (None with `DATABASE_URL`), which must outlive its use.
-pub(crate) async fn database_or_throwaway(
-    g: &Global,
-) -> anyhow::Result<(String, Option<outbox_testkit::Postgres>)> {
-    match &g.database_url {
-        Some(url) => Ok((url.clone(), None)),
-        None => {
-            let pg = outbox_testkit::Postgres::start()
-                .await
-                .context("starting a throwaway PostgreSQL")?;
-            Ok((pg.url("postgres"), Some(pg)))
-        }
-    }
 }
 
 /// `DATABASE_URL` parsed, with the connect timeout.

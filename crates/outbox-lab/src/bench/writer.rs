@@ -8,10 +8,11 @@
 
 use std::time::Instant;
 
-use outbox::{Event, Outbox};
+use outbox::Event;
 use serde::Serialize;
 
-use super::scratch::{Scratch, event};
+use super::event;
+use crate::scratch::Scratch;
 
 /// Events per transaction in the batched shapes.
 const PER_TX: usize = 100;
@@ -61,7 +62,6 @@ pub(super) async fn measure(
     transactions: usize,
 ) -> anyhow::Result<WriterRun> {
     scratch.clear().await?;
-    let outbox = Outbox::new(scratch.config.clone());
     let per_tx = shape.events_per_tx();
     let events: Vec<Event> = (0..transactions * per_tx).map(event).collect();
     let started = Instant::now();
@@ -70,18 +70,17 @@ pub(super) async fn measure(
         match shape {
             Shape::Single | Shape::EnqueueLoop => {
                 for e in chunk {
-                    outbox.enqueue(&tx, e).await?;
+                    scratch.outbox.enqueue(&tx, e).await?;
                 }
             }
             Shape::EnqueueAll => {
-                outbox.enqueue_all(&tx, chunk).await?;
+                scratch.outbox.enqueue_all(&tx, chunk).await?;
             }
         }
         tx.commit().await?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let count = format!("SELECT count(*) FROM {}", scratch.config.qualified());
-    let rows = scratch.db.query_one(&count, &[]).await?.get::<_, i64>(0) as u64;
+    let rows = scratch.rows().await? as u64;
     Ok(WriterRun {
         transactions,
         events: events.len(),

@@ -8,48 +8,27 @@
 //! wakes it. Both clocks are this host's; with a remote `DATABASE_URL`,
 //! clock skew is part of the figure.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use outbox_testkit::{Receiver, Respond};
 
-use super::super::bench::latency::percentile;
-use super::plot::{self, Mark, Series};
-use super::report::{Outcome, Verdict};
-use super::scratch::{Lab, event_id, wait_until};
+use super::shop::event_id;
+use crate::latency::{Wakeup, epoch_seconds, latencies_ms};
+use crate::plot::{self, Mark, Series};
+use crate::report::percentile;
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{Scratch, wait_until};
 
-/// How the relay learns about new rows.
-#[derive(Debug, Clone, Copy)]
-enum Wakeup {
-    Poll(u64),
-    Notify,
-}
-
-impl Wakeup {
-    fn label(self) -> String {
-        match self {
-            Wakeup::Poll(ms) => format!("poll {ms} ms"),
-            Wakeup::Notify => "NOTIFY (+1 s fallback poll)".to_owned(),
-        }
-    }
-
-    fn args(self) -> Vec<String> {
-        match self {
-            Wakeup::Poll(ms) => vec!["--no-notify".into(), "--poll-interval".into(), format!("{ms}ms")],
-            Wakeup::Notify => vec!["--poll-interval".into(), "1s".into()],
-        }
-    }
-
-    fn reference(self) -> &'static str {
-        match self {
-            Wakeup::Poll(1000) => "p50 507.6 ms, max 1003.0 ms",
-            Wakeup::Poll(_) => "p50 ≈ interval/2, max ≈ interval",
-            Wakeup::Notify => "about 6 ms",
-        }
+/// What the reference measured in each mode.
+fn reference(wakeup: Wakeup) -> &'static str {
+    match wakeup {
+        Wakeup::Poll { interval_ms: 1000 } => "p50 507.6 ms, max 1003.0 ms",
+        Wakeup::Poll { .. } => "p50 ≈ interval/2, max ≈ interval",
+        Wakeup::Notify | Wakeup::NotifyOrPoll { .. } => "about 6 ms",
     }
 }
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let events: usize = if lab.quick { 20 } else { 100 };
     let mut out = Outcome::new(
         "latency",
@@ -64,13 +43,12 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     );
     let mut curves = Vec::new();
     for wakeup in [
-        Wakeup::Poll(1000),
-        Wakeup::Poll(200),
-        Wakeup::Poll(100),
-        Wakeup::Notify,
+        Wakeup::Poll { interval_ms: 1000 },
+        Wakeup::Poll { interval_ms: 200 },
+        Wakeup::Poll { interval_ms: 100 },
+        Wakeup::NotifyOrPoll { fallback_ms: 1000 },
     ] {
-        let mut latencies = measure(lab, wakeup, events).await?;
-        latencies.sort_by(f64::total_cmp);
+        let latencies = measure(lab, wakeup, events).await?;
         let n = latencies.len();
         out.row(
             format!("{}: p50 / p99 / max ms", wakeup.label()),
@@ -80,7 +58,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
                 percentile(&latencies, 0.99),
                 latencies.last().copied().unwrap_or(f64::NAN)
             ),
-            wakeup.reference(),
+            reference(wakeup),
             Verdict::Timing,
         );
         out.row(
@@ -111,18 +89,18 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     Ok(out)
 }
 
-/// Latencies in ms of `events` events, each its first arrival.
-async fn measure(lab: &mut Lab, wakeup: Wakeup, events: usize) -> anyhow::Result<Vec<f64>> {
+/// Latencies in ms of `events` events, each its first arrival, sorted.
+async fn measure(lab: &mut Scratch, wakeup: Wakeup, events: usize) -> anyhow::Result<Vec<f64>> {
     lab.reset().await?;
     let receiver = Receiver::start(Respond::Ok).await?;
-    let args = wakeup.args();
+    let args = wakeup.relay_args();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let relay = lab.spawn_relay(&receiver.url(), &args, &[]).await?;
     for i in 0..events {
         // Irregular gaps: 30..75 ms in a fixed pseudo-random sequence.
         tokio::time::sleep(Duration::from_millis(30 + (i as u64 * 37) % 46)).await;
         lab.outbox
-            .enqueue(&lab.db, &Lab::order_event(i as i64, "OrderPlaced"))
+            .enqueue(&lab.db, &Scratch::order_event(i as i64, "OrderPlaced"))
             .await?;
     }
     wait_until(
@@ -133,33 +111,12 @@ async fn measure(lab: &mut Lab, wakeup: Wakeup, events: usize) -> anyhow::Result
     lab.stop_relay(relay).await?;
     // Instants to wall-clock time, through one reading of both clocks.
     let (now_instant, now_epoch) = (Instant::now(), epoch_seconds());
-    let mut arrived: HashMap<uuid::Uuid, f64> = HashMap::new();
-    for r in receiver.received() {
-        let at = now_epoch - (now_instant - r.at).as_secs_f64();
-        arrived.entry(event_id(&r)?).or_insert(at);
-    }
-    receiver.shutdown().await;
-    let rows = lab
-        .db
-        .query(
-            &format!(
-                "SELECT event_id, extract(epoch FROM created_at)::float8 FROM {}",
-                lab.table()
-            ),
-            &[],
-        )
-        .await?;
-    Ok(rows
+    let arrivals = receiver
+        .received()
         .iter()
-        .filter_map(|row| {
-            let (id, created): (uuid::Uuid, f64) = (row.get(0), row.get(1));
-            arrived.get(&id).map(|at| (at - created) * 1000.0)
-        })
-        .collect())
-}
-
-fn epoch_seconds() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+        .map(|r| Ok((event_id(r)?, now_epoch - (now_instant - r.at).as_secs_f64())))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    receiver.shutdown().await;
+    let created = lab.created_at::<uuid::Uuid>("event_id").await?;
+    Ok(latencies_ms(arrivals, &created).0)
 }

@@ -1,8 +1,8 @@
 //! One drain of N pre-inserted events by one strategy at one batch size.
 //!
 //! - `Relay`: `outbox relay` as a child process, to Redis Streams.
-//! - `Floor`: one client running `CLAIM_AND_MARK` until nothing is left: the
-//!   cost of the claim and the mark alone, no sink.
+//! - `Floor`: one client running `claim_and_mark` (of `naive_sql.rs`) until
+//!   nothing is left: the cost of the claim and the mark alone, no sink.
 //! - `Naive`: the reference relay's shape: claim a batch, then per row one
 //!   XADD round trip and one `UPDATE … WHERE id = $1`.
 
@@ -14,7 +14,9 @@ use outbox::OutboxRow;
 use redis::AsyncCommands;
 use serde::Serialize;
 
-use super::scratch::{STREAM, Scratch};
+use super::STREAM;
+use super::naive_sql::NaiveSql;
+use crate::scratch::{Scratch, connect};
 
 /// How the outbox is drained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -57,7 +59,7 @@ impl Scratch {
             Strategy::Floor => (self.drain_floor(batch).await?, None),
             Strategy::Naive => (self.drain_naive(batch).await?, None),
         };
-        let marked = self.marked().await?;
+        let marked = self.published().await? as u64;
         let (entries, delivered) = if strategy == Strategy::Floor {
             (0, 0)
         } else {
@@ -72,7 +74,7 @@ impl Scratch {
         })
     }
 
-    async fn stream_counts(&self) -> anyhow::Result<(u64, u64)> {
+    async fn stream_counts(&mut self) -> anyhow::Result<(u64, u64)> {
         let reply: redis::streams::StreamRangeReply = self.redis().await?.xrange_all(STREAM).await?;
         let ids: HashSet<String> = reply
             .ids
@@ -82,9 +84,11 @@ impl Scratch {
         Ok((reply.ids.len() as u64, ids.len() as u64))
     }
 
-    async fn drain_relay(&self, batch: u32) -> anyhow::Result<(f64, Option<u64>)> {
+    async fn drain_relay(&mut self, batch: u32) -> anyhow::Result<(f64, Option<u64>)> {
         let batch = batch.to_string();
-        let relay = self.spawn_relay(&["--batch-size", &batch, "--drain"]).await?;
+        let relay = self
+            .spawn_bench_relay(&["--batch-size", &batch, "--drain"])
+            .await?;
         // The relay times its own drain, from its first claim to its last
         // commit, as the floor is timed: process start-up is not the relay's
         // throughput. Watching for the log line costs the database nothing.
@@ -109,19 +113,22 @@ impl Scratch {
     }
 
     async fn drain_floor(&self, batch: u32) -> anyhow::Result<f64> {
-        let client = super::super::connect(&self.pg).await?;
-        let stmt = client.prepare(&self.sql.claim_and_mark).await?;
+        let client = connect(&self.pg).await?;
+        let stmt = client
+            .prepare(&NaiveSql::new(&self.config).claim_and_mark)
+            .await?;
         let limit = i64::from(batch);
         let started = Instant::now();
         while client.execute(&stmt, &[&limit]).await? > 0 {}
         Ok(started.elapsed().as_secs_f64())
     }
 
-    async fn drain_naive(&self, batch: u32) -> anyhow::Result<f64> {
-        let mut client = super::super::connect(&self.pg).await?;
+    async fn drain_naive(&mut self, batch: u32) -> anyhow::Result<f64> {
+        let mut client = connect(&self.pg).await?;
         let mut redis = self.redis().await?;
-        let claim = client.prepare(&self.sql.select_batch).await?;
-        let mark = client.prepare(&self.sql.mark_one).await?;
+        let sql = NaiveSql::new(&self.config);
+        let claim = client.prepare(&sql.select_batch).await?;
+        let mark = client.prepare(&sql.mark_one).await?;
         let limit = i64::from(batch);
         let started = Instant::now();
         loop {

@@ -12,8 +12,9 @@ use std::collections::HashSet;
 use anyhow::bail;
 use outbox_testkit::{Receiver, Respond};
 
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab, SCHEMA, event_id, wait_until};
+use super::shop::{SCHEMA, event_id};
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{LONG, Scratch, wait_until};
 
 const EVENTS: i64 = 5;
 const BATCH: &str = "3";
@@ -22,7 +23,7 @@ const BATCH: &str = "3";
 /// lapses: a short lease keeps the experiment to a second or so.
 const LEASE: &str = "1s";
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "crash-before-mark",
         "Relay killed after sending, before marking",
@@ -38,20 +39,17 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let tx = lab.db.transaction().await?;
     for order in 1..=EVENTS {
         lab.outbox
-            .enqueue(&tx, &Lab::order_event(order, "OrderPaid"))
+            .enqueue(&tx, &Scratch::order_event(order, "OrderPaid"))
             .await?;
     }
     tx.commit().await?;
 
     let mut relay = lab
-        .spawn_relay(
+        .spawn_relay_parked(
             &receiver.url(),
             &["--batch-size", BATCH, "--lease-timeout", LEASE],
-            &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
+            "pause-after-deliver",
         )
-        .await?;
-    relay
-        .wait_for_line("failpoint pause-after-deliver reached", LONG)
         .await?;
     // The fault happened: 3 acknowledged by the receiver, none marked.
     let (sent, unpublished) = (receiver.count(), lab.unpublished().await?);

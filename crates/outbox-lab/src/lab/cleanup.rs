@@ -11,12 +11,13 @@
 
 use std::time::Instant;
 
-use super::report::{Outcome, Verdict};
-use super::scratch::{Lab, SCHEMA};
+use super::shop::SCHEMA;
+use crate::report::{Outcome, Verdict};
+use crate::scratch::Scratch;
 
 const UNPUBLISHED: i64 = 50;
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let rows: i64 = if lab.quick { 20_000 } else { 200_000 };
     let mut out = Outcome::new(
         "cleanup",
@@ -43,7 +44,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     lab.step("cleanup: filling the outbox");
     lab.db.execute(&fill(&t), &[&rows]).await?;
     let fresh: Vec<_> = (0..UNPUBLISHED)
-        .map(|i| Lab::order_event(rows + i, "OrderPlaced"))
+        .map(|i| Scratch::order_event(rows + i, "OrderPlaced"))
         .collect();
     lab.outbox.enqueue_all(&lab.db, &fresh).await?;
     lab.db.batch_execute(&format!("VACUUM ANALYZE {t}")).await?;
@@ -175,7 +176,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 /// `n_dead_tup` of a table in the lab schema, with this backend's pending
 /// statistics flushed first (PostgreSQL 15+; older servers publish within
 /// half a second anyway).
-async fn dead_tuples(lab: &Lab, table: &str) -> anyhow::Result<i64> {
+async fn dead_tuples(lab: &Scratch, table: &str) -> anyhow::Result<i64> {
     let _ = lab.db.batch_execute("SELECT pg_stat_force_next_flush()").await;
     lab.count(&format!(
         "SELECT coalesce(sum(n_dead_tup), 0)::int8 FROM pg_stat_user_tables \

@@ -18,8 +18,9 @@ use anyhow::Context;
 use outbox_testkit::{Receiver, Respond, Spawned};
 
 use super::app::Path;
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab, SCHEMA, Shop, wait_until};
+use super::shop::{SCHEMA, Shop};
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{LONG, Scratch, wait_until};
 
 /// What one request of the app did.
 struct Request {
@@ -27,7 +28,7 @@ struct Request {
     succeeded: bool,
 }
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "dual-write",
         "The dual-write problem: commit then POST vs the outbox",
@@ -197,7 +198,13 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 
 /// Runs one request of the app as its own process; kills it at its crash
 /// point.
-async fn request(lab: &Lab, style: &str, path: Path, customer: &str, sink: &str) -> anyhow::Result<Request> {
+async fn request(
+    lab: &Scratch,
+    style: &str,
+    path: Path,
+    customer: &str,
+    sink: &str,
+) -> anyhow::Result<Request> {
     let spec = format!("{style}:{}:{customer}", path.name());
     let cmd = lab.outbox_cmd(&["lab", "--app", &spec, "--app-sink", sink])?;
     let mut app = Spawned::spawn(cmd)?;
@@ -217,7 +224,7 @@ async fn request(lab: &Lab, style: &str, path: Path, customer: &str, sink: &str)
 
 /// Whether the app told the user the request failed although it committed
 /// the order (a crashed app told nothing).
-async fn misled(lab: &Lab, r: &Request, path: Path, customer: &str) -> anyhow::Result<bool> {
+async fn misled(lab: &Scratch, r: &Request, path: Path, customer: &str) -> anyhow::Result<bool> {
     if r.succeeded || path.crashes() {
         return Ok(false);
     }

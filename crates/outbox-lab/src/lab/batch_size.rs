@@ -13,15 +13,15 @@ use std::collections::HashSet;
 
 use outbox_testkit::{Receiver, Respond};
 
-use super::super::bench::scratch::Scratch;
-use super::super::bench::throughput::Strategy;
-use super::plot::{self, Mark, Series};
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab, event_id, wait_until};
+use super::shop::event_id;
+use crate::bench::throughput::Strategy;
+use crate::plot::{self, Mark, Series};
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{LONG, Scratch, wait_until};
 
 const BATCHES: [u32; 4] = [1, 10, 100, 1000];
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     // The reference drains 10,000, as here; `--quick` shrinks it for CI.
     let events: usize = if lab.quick { 300 } else { 10_000 };
     let mut out = Outcome::new(
@@ -36,7 +36,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         ),
     );
     let redis_url = lab.redis_url().await?;
-    let mut bench = Scratch::new(lab.pg.clone(), lab.pg_url.clone(), redis_url).await?;
+    let mut bench = Scratch::bench(lab.pg.clone(), lab.pg_url.clone(), Some(redis_url)).await?;
     let mut throughput = Vec::new();
     let mut resends = Vec::new();
     for batch in BATCHES {
@@ -99,28 +99,17 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 /// 2×`batch` events; the relay parked after delivering its first batch is
 /// killed, a fresh one delivers the rest. Returns (events received more
 /// than once, events never received).
-async fn crash(lab: &mut Lab, batch: u32) -> anyhow::Result<(usize, usize)> {
+async fn crash(lab: &mut Scratch, batch: u32) -> anyhow::Result<(usize, usize)> {
     lab.reset().await?;
     let n = 2 * batch as usize;
     let events: Vec<_> = (0..n as i64)
-        .map(|i| Lab::order_event(i, "OrderPlaced"))
+        .map(|i| Scratch::order_event(i, "OrderPlaced"))
         .collect();
-    for chunk in events.chunks(1000) {
-        let tx = lab.db.transaction().await?;
-        lab.outbox.enqueue_all(&tx, chunk).await?;
-        tx.commit().await?;
-    }
+    lab.insert(&events).await?;
     let receiver = Receiver::start(Respond::Ok).await?;
     let b = batch.to_string();
     let mut relay = lab
-        .spawn_relay(
-            &receiver.url(),
-            &["--batch-size", &b],
-            &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-        )
-        .await?;
-    relay
-        .wait_for_line("failpoint pause-after-deliver reached", LONG)
+        .spawn_relay_parked(&receiver.url(), &["--batch-size", &b], "pause-after-deliver")
         .await?;
     relay.kill()?;
     relay.wait(LONG).await?;

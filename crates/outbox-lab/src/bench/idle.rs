@@ -10,17 +10,16 @@
 //! Other clients of the same database (and autovacuum) add noise, which is
 //! why this runs on a quiet, empty scratch table.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::bail;
 use serde::Serialize;
 
-use super::latency::Wakeup;
-use super::scratch::Scratch;
+use crate::latency::Wakeup;
+use crate::scratch::Scratch;
 
 /// What one idle measurement found.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct IdleRun {
+pub(crate) struct IdleRun {
     /// Transactions of a relay idling `seconds`, minus one that stopped at once.
     pub(super) transactions: i64,
     pub(super) seconds: f64,
@@ -41,28 +40,18 @@ pub(super) async fn measure(scratch: &mut Scratch, wakeup: Wakeup, seconds: f64)
 
 /// Transactions committed in the database while one relay lived `idle` past
 /// its start-up, counted once its backend is gone.
-async fn lifetime_transactions(scratch: &Scratch, wakeup: Wakeup, idle: Duration) -> anyhow::Result<i64> {
+async fn lifetime_transactions(scratch: &mut Scratch, wakeup: Wakeup, idle: Duration) -> anyhow::Result<i64> {
     let before = xact_commit(scratch).await?;
     let args = wakeup.relay_args();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let relay = scratch.spawn_relay(&args).await?;
-    tokio::time::sleep(idle).await;
-    scratch.stop_relay(relay).await?;
+    let relay = scratch.spawn_bench_relay(&args).await?;
     // The backend outlives the process by a moment; its counters are
     // published as it exits.
     let gone = "SELECT count(*) FROM pg_stat_activity \
                 WHERE application_name LIKE 'outbox-relay%' AND datname = current_database()";
-    let deadline = Instant::now() + Duration::from_secs(10);
     // Each probe is two transactions of ours (prepare, execute), and their
     // number varies.
-    let mut probes = 2;
-    while scratch.db.query_one(gone, &[]).await?.get::<_, i64>(0) > 0 {
-        probes += 2;
-        if Instant::now() > deadline {
-            bail!("the relay's backend did not exit within 10 s");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let probes = 2 * scratch.idle_and_stop(relay, idle, gone).await?;
     // Leaving pg_stat_activity and publishing the counters are two steps of
     // the backend's exit.
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -16,11 +16,12 @@ use std::time::Instant;
 
 use outbox_testkit::{Receiver, Respond};
 
-use super::plot::{self, Mark, Series};
-use super::report::{Outcome, Table, Verdict};
-use super::scratch::{Lab, event_id, order_id, wait_until};
+use super::shop::{event_id, order_id};
+use crate::plot::{self, Mark, Series};
+use crate::report::{Outcome, Table, Verdict};
+use crate::scratch::{Scratch, wait_until};
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "retry",
         "Retries with backoff, dead letters, requeue",
@@ -43,7 +44,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let tx = lab.db.transaction().await?;
     for order in 1..=2 {
         lab.outbox
-            .enqueue(&tx, &Lab::order_event(order, "OrderPlaced"))
+            .enqueue(&tx, &Scratch::order_event(order, "OrderPlaced"))
             .await?;
     }
     tx.commit().await?;
@@ -152,7 +153,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     lab.reset().await?;
     let receiver = Receiver::start(Respond::Status(500)).await?;
     lab.outbox
-        .enqueue(&lab.db, &Lab::order_event(3, "OrderPlaced"))
+        .enqueue(&lab.db, &Scratch::order_event(3, "OrderPlaced"))
         .await?;
     let relay = lab
         .spawn_relay(

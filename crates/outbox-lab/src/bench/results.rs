@@ -1,39 +1,37 @@
-//! The bench report: medians with ranges, ratios, tables and JSON, and the
-//! correctness check that decides the exit code (speed never does).
+//! The bench's figures: medians with ranges per phase, ratios, their
+//! tables (rendered by the shared `report.rs`) and JSON, and the correctness
+//! check that decides the exit code (speed never does).
 
 use anyhow::bail;
 use serde::Serialize;
 
 use super::idle::IdleRun;
-use super::latency::{LatencyRun, Wakeup};
+use super::latency::LatencyRun;
 use super::throughput::{Run, Strategy};
 use super::writer::{Shape, WriterRun};
+use crate::latency::Wakeup;
+use crate::report::{Col, Spread, Table};
 
-/// Median, minimum and maximum of one figure over the repetitions.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub(super) struct Spread {
-    pub(super) median: f64,
-    pub(super) min: f64,
-    pub(super) max: f64,
-}
-
-impl Spread {
-    fn of(values: impl IntoIterator<Item = f64>) -> Self {
-        let mut values: Vec<f64> = values.into_iter().collect();
-        values.sort_by(f64::total_cmp);
-        let mid = values.len() / 2;
-        let median = if values.len() % 2 == 1 {
-            values[mid]
-        } else {
-            (values[mid - 1] + values[mid]) / 2.0
-        };
-        Self {
-            median,
-            min: values[0],
-            max: values[values.len() - 1],
-        }
-    }
-}
+const LATENCY: [Col; 6] = [
+    Col::Left(14),
+    Col::Right(6),
+    Col::Right(26),
+    Col::Right(26),
+    Col::Right(26),
+    Col::Right(9),
+];
+/// The last column is the unit.
+const IDLE: [Col; 3] = [Col::Left(14), Col::Right(26), Col::Left(0)];
+const WRITER: [Col; 3] = [Col::Left(34), Col::Right(24), Col::Right(24)];
+const THROUGHPUT: [Col; 7] = [
+    Col::Left(30),
+    Col::Right(6),
+    Col::Right(28),
+    Col::Right(9),
+    Col::Right(10),
+    Col::Right(5),
+    Col::Right(10),
+];
 
 /// One strategy at one batch size.
 #[derive(Debug, Serialize)]
@@ -192,54 +190,63 @@ impl Report {
             self.print_throughput();
         }
         if !self.latency.is_empty() {
-            println!("\nlatency: created_at → consumer XREAD, one event per transaction");
-            println!(
-                "{:<14} {:>6} {:>26} {:>26} {:>26} {:>9}",
-                "wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"
+            let mut t = Table::new(
+                "latency: created_at → consumer XREAD, one event per transaction",
+                &["wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"],
             );
             for r in &self.latency {
                 let received = r.runs.iter().map(|x| x.received).min().unwrap_or(0);
                 let written = r.runs.iter().map(|x| x.written).max().unwrap_or(0);
-                println!(
-                    "{:<14} {:>6} {:>26} {:>26} {:>26} {:>9}",
+                t.rows.push(vec![
                     r.wakeup.label(),
-                    r.rate,
+                    r.rate.to_string(),
                     r.p50_ms.show(2),
                     r.p99_ms.show(2),
                     r.max_ms.show(2),
-                    format!("{received}/{written}")
-                );
+                    format!("{received}/{written}"),
+                ]);
             }
+            t.print_fixed(&LATENCY);
         }
         if !self.idle.is_empty() {
-            println!("\nidle: transactions committed per second with nothing to do (pg_stat_database)");
+            let mut t = Table::new(
+                "idle: transactions committed per second with nothing to do (pg_stat_database)",
+                &[],
+            );
             for r in &self.idle {
-                println!(
-                    "{:<14} {:>26} tx/s",
-                    r.wakeup.label(),
-                    r.transactions_per_second.show(2)
-                );
+                let tps = r.transactions_per_second.show(2);
+                t.rows.push(vec![r.wakeup.label(), tps, "tx/s".to_owned()]);
             }
+            t.print_fixed(&IDLE);
         }
         if !self.writer.is_empty() {
-            println!("\nwriter: one connection, each transaction committed");
-            println!("{:<34} {:>24} {:>24}", "shape", "transactions/s", "events/s");
+            let mut t = Table::new(
+                "writer: one connection, each transaction committed",
+                &["shape", "transactions/s", "events/s"],
+            );
             for r in &self.writer {
-                println!(
-                    "{:<34} {:>24} {:>24}",
-                    r.shape.label(),
+                t.rows.push(vec![
+                    r.shape.label().to_owned(),
                     r.transactions_per_second.show(0),
-                    r.events_per_second.show(0)
-                );
+                    r.events_per_second.show(0),
+                ]);
             }
+            t.print_fixed(&WRITER);
         }
     }
 
     fn print_throughput(&self) {
-        println!("\nthroughput: {} events per drain", self.events);
-        println!(
-            "{:<30} {:>6} {:>28} {:>9} {:>10} {:>5} {:>10}",
-            "strategy", "batch", "events/s", "wall s", "delivered", "dup", "relay RSS"
+        let mut t = Table::new(
+            format!("throughput: {} events per drain", self.events),
+            &[
+                "strategy",
+                "batch",
+                "events/s",
+                "wall s",
+                "delivered",
+                "dup",
+                "relay RSS",
+            ],
         );
         for r in &self.throughput {
             let delivered = r.runs.iter().map(|x| x.delivered).min().unwrap_or(0);
@@ -250,21 +257,21 @@ impl Report {
                 .filter_map(|x| x.peak_rss)
                 .max()
                 .map_or("-".to_owned(), |b| format!("{:.1} MB", b as f64 / 1_048_576.0));
-            println!(
-                "{:<30} {:>6} {:>28} {:>9.3} {:>10} {:>5} {:>10}",
-                r.strategy.label(),
-                r.batch_size,
+            t.rows.push(vec![
+                r.strategy.label().to_owned(),
+                r.batch_size.to_string(),
                 r.events_per_second.show(0),
-                r.seconds.median,
+                format!("{:.3}", r.seconds.median),
                 if r.strategy == Strategy::Floor {
                     "-".to_owned()
                 } else {
                     delivered.to_string()
                 },
-                dup,
-                rss
-            );
+                dup.to_string(),
+                rss,
+            ]);
         }
+        t.print_fixed(&THROUGHPUT);
         println!();
         for ratio in &self.ratios {
             println!(
@@ -318,18 +325,5 @@ impl Report {
             }
         }
         Ok(())
-    }
-}
-
-impl Spread {
-    /// `median [min–max]` with `decimals` digits.
-    fn show(&self, decimals: usize) -> String {
-        format!(
-            "{:.d$} [{:.d$}–{:.d$}]",
-            self.median,
-            self.min,
-            self.max,
-            d = decimals
-        )
     }
 }

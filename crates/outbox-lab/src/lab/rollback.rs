@@ -8,10 +8,11 @@ use anyhow::bail;
 use outbox_testkit::Spawned;
 
 use super::app::{APP_NAME, Path};
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab, SCHEMA, wait_until};
+use super::shop::SCHEMA;
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{LONG, Scratch, wait_until};
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "rollback",
         "Writer: ROLLBACK and a crash before COMMIT leave nothing",
@@ -35,7 +36,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         .await?
         .get(0);
     lab.outbox
-        .enqueue(&tx, &Lab::order_event(order_id, "OrderPlaced"))
+        .enqueue(&tx, &Scratch::order_event(order_id, "OrderPlaced"))
         .await?;
     // The fault is in place: both rows exist inside the transaction.
     let inside: i64 = tx

@@ -1,18 +1,92 @@
-//! What an experiment hands back: its story, its setup, the table `measure |
-//! ours | reference | verdict`, extra tables (logs) and plots; and the three
-//! renderings of all of them: text, JSON and one self-contained HTML file.
+//! The one report renderer of the lab and the bench: the statistics they
+//! report (nearest-rank percentiles, `median [min–max]` spreads), text
+//! tables (the lab's ruled ones and the bench's fixed columns, through one
+//! line renderer, both from a [`Table`]), and for the lab its [`Outcome`]s: the table `measure |
+//! ours | reference | verdict`, extra tables (logs) and plots (drawn by
+//! `plot.rs`), as text, JSON and one self-contained HTML file. The bench's
+//! figures and their check are in `bench/results.rs`.
 //!
-//! Only [`Verdict::Fail`] changes the exit code. Timings get
+//! Only [`Verdict::Fail`] changes the lab's exit code. Timings get
 //! [`Verdict::Timing`]: reported, never judged.
 
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
+/// Nearest-rank percentile of sorted values.
+pub(crate) fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Median, minimum and maximum of one figure over the repetitions.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct Spread {
+    pub(crate) median: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
+}
+
+impl Spread {
+    pub(crate) fn of(values: impl IntoIterator<Item = f64>) -> Self {
+        let mut values: Vec<f64> = values.into_iter().collect();
+        values.sort_by(f64::total_cmp);
+        let mid = values.len() / 2;
+        let median = if values.len() % 2 == 1 {
+            values[mid]
+        } else {
+            (values[mid - 1] + values[mid]) / 2.0
+        };
+        Self {
+            median,
+            min: values[0],
+            max: values[values.len() - 1],
+        }
+    }
+
+    /// `median [min–max]` with `decimals` digits.
+    pub(crate) fn show(&self, decimals: usize) -> String {
+        format!(
+            "{:.d$} [{:.d$}–{:.d$}]",
+            self.median,
+            self.min,
+            self.max,
+            d = decimals
+        )
+    }
+}
+
+/// A column of a text table: its width, and which side its cells keep to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Col {
+    Left(usize),
+    Right(usize),
+}
+
+/// One line of a text table: each cell padded to its column, joined by
+/// `sep`.
+pub(crate) fn line<S: AsRef<str>>(cols: &[Col], cells: &[S], sep: &str) -> String {
+    let padded: Vec<String> = cells
+        .iter()
+        .zip(cols)
+        .map(|(c, col)| {
+            let c = c.as_ref();
+            match *col {
+                Col::Left(w) => format!("{c:<w$}"),
+                Col::Right(w) => format!("{c:>w$}"),
+            }
+        })
+        .collect();
+    padded.join(sep)
+}
+
 /// How a measured figure is judged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub(super) enum Verdict {
+pub(crate) enum Verdict {
     /// A correctness property of ours held.
     Pass,
     /// A correctness property of ours failed: the lab exits 1.
@@ -26,7 +100,7 @@ pub(super) enum Verdict {
 }
 
 impl Verdict {
-    pub(super) fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Verdict::Pass => "ok",
             Verdict::Fail => "FAIL",
@@ -37,12 +111,12 @@ impl Verdict {
     }
 
     /// `Pass` when `holds`, else `Fail`.
-    pub(super) fn check(holds: bool) -> Self {
+    pub(crate) fn check(holds: bool) -> Self {
         if holds { Verdict::Pass } else { Verdict::Fail }
     }
 
     /// `Reproduced` when the naive variant broke.
-    pub(super) fn naive(broke: bool) -> Self {
+    pub(crate) fn naive(broke: bool) -> Self {
         if broke {
             Verdict::Reproduced
         } else {
@@ -53,46 +127,71 @@ impl Verdict {
 
 /// One line of an experiment's main table.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct Row {
-    pub(super) measure: String,
-    pub(super) ours: String,
-    pub(super) reference: String,
-    pub(super) verdict: Verdict,
+pub(crate) struct Row {
+    pub(crate) measure: String,
+    pub(crate) ours: String,
+    pub(crate) reference: String,
+    pub(crate) verdict: Verdict,
 }
 
-/// A secondary table: an attempt log, a plan summary.
+/// A table beside the verdicts (an attempt log, a plan summary), or one of
+/// the bench's.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct Table {
-    pub(super) title: String,
-    pub(super) header: Vec<String>,
-    pub(super) rows: Vec<Vec<String>>,
+pub(crate) struct Table {
+    pub(crate) title: String,
+    pub(crate) header: Vec<String>,
+    pub(crate) rows: Vec<Vec<String>>,
 }
 
-/// A plot, rendered to SVG by [`super::plot`].
+impl Table {
+    /// An empty table under `title` with these column names (none: no
+    /// header line).
+    pub(crate) fn new(title: impl Into<String>, header: &[&str]) -> Self {
+        Self {
+            title: title.into(),
+            header: header.iter().map(|&h| h.to_owned()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// The bench's style: a blank line, the title, then the header and the
+    /// rows in fixed `cols` joined by one space.
+    pub(crate) fn print_fixed(&self, cols: &[Col]) {
+        println!("\n{}", self.title);
+        if !self.header.is_empty() {
+            println!("{}", line(cols, &self.header, " "));
+        }
+        for row in &self.rows {
+            println!("{}", line(cols, row, " "));
+        }
+    }
+}
+
+/// A plot, rendered to SVG by `plot.rs`.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct Plot {
-    pub(super) title: String,
+pub(crate) struct Plot {
+    pub(crate) title: String,
     #[serde(skip)]
-    pub(super) svg: String,
+    pub(crate) svg: String,
 }
 
 /// What one experiment found.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct Outcome {
-    pub(super) name: &'static str,
-    pub(super) title: &'static str,
+pub(crate) struct Outcome {
+    pub(crate) name: &'static str,
+    pub(crate) title: &'static str,
     /// What it breaks and what it shows.
-    pub(super) story: &'static str,
+    pub(crate) story: &'static str,
     /// The setup, with this run's sizes.
-    pub(super) setup: String,
-    pub(super) rows: Vec<Row>,
-    pub(super) tables: Vec<Table>,
-    pub(super) plots: Vec<Plot>,
-    pub(super) seconds: f64,
+    pub(crate) setup: String,
+    pub(crate) rows: Vec<Row>,
+    pub(crate) tables: Vec<Table>,
+    pub(crate) plots: Vec<Plot>,
+    pub(crate) seconds: f64,
 }
 
 impl Outcome {
-    pub(super) fn new(name: &'static str, title: &'static str, story: &'static str, setup: String) -> Self {
+    pub(crate) fn new(name: &'static str, title: &'static str, story: &'static str, setup: String) -> Self {
         Self {
             name,
             title,
@@ -105,7 +204,7 @@ impl Outcome {
         }
     }
 
-    pub(super) fn row(
+    pub(crate) fn row(
         &mut self,
         measure: impl Into<String>,
         ours: impl ToString,
@@ -120,12 +219,12 @@ impl Outcome {
         });
     }
 
-    pub(super) fn failed(&self) -> impl Iterator<Item = &Row> {
+    pub(crate) fn failed(&self) -> impl Iterator<Item = &Row> {
         self.rows.iter().filter(|r| r.verdict == Verdict::Fail)
     }
 
     /// The experiment as text: title, setup, table, extra tables.
-    pub(super) fn print(&self) {
+    pub(crate) fn print(&self) {
         println!("\n== {} ({}) — {:.1} s", self.title, self.name, self.seconds);
         println!("{}", self.setup);
         let header = ["measure", "ours", "reference", "verdict"].map(str::to_owned);
@@ -149,6 +248,8 @@ impl Outcome {
     }
 }
 
+/// The lab's ruled table: columns as wide as their widest cell, ` | `
+/// between them, a rule under the header.
 fn print_table(header: &[String], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
@@ -156,30 +257,17 @@ fn print_table(header: &[String], rows: &[Vec<String>]) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let line = |cells: &[String]| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, &w)| format!("{c:<w$}"))
-            .collect();
-        println!("  {}", padded.join(" | ").trim_end());
-    };
-    line(header);
-    println!(
-        "  {}",
-        widths
-            .iter()
-            .map(|&w| "-".repeat(w))
-            .collect::<Vec<_>>()
-            .join("-+-")
-    );
+    let cols: Vec<Col> = widths.iter().map(|&w| Col::Left(w)).collect();
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    println!("  {}", line(&cols, header, " | ").trim_end());
+    println!("  {}", rule.join("-+-"));
     for row in rows {
-        line(row);
+        println!("  {}", line(&cols, row, " | ").trim_end());
     }
 }
 
 /// Escapes text for HTML element content and attribute values.
-pub(super) fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -203,7 +291,7 @@ p.setup{font-family:monospace;white-space:pre-wrap;background:#f6f6f6;padding:0.
 /// One self-contained page: no script, no external resource. Written as
 /// XHTML-compatible HTML (every element closed, every text escaped) so an
 /// XML parser can check it.
-pub(super) fn html(outcomes: &[Outcome], context: &str) -> String {
+pub(crate) fn html(outcomes: &[Outcome], context: &str) -> String {
     let mut h = String::new();
     // Writing to a String cannot fail.
     let _ = write!(
@@ -299,6 +387,24 @@ fn verdict_cell(v: Verdict) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[7.0], 0.99), 7.0);
+        assert!(percentile(&[], 0.5).is_nan());
+    }
+
+    #[test]
+    fn spread_and_columns() {
+        let s = Spread::of([3.0, 1.0, 2.0, 10.0]);
+        assert_eq!(s.show(1), "2.5 [1.0–10.0]");
+        let cols = [Col::Left(4), Col::Right(3)];
+        assert_eq!(line(&cols, &["ab", "c"], " "), "ab     c");
+        assert_eq!(line(&cols, &["ab", "c"], " | "), "ab   |   c");
+    }
 
     #[test]
     fn escapes_markup_and_quotes() {

@@ -16,8 +16,9 @@ use anyhow::{Context, bail};
 use serde_json::json;
 use uuid::Uuid;
 
-use super::scratch::{Lab, SCHEMA};
-use crate::cli::Global;
+use super::shop::SCHEMA;
+use crate::scratch::{Scratch, connect, parse_pg_url};
+use crate::{ConfigError, Database};
 
 /// `application_name` of the app's connection, so the lab can see its
 /// backend in `pg_stat_activity`.
@@ -68,15 +69,18 @@ impl Path {
 }
 
 /// Runs one request of the app: `spec` is `<naive|outbox>:<path>:<customer>`.
-pub(super) async fn run(g: &Global, spec: &str, sink: &str) -> anyhow::Result<()> {
+pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result<()> {
     let mut parts = spec.splitn(3, ':');
     let (Some(style), Some(path), Some(customer)) = (parts.next(), parts.next(), parts.next()) else {
         bail!("--app wants <naive|outbox>:<path>:<customer>, not {spec:?}");
     };
     let path = Path::parse(path).with_context(|| format!("unknown app path {path:?}"))?;
-    let mut pg = super::super::pg_config(g)?;
+    let url = db.url.as_deref().ok_or_else(|| {
+        ConfigError("no database given: set DATABASE_URL or pass --database-url".to_owned())
+    })?;
+    let mut pg = parse_pg_url(url, db.connect_timeout)?;
     pg.application_name(APP_NAME);
-    let mut db = super::super::connect(&pg).await?;
+    let mut db = connect(&pg).await?;
     let insert = format!("INSERT INTO {SCHEMA}.orders (customer) VALUES ($1) RETURNING id");
     let tx = db.transaction().await?;
     let order_id: i64 = tx.query_one(&insert, &[&customer]).await?.get(0);
@@ -105,7 +109,7 @@ pub(super) async fn run(g: &Global, spec: &str, sink: &str) -> anyhow::Result<()
         "outbox" => {
             let outbox = outbox::Outbox::new(outbox::Config::new(SCHEMA, "outbox")?);
             outbox
-                .enqueue(&tx, &Lab::order_event(order_id, "OrderPlaced"))
+                .enqueue(&tx, &Scratch::order_event(order_id, "OrderPlaced"))
                 .await?;
             match path {
                 Path::SendThenRollback => {

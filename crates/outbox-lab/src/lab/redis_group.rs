@@ -11,15 +11,16 @@
 use outbox_testkit::Spawned;
 use redis::AsyncCommands;
 
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab, SCHEMA, wait_until};
+use super::shop::SCHEMA;
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{LONG, Scratch, wait_until};
 
 const EVENTS: i64 = 5;
 const PREFIX: &str = "outbox_lab.event";
 const STREAM: &str = "outbox_lab.event.orders";
 const GROUP: &str = "shipping";
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "redis-group",
         "Redis consumer group: a consumer dies before XACK",
@@ -36,7 +37,9 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         .get_multiplexed_async_connection()
         .await?;
     let _: i64 = redis.del(STREAM).await?;
-    let events: Vec<_> = (1..=EVENTS).map(|o| Lab::order_event(o, "OrderPaid")).collect();
+    let events: Vec<_> = (1..=EVENTS)
+        .map(|o| Scratch::order_event(o, "OrderPaid"))
+        .collect();
     lab.outbox.enqueue_all(&lab.db, &events).await?;
     lab.run_cli(&[
         "relay",
@@ -116,7 +119,12 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 }
 
 /// `outbox consume` on the lab stream, shipping through the lab's inbox.
-async fn consumer(lab: &Lab, redis_url: &str, name: &str, envs: &[(&str, &str)]) -> anyhow::Result<Spawned> {
+async fn consumer(
+    lab: &Scratch,
+    redis_url: &str,
+    name: &str,
+    envs: &[(&str, &str)],
+) -> anyhow::Result<Spawned> {
     let apply = format!("INSERT INTO {SCHEMA}.shipments (order_id) VALUES (($2::text)::bigint)");
     let mut cmd = lab.outbox_cmd(&[
         "consume",

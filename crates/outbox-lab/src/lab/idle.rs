@@ -12,14 +12,15 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab};
+use crate::latency::Wakeup;
+use crate::report::{Outcome, Verdict};
+use crate::scratch::Scratch;
 
 const DB: &str = "outbox_lab_idle";
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let seconds: u64 = if lab.quick { 2 } else { 10 };
     let mut out = Outcome::new(
         "idle",
@@ -43,19 +44,19 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     outbox::migrate(&mut db, &lab.config).await?;
     drop(db);
     let url = lab.url_of(DB);
-    let modes: [(&str, &[&str], &str); 3] = [
+    let modes = [
+        ("poll 100 ms", Wakeup::Poll { interval_ms: 100 }, "~100"),
+        ("poll 1000 ms", Wakeup::Poll { interval_ms: 1000 }, "~10"),
         (
-            "poll 100 ms",
-            &["--no-notify", "--poll-interval", "100ms"],
-            "~100",
+            "NOTIFY + 1 s fallback poll",
+            Wakeup::NotifyOrPoll { fallback_ms: 1000 },
+            "~10",
         ),
-        ("poll 1000 ms", &["--no-notify", "--poll-interval", "1s"], "~10"),
-        ("NOTIFY + 1 s fallback poll", &["--poll-interval", "1s"], "~10"),
     ];
-    for (label, args, reference) in modes {
+    for (label, wakeup, reference) in modes {
         lab.step(&format!("idle: {label}, {seconds} s"));
-        let idle = lifetime(lab, &url, args, Duration::from_secs(seconds)).await?;
-        let base = lifetime(lab, &url, args, Duration::ZERO).await?;
+        let idle = lifetime(lab, &url, wakeup, Duration::from_secs(seconds)).await?;
+        let base = lifetime(lab, &url, wakeup, Duration::ZERO).await?;
         let per_10s = (idle - base) as f64 * 10.0 / seconds as f64;
         out.row(
             format!("{label}: transactions per 10 idle seconds"),
@@ -70,21 +71,16 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 
 /// Transactions committed in the idle database over one relay lifetime
 /// that idled `idle` after start-up.
-async fn lifetime(lab: &Lab, url: &str, args: &[&str], idle: Duration) -> anyhow::Result<i64> {
+async fn lifetime(lab: &Scratch, url: &str, wakeup: Wakeup, idle: Duration) -> anyhow::Result<i64> {
     let before = xact_commit(lab).await?;
+    let args = wakeup.relay_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let relay = lab
-        .spawn_relay_on(url, "http://127.0.0.1:9/unused", args, &[])
+        .spawn_relay_on(url, "http://127.0.0.1:9/unused", &args, &[])
         .await?;
-    tokio::time::sleep(idle).await;
-    lab.stop_relay(relay).await?;
+    // The lab's probes run in another database: they do not count here.
     let gone = format!("SELECT count(*) FROM pg_stat_activity WHERE datname = '{DB}'");
-    let deadline = Instant::now() + LONG;
-    while lab.count(&gone).await? > 0 {
-        if Instant::now() > deadline {
-            bail!("the relay's backends did not exit");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    lab.idle_and_stop(relay, idle, &gone).await?;
     // Leaving pg_stat_activity and publishing the counters are two steps
     // of a backend's exit: wait until the counter holds still for 300 ms.
     let mut last = xact_commit(lab).await?;
@@ -99,7 +95,7 @@ async fn lifetime(lab: &Lab, url: &str, args: &[&str], idle: Duration) -> anyhow
     Ok(last - before)
 }
 
-async fn xact_commit(lab: &Lab) -> anyhow::Result<i64> {
+async fn xact_commit(lab: &Scratch) -> anyhow::Result<i64> {
     lab.count(&format!(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = '{DB}'"
     ))

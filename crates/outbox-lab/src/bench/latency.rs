@@ -8,53 +8,24 @@
 //! Run once with LISTEN/NOTIFY (the relay's default) and once polling, so
 //! the report shows what NOTIFY buys.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use outbox::Outbox;
 use redis::AsyncCommands;
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::scratch::{STREAM, Scratch, event};
-
-/// How the relay learns about new rows.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum Wakeup {
-    /// LISTEN/NOTIFY with the default fallback poll.
-    Notify,
-    /// `--no-notify --poll-interval <ms>`.
-    Poll { interval_ms: u64 },
-}
-
-impl Wakeup {
-    pub(super) fn label(self) -> String {
-        match self {
-            Wakeup::Notify => "NOTIFY".to_owned(),
-            Wakeup::Poll { interval_ms } => format!("poll {interval_ms} ms"),
-        }
-    }
-
-    pub(super) fn relay_args(self) -> Vec<String> {
-        match self {
-            Wakeup::Notify => Vec::new(),
-            Wakeup::Poll { interval_ms } => vec![
-                "--no-notify".to_owned(),
-                "--poll-interval".to_owned(),
-                format!("{interval_ms}ms"),
-            ],
-        }
-    }
-}
+use super::{STREAM, event};
+use crate::latency::{Wakeup, epoch_seconds, latencies_ms};
+use crate::report::percentile;
+use crate::scratch::{LONG, Scratch};
 
 /// What one latency run measured.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct LatencyRun {
+pub(crate) struct LatencyRun {
     pub(super) written: u64,
     /// Distinct events the consumer received.
     pub(super) received: u64,
@@ -75,7 +46,7 @@ pub(super) async fn measure(
     scratch.clear().await?;
     let args = wakeup.relay_args();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let relay = scratch.spawn_relay(&args).await?;
+    let relay = scratch.spawn_bench_relay(&args).await?;
 
     let received = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
@@ -85,7 +56,6 @@ pub(super) async fn measure(
         stop.clone(),
     ));
 
-    let outbox = Outbox::new(scratch.config.clone());
     let written = (f64::from(rate) * seconds).round() as u64;
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -93,11 +63,11 @@ pub(super) async fn measure(
         tick.tick().await;
         // Autocommit: the INSERT is its own transaction, as in an
         // application that writes one business change and one event.
-        outbox.enqueue(&scratch.db, &event(i as usize)).await?;
+        scratch.outbox.enqueue(&scratch.db, &event(i as usize)).await?;
     }
 
     // Everything written must arrive; a poll interval plus slack is plenty.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + LONG;
     while received.load(Ordering::Relaxed) < written && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -105,22 +75,13 @@ pub(super) async fn measure(
     let arrivals = consumer.await.context("the consumer task")??;
     scratch.stop_relay(relay).await?;
 
-    let created = created_at(scratch).await?;
-    let mut latencies = Vec::with_capacity(arrivals.len());
-    let mut first_arrival: HashMap<i64, f64> = HashMap::new();
-    for (id, at) in &arrivals {
-        first_arrival.entry(*id).or_insert(*at);
-    }
-    for (id, at) in &first_arrival {
-        if let Some(c) = created.get(id) {
-            latencies.push((at - c) * 1000.0);
-        }
-    }
-    latencies.sort_by(f64::total_cmp);
+    let created = scratch.created_at::<i64>("id").await?;
+    let arrived = arrivals.len();
+    let (latencies, received) = latencies_ms(arrivals, &created);
     Ok(LatencyRun {
         written,
-        received: first_arrival.len() as u64,
-        duplicates: (arrivals.len() - first_arrival.len()) as u64,
+        received: received as u64,
+        duplicates: (arrived - received) as u64,
         p50_ms: percentile(&latencies, 0.50),
         p99_ms: percentile(&latencies, 0.99),
         max_ms: latencies.last().copied().unwrap_or(f64::NAN),
@@ -152,48 +113,4 @@ async fn consume(
         received.store(arrivals.len() as u64, Ordering::Relaxed);
     }
     Ok(arrivals)
-}
-
-/// Each row's `created_at` in epoch seconds.
-async fn created_at(scratch: &Scratch) -> anyhow::Result<HashMap<i64, f64>> {
-    let sql = format!(
-        "SELECT id, extract(epoch FROM created_at)::float8 FROM {}",
-        scratch.config.qualified()
-    );
-    Ok(scratch
-        .db
-        .query(&sql, &[])
-        .await?
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect())
-}
-
-fn epoch_seconds() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Nearest-rank percentile of sorted values.
-pub(crate) fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::percentile;
-
-    #[test]
-    fn nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 0.5), 50.0);
-        assert_eq!(percentile(&v, 0.99), 99.0);
-        assert_eq!(percentile(&[7.0], 0.99), 7.0);
-        assert!(percentile(&[], 0.5).is_nan());
-    }
 }

@@ -1,15 +1,15 @@
-//! SVG plots for the report, drawn with plotters' SVG backend and its naive
-//! font (the browser picks the font; no font files are read), on a blocking
-//! thread.
+//! SVG plots for the lab's HTML report, drawn with plotters' SVG backend
+//! and its naive font (the browser picks the font; no font files are read),
+//! on a blocking thread.
 
 use anyhow::anyhow;
 use plotters::prelude::*;
 
-use super::report::Plot;
+use crate::report::Plot;
 
 /// How a series is drawn.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum Mark {
+pub(crate) enum Mark {
     /// Points joined by a line (a CDF, a curve over sizes).
     Line,
     /// Points only (an attempt log).
@@ -18,15 +18,15 @@ pub(super) enum Mark {
 
 /// One named series of (x, y) points.
 #[derive(Debug, Clone)]
-pub(super) struct Series {
-    pub(super) name: String,
-    pub(super) points: Vec<(f64, f64)>,
-    pub(super) mark: Mark,
+pub(crate) struct Series {
+    pub(crate) name: String,
+    pub(crate) points: Vec<(f64, f64)>,
+    pub(crate) mark: Mark,
 }
 
 /// An x/y chart with a legend, as an `<svg>` element, drawn on a blocking
 /// thread (it is CPU work).
-pub(super) async fn xy(
+pub(crate) async fn xy(
     title: &'static str,
     x_desc: &'static str,
     y_desc: &'static str,

@@ -14,10 +14,11 @@ use anyhow::{Context, bail};
 use outbox_testkit::{Receiver, Respond};
 use serde_json::json;
 
-use super::report::{Outcome, Verdict};
-use super::scratch::{LONG, Lab, event_id, wait_until};
+use super::shop::event_id;
+use crate::report::{Outcome, Verdict};
+use crate::scratch::{LONG, Scratch, wait_until};
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
         "watermark",
         "The watermark relay loses events; ours does not",
@@ -37,10 +38,10 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         let mut a = a;
         let a_tx = a.transaction().await?;
         lab.outbox
-            .enqueue(&a_tx, &Lab::order_event(1, "OrderPlaced"))
+            .enqueue(&a_tx, &Scratch::order_event(1, "OrderPlaced"))
             .await?;
         lab.outbox
-            .enqueue(&b, &Lab::order_event(2, "OrderPlaced"))
+            .enqueue(&b, &Scratch::order_event(2, "OrderPlaced"))
             .await?;
         let mut last = 0_i64;
         last = watermark_pass(lab, &receiver.url(), last).await?;
@@ -60,10 +61,10 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     let b = lab.connect().await?;
     let a_tx = a.transaction().await?;
     lab.outbox
-        .enqueue(&a_tx, &Lab::order_event(1, "OrderPlaced"))
+        .enqueue(&a_tx, &Scratch::order_event(1, "OrderPlaced"))
         .await?;
     lab.outbox
-        .enqueue(&b, &Lab::order_event(2, "OrderPlaced"))
+        .enqueue(&b, &Scratch::order_event(2, "OrderPlaced"))
         .await?;
     receiver.wait_for_count(1, LONG).await?;
     // The fault is in place: the later id was delivered while the earlier
@@ -119,7 +120,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 
 /// One pass of the watermark relay: everything above `last`, in id order,
 /// POSTed one by one; returns the new watermark.
-async fn watermark_pass(lab: &Lab, sink: &str, last: i64) -> anyhow::Result<i64> {
+async fn watermark_pass(lab: &Scratch, sink: &str, last: i64) -> anyhow::Result<i64> {
     let rows = lab
         .db
         .query(

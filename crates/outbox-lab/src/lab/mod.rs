@@ -2,10 +2,11 @@
 //! machine, each figure printed beside the reference's.
 //!
 //! Each experiment is one module that reads as a story: what it breaks, what
-//! it shows. It rebuilds the scratch schema (`scratch.rs`), runs real
-//! processes (the relay, the shop app of `app.rs`) against a real HTTP
-//! receiver (the testkit's), and returns an [`report::Outcome`]: a table
-//! `measure | ours | reference | verdict`, logs and plots.
+//! it shows. It rebuilds the scratch schema (the shared `scratch.rs`, with
+//! the shop's tables of `shop.rs`), runs real processes (the relay, the shop
+//! app of `app.rs`) against a real HTTP receiver (the testkit's), and returns
+//! an `Outcome` (of `report.rs`): a table `measure | ours | reference |
+//! verdict`, logs and plots.
 //!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL (the testkit's,
 //! `fsync=off`); with it, it works in schema `outbox_lab`, dropped at the end.
@@ -23,23 +24,43 @@ mod idle;
 mod index;
 mod latency;
 mod ordering;
-mod plot;
 mod redis_group;
-mod report;
 mod retry;
 mod rollback;
-mod scratch;
+mod shop;
 mod watermark;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cli::{Global, LabArgs};
-use crate::exit::ConfigError;
-use report::Outcome;
-use scratch::Lab;
+use crate::report::{self, Outcome};
+use crate::scratch::{Postgres, Scratch, progress_bar};
+use crate::{ConfigError, Database};
+
+/// `outbox lab`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct LabArgs {
+    /// `list`, `all`, or experiment names (see `outbox lab list`).
+    #[arg(default_value = "list")]
+    pub experiments: Vec<String>,
+    /// Smaller sizes, for CI.
+    #[arg(long)]
+    pub quick: bool,
+    /// Also write a self-contained HTML report (tables and SVG plots) here.
+    #[arg(long)]
+    pub report: Option<std::path::PathBuf>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Internal: run one step of the lab's order-placing application (a
+    /// child process the lab may kill -9), e.g. `naive:crash-after-commit`.
+    #[arg(long, hide = true, requires = "app_sink")]
+    pub app: Option<String>,
+    /// Internal: where the application's naive POST goes.
+    #[arg(long, hide = true)]
+    pub app_sink: Option<String>,
+}
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
 const EXPERIMENTS: [(&str, &str); 12] = [
@@ -93,11 +114,13 @@ const EXPERIMENTS: [(&str, &str); 12] = [
     ),
 ];
 
-pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
+/// Runs `outbox lab`: lists the experiments, runs the named ones, or (with
+/// `--app`) is one step of the shop application an experiment started.
+pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
     if let Some(spec) = &args.app {
         // `requires = "app_sink"` in the flag's definition.
         let sink = args.app_sink.as_deref().unwrap_or_default();
-        return app::run(g, spec, sink).await;
+        return app::run(db, spec, sink).await;
     }
     let names = selected(&args.experiments)?;
     if names.is_empty() {
@@ -108,10 +131,17 @@ pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
         return Ok(());
     }
 
-    let (pg_url, _postgres) = super::database_or_throwaway(g).await?;
-    let throwaway = _postgres.is_some();
-    let pg = super::parse_pg_url(&pg_url, g)?;
-    let mut lab = Lab::new(&pg, pg_url, args.quick).await?;
+    let pg = Postgres::start(db).await?;
+    let throwaway = pg.is_throwaway();
+    let mut lab = Scratch::new(
+        pg.config.clone(),
+        pg.url.clone(),
+        shop::SCHEMA,
+        shop::CHANNEL,
+        None,
+        args.quick,
+    )
+    .await?;
     let version: String = lab.db.query_one("SHOW server_version", &[]).await?.get(0);
     let context = format!(
         "PostgreSQL {version}{}; {} cores; {}; reference: PostgreSQL 16, Python relay, 2 CPUs",
@@ -120,15 +150,13 @@ pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
         if args.quick { "--quick sizes" } else { "full sizes" },
     );
 
-    let progress = ProgressBar::new(names.len() as u64).with_style(
-        ProgressStyle::with_template("{spinner} {msg:<40} [{bar:20}] {pos}/{len} {elapsed}")
-            .context("progress bar template")?
-            .progress_chars("=> "),
-    );
+    let progress = progress_bar(
+        names.len() as u64,
+        "{spinner} {msg:<40} [{bar:20}] {pos}/{len} {elapsed}",
+    )?;
     if args.json {
         progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    progress.enable_steady_tick(Duration::from_millis(120));
     lab.progress = Some(progress.clone());
     let mut outcomes = Vec::with_capacity(names.len());
     for name in names {
@@ -145,7 +173,7 @@ pub(crate) async fn run(g: &Global, args: LabArgs) -> anyhow::Result<()> {
         outcomes.push(outcome);
     }
     progress.finish_and_clear();
-    lab.drop_all().await?;
+    lab.drop_schema().await?;
 
     if args.json {
         println!("{}", serde_json::to_string_pretty(&outcomes)?);
@@ -199,7 +227,7 @@ fn selected(requested: &[String]) -> anyhow::Result<Vec<&'static str>> {
         .collect())
 }
 
-async fn experiment(lab: &mut Lab, name: &str) -> anyhow::Result<Outcome> {
+async fn experiment(lab: &mut Scratch, name: &str) -> anyhow::Result<Outcome> {
     match name {
         "dual-write" => dual_write::run(lab).await,
         "rollback" => rollback::run(lab).await,

@@ -17,14 +17,14 @@ use outbox::Event;
 use outbox_testkit::{Received, Receiver, Respond, Spawned};
 use serde_json::json;
 
-use super::report::{Outcome, Table, Verdict};
-use super::scratch::{Lab, wait_until};
+use crate::report::{Outcome, Table, Verdict};
+use crate::scratch::{Scratch, wait_until};
 
 const PER_ORDER: i64 = 3;
 /// Leases move within this; short, so a run balances in a few seconds.
 const LEASE: &str = "3s";
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let orders: i64 = if lab.quick { 100 } else { 300 };
     let mut out = Outcome::new(
         "ordering",
@@ -101,7 +101,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
 
 /// Events of `orders` orders through `relays` relays in `mode`: returns
 /// (orders out of order, events/s).
-async fn run_once(lab: &mut Lab, mode: &str, relays: usize, orders: i64) -> anyhow::Result<(usize, f64)> {
+async fn run_once(lab: &mut Scratch, mode: &str, relays: usize, orders: i64) -> anyhow::Result<(usize, f64)> {
     lab.reset().await?;
     let receiver = Receiver::start(Respond::Ok).await?;
     let running = start_relays(lab, &receiver, mode, relays).await?;
@@ -129,7 +129,12 @@ async fn run_once(lab: &mut Lab, mode: &str, relays: usize, orders: i64) -> anyh
 }
 
 /// Starts `n` relays; with leases, returns once they share the partitions.
-async fn start_relays(lab: &Lab, receiver: &Receiver, mode: &str, n: usize) -> anyhow::Result<Vec<Spawned>> {
+async fn start_relays(
+    lab: &Scratch,
+    receiver: &Receiver,
+    mode: &str,
+    n: usize,
+) -> anyhow::Result<Vec<Spawned>> {
     let mut relays = Vec::with_capacity(n);
     for i in 0..n {
         let name = format!("lab-{i}");
@@ -159,7 +164,7 @@ async fn start_relays(lab: &Lab, receiver: &Receiver, mode: &str, n: usize) -> a
 }
 
 /// `n` live relays hold every partition, each its fair share rounded.
-async fn balanced(lab: &Lab, n: usize) -> anyhow::Result<bool> {
+async fn balanced(lab: &Scratch, n: usize) -> anyhow::Result<bool> {
     let report: serde_json::Value = serde_json::from_str(&lab.run_cli(&["relays", "--json"]).await?)?;
     let live = report["relays"].as_array().cloned().unwrap_or_default();
     let held: Vec<usize> = live
@@ -175,7 +180,7 @@ async fn balanced(lab: &Lab, n: usize) -> anyhow::Result<bool> {
 
 /// One relay, two orders of three events, the very first request failing.
 /// Returns the accepted events in arrival order, as `order#seq`.
-async fn one_failure(lab: &mut Lab, mode: &str) -> anyhow::Result<Vec<String>> {
+async fn one_failure(lab: &mut Scratch, mode: &str) -> anyhow::Result<Vec<String>> {
     lab.reset().await?;
     let receiver = Receiver::start(Respond::FailFirst {
         times: 1,

@@ -10,8 +10,9 @@
 use anyhow::Context;
 use serde_json::Value;
 
-use super::report::{Outcome, Table, Verdict};
-use super::scratch::{Lab, SCHEMA};
+use super::shop::SCHEMA;
+use crate::report::{Outcome, Table, Verdict};
+use crate::scratch::Scratch;
 
 const UNPUBLISHED: usize = 50;
 
@@ -23,7 +24,7 @@ struct Explained {
     scans: Vec<String>,
 }
 
-pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
+pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let published: i64 = if lab.quick { 20_000 } else { 200_000 };
     let mut out = Outcome::new(
         "index",
@@ -52,7 +53,7 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
         .await
         .context("inserting published rows")?;
     let events: Vec<_> = (0..UNPUBLISHED as i64)
-        .map(|i| Lab::order_event(published + i, "OrderPlaced"))
+        .map(|i| Scratch::order_event(published + i, "OrderPlaced"))
         .collect();
     lab.outbox.enqueue_all(&lab.db, &events).await?;
     lab.db
@@ -161,9 +162,8 @@ pub(super) async fn run(lab: &mut Lab) -> anyhow::Result<Outcome> {
     Ok(out)
 }
 
-/// Runs the claim under EXPLAIN (ANALYZE, BUFFERS) and rolls it back.
 /// Our claim (5 attempts, batch of 100), run and rolled back.
-async fn explain_ours(lab: &mut Lab) -> anyhow::Result<Explained> {
+async fn explain_ours(lab: &mut Scratch) -> anyhow::Result<Explained> {
     let claim = outbox::sql::ClaimParams {
         max_attempts: 5,
         limit: 100,
@@ -181,7 +181,7 @@ async fn explain_ours(lab: &mut Lab) -> anyhow::Result<Explained> {
 }
 
 /// The reference relay's claim, which has literals, run and rolled back.
-async fn explain(lab: &mut Lab, statement: &str) -> anyhow::Result<Explained> {
+async fn explain(lab: &mut Scratch, statement: &str) -> anyhow::Result<Explained> {
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement}");
     let tx = lab.db.transaction().await?;
     let row = tx.query_one(&sql, &[]).await.context("EXPLAIN of the claim")?;

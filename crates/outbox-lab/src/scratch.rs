@@ -1,0 +1,442 @@
+//! The one harness the lab and the bench share: where PostgreSQL and Redis
+//! come from (`DATABASE_URL` and `--sink`, or throwaway servers started
+//! here), a scratch schema with a migrated outbox and the harness's own
+//! connection, and the `outbox` child processes (`relay`, short commands,
+//! the lab's `--app`) started on it and stopped, with none of the user's
+//! `OUTBOX_*` settings.
+//!
+//! What is the lab's alone (the shop's tables, the inbox consumers) is in
+//! `lab/shop.rs`; what is the bench's alone (its stream, bulk fills) in
+//! `bench/mod.rs`: both as `impl Scratch` blocks.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use outbox::{Config, Event, Inbox, InboxConfig, Outbox};
+use outbox_testkit::Spawned;
+use tokio_postgres::types::FromSql;
+use tokio_postgres::{Client, NoTls};
+
+use crate::ConfigError;
+
+/// How long any wait on state or on a child process may take before the
+/// run fails.
+pub(crate) const LONG: Duration = Duration::from_secs(60);
+
+/// Where the lab and the bench find PostgreSQL: the CLI's `--database-url`
+/// (`DATABASE_URL`) and `--connect-timeout`.
+#[derive(Debug, Clone)]
+pub struct Database {
+    /// A connection string (URL or key=value); `None` starts a throwaway
+    /// cluster (the testkit's, `fsync=off`) for the run.
+    pub url: Option<String>,
+    /// How long to keep trying to connect.
+    pub connect_timeout: Duration,
+}
+
+/// The PostgreSQL of one run: its URL and parsed config, and the throwaway
+/// cluster behind them, if any, which lives as long as this does.
+pub(crate) struct Postgres {
+    pub(crate) url: String,
+    pub(crate) config: tokio_postgres::Config,
+    throwaway: Option<outbox_testkit::Postgres>,
+}
+
+impl Postgres {
+    /// `DATABASE_URL`, or else a throwaway cluster started here.
+    pub(crate) async fn start(db: &Database) -> anyhow::Result<Self> {
+        let (url, throwaway) = match &db.url {
+            Some(url) => (url.clone(), None),
+            None => {
+                let pg = outbox_testkit::Postgres::start()
+                    .await
+                    .context("starting a throwaway PostgreSQL")?;
+                (pg.url("postgres"), Some(pg))
+            }
+        };
+        Ok(Self {
+            config: parse_pg_url(&url, db.connect_timeout)?,
+            url,
+            throwaway,
+        })
+    }
+
+    /// Whether this is the run's own cluster (fsync=off).
+    pub(crate) fn is_throwaway(&self) -> bool {
+        self.throwaway.is_some()
+    }
+}
+
+/// `url` parsed (a [`ConfigError`] if it does not), with the connect timeout.
+pub(crate) fn parse_pg_url(url: &str, timeout: Duration) -> anyhow::Result<tokio_postgres::Config> {
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url))))?;
+    config.connect_timeout(timeout);
+    Ok(config)
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// One connection (`application_name` `outbox` unless set); its driver
+/// runs in a task.
+pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
+    let mut config = config.clone();
+    if config.get_application_name().is_none() {
+        config.application_name("outbox");
+    }
+    let (client, connection) = config.connect(NoTls).await.context("connecting to postgres")?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::warn!(%error, "postgres connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// A scratch schema with its outbox (own NOTIFY channel) and inbox table,
+/// the harness's own connection, the run's Redis and progress bar.
+pub(crate) struct Scratch {
+    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) pg_url: String,
+    schema: &'static str,
+    channel: &'static str,
+    /// Given (`--sink`), or a throwaway redis-server started on first use.
+    redis_url: Option<String>,
+    redis: Option<outbox_testkit::Redis>,
+    /// The run's progress bar, for long phases.
+    pub(crate) progress: Option<indicatif::ProgressBar>,
+    /// The harness's own connection, for setup and counting.
+    pub(crate) db: Client,
+    pub(crate) config: Config,
+    pub(crate) outbox: Outbox,
+    /// `processed_events` in the scratch schema (the lab's consumers).
+    pub(crate) inbox: Inbox,
+    /// Smaller sizes (`--quick`).
+    pub(crate) quick: bool,
+}
+
+impl Scratch {
+    /// Connects; the schema is built by [`Scratch::reset_outbox`] (or the
+    /// lab's `reset`).
+    pub(crate) async fn new(
+        pg: tokio_postgres::Config,
+        pg_url: String,
+        schema: &'static str,
+        channel: &'static str,
+        redis_url: Option<String>,
+        quick: bool,
+    ) -> anyhow::Result<Self> {
+        let db = connect(&pg).await?;
+        let config = Config::new(schema, "outbox")?.with_channel(channel)?;
+        Ok(Self {
+            pg,
+            pg_url,
+            schema,
+            channel,
+            redis_url,
+            redis: None,
+            progress: None,
+            db,
+            outbox: Outbox::new(config.clone()),
+            config,
+            inbox: Inbox::new(InboxConfig::new(schema, "processed_events")?),
+            quick,
+        })
+    }
+
+    /// Drops the scratch schema and migrates a fresh outbox into it.
+    pub(crate) async fn reset_outbox(&mut self) -> anyhow::Result<()> {
+        self.drop_schema().await?;
+        outbox::migrate(&mut self.db, &self.config).await?;
+        Ok(())
+    }
+
+    /// Drops the scratch schema, if there is one.
+    pub(crate) async fn drop_schema(&self) -> anyhow::Result<()> {
+        self.db
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema))
+            .await
+            .with_context(|| format!("dropping schema {}", self.schema))
+    }
+
+    /// The run's Redis URL, starting a throwaway redis-server on first use
+    /// if none was given.
+    pub(crate) async fn redis_url(&mut self) -> anyhow::Result<String> {
+        if let Some(url) = &self.redis_url {
+            return Ok(url.clone());
+        }
+        let redis = outbox_testkit::Redis::start()
+            .await
+            .context("starting a throwaway redis-server")?;
+        let url = redis.url();
+        self.redis = Some(redis);
+        self.redis_url = Some(url.clone());
+        Ok(url)
+    }
+
+    /// A connection to the run's Redis.
+    pub(crate) async fn redis(&mut self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+        let url = self.redis_url().await?;
+        redis::Client::open(url.as_str())?
+            .get_multiplexed_async_connection()
+            .await
+            .context("connecting to Redis")
+    }
+
+    /// Shows the phase a long experiment is in.
+    pub(crate) fn step(&self, phase: &str) {
+        if let Some(p) = &self.progress {
+            p.set_message(phase.to_owned());
+        }
+    }
+
+    /// `DATABASE_URL` with another database name.
+    pub(crate) fn url_of(&self, dbname: &str) -> String {
+        match url::Url::parse(&self.pg_url) {
+            Ok(mut u) if u.scheme().starts_with("postgres") => {
+                u.set_path(dbname);
+                u.to_string()
+            }
+            // key=value form: a later key wins.
+            _ => format!("{} dbname={dbname}", self.pg_url),
+        }
+    }
+
+    /// A connection to another database.
+    pub(crate) async fn connect_to(&self, dbname: &str) -> anyhow::Result<Client> {
+        let mut pg = self.pg.clone();
+        pg.dbname(dbname);
+        connect(&pg).await
+    }
+
+    /// Another connection, for a second session.
+    pub(crate) async fn connect(&self) -> anyhow::Result<Client> {
+        connect(&self.pg).await
+    }
+
+    /// Inserts `events` in order, 1000 per transaction (`enqueue_all`).
+    pub(crate) async fn insert(&mut self, events: &[Event]) -> anyhow::Result<()> {
+        for chunk in events.chunks(1000) {
+            let tx = self.db.transaction().await?;
+            self.outbox.enqueue_all(&tx, chunk).await?;
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+
+    /// The outbox table, qualified and quoted.
+    pub(crate) fn table(&self) -> String {
+        self.config.qualified()
+    }
+
+    /// The single bigint a query returns.
+    pub(crate) async fn count(&self, sql: &str) -> anyhow::Result<i64> {
+        let row = self
+            .db
+            .query_one(sql, &[])
+            .await
+            .with_context(|| sql.to_owned())?;
+        Ok(row.get(0))
+    }
+
+    pub(crate) async fn unpublished(&self) -> anyhow::Result<i64> {
+        self.count(&format!(
+            "SELECT count(*) FROM {} WHERE published_at IS NULL",
+            self.table()
+        ))
+        .await
+    }
+
+    pub(crate) async fn published(&self) -> anyhow::Result<i64> {
+        self.count(&format!(
+            "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",
+            self.table()
+        ))
+        .await
+    }
+
+    pub(crate) async fn rows(&self) -> anyhow::Result<i64> {
+        self.count(&format!("SELECT count(*) FROM {}", self.table()))
+            .await
+    }
+
+    /// Each row's `created_at` in epoch seconds, by `key` (`id` or
+    /// `event_id`).
+    pub(crate) async fn created_at<K>(&self, key: &str) -> anyhow::Result<HashMap<K, f64>>
+    where
+        K: for<'a> FromSql<'a> + Eq + Hash,
+    {
+        let sql = format!(
+            "SELECT {key}, extract(epoch FROM created_at)::float8 FROM {}",
+            self.table()
+        );
+        let rows = self.db.query(&sql, &[]).await.with_context(|| sql.clone())?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// This binary with the scratch outbox's flags and `DATABASE_URL`, and
+    /// none of the user's `OUTBOX_*` settings.
+    pub(crate) fn outbox_cmd(&self, args: &[&str]) -> anyhow::Result<tokio::process::Command> {
+        self.outbox_cmd_on(&self.pg_url, args)
+    }
+
+    /// [`Scratch::outbox_cmd`] on another database.
+    pub(crate) fn outbox_cmd_on(
+        &self,
+        pg_url: &str,
+        args: &[&str],
+    ) -> anyhow::Result<tokio::process::Command> {
+        let exe = std::env::current_exe().context("locating this binary")?;
+        let mut cmd = tokio::process::Command::new(exe);
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("OUTBOX_") {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.args(args)
+            .args(["--schema", self.schema, "--channel", self.channel])
+            .env("DATABASE_URL", pg_url)
+            .env("RUST_LOG", "info")
+            .kill_on_drop(true);
+        Ok(cmd)
+    }
+
+    /// Starts `outbox relay --sink <sink> <args>` (JSON logs) with `envs`,
+    /// and returns once it logged that it is ready.
+    pub(crate) async fn spawn_relay(
+        &self,
+        sink: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> anyhow::Result<Spawned> {
+        self.spawn_relay_on(&self.pg_url, sink, args, envs).await
+    }
+
+    /// [`Scratch::spawn_relay`] on another database.
+    pub(crate) async fn spawn_relay_on(
+        &self,
+        pg_url: &str,
+        sink: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> anyhow::Result<Spawned> {
+        let mut cmd = self.outbox_cmd_on(pg_url, &["relay", "--sink", sink, "--log-format", "json"])?;
+        cmd.args(args).envs(envs.iter().copied());
+        let relay = Spawned::spawn(cmd)?;
+        relay
+            .wait_for_line("relay ready", LONG)
+            .await
+            .context("starting the relay")?;
+        Ok(relay)
+    }
+
+    /// Starts a relay like [`Scratch::spawn_relay`] with the failpoint
+    /// `OUTBOX_FAILPOINT=<failpoint>`, and returns once it parked there.
+    pub(crate) async fn spawn_relay_parked(
+        &self,
+        sink: &str,
+        args: &[&str],
+        failpoint: &str,
+    ) -> anyhow::Result<Spawned> {
+        let relay = self
+            .spawn_relay(sink, args, &[("OUTBOX_FAILPOINT", failpoint)])
+            .await?;
+        relay
+            .wait_for_line(&format!("failpoint {failpoint} reached"), LONG)
+            .await?;
+        Ok(relay)
+    }
+
+    /// SIGTERMs a relay (unless it drained and stopped by itself, with
+    /// `--drain`) and checks it exited 0.
+    pub(crate) async fn stop_relay(&self, mut relay: Spawned) -> anyhow::Result<()> {
+        if relay.lines().iter().all(|l| !l.contains("relay drained")) {
+            relay.signal(nix::sys::signal::Signal::SIGTERM)?;
+        }
+        let status = relay.wait(LONG).await?;
+        if !status.success() {
+            bail!("the relay exited with {status}: {:?}", relay.lines());
+        }
+        Ok(())
+    }
+
+    /// Lets `relay` idle for `idle`, stops it, and waits until `gone` (a
+    /// count over `pg_stat_activity`) finds none of its backends: a backend
+    /// publishes its transaction counters as it exits. Returns how many
+    /// times it ran `gone` (each is two transactions: prepare, execute).
+    pub(crate) async fn idle_and_stop(
+        &self,
+        relay: Spawned,
+        idle: Duration,
+        gone: &str,
+    ) -> anyhow::Result<i64> {
+        tokio::time::sleep(idle).await;
+        self.stop_relay(relay).await?;
+        let deadline = Instant::now() + LONG;
+        let mut probes = 1;
+        while self.count(gone).await? > 0 {
+            probes += 1;
+            if Instant::now() > deadline {
+                bail!("the relay's backends did not exit within {LONG:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(probes)
+    }
+
+    /// Runs `outbox <args>` on the scratch outbox to completion.
+    pub(crate) async fn run_cli(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut cmd = self.outbox_cmd(args)?;
+        let out = tokio::time::timeout(LONG, cmd.output())
+            .await
+            .with_context(|| format!("outbox {} timed out", args.join(" ")))??;
+        if !out.status.success() {
+            bail!(
+                "outbox {} exited with {}: {}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+/// The run's progress bar: `len` steps drawn by `template`, ticking.
+pub(crate) fn progress_bar(len: u64, template: &str) -> anyhow::Result<indicatif::ProgressBar> {
+    let style = indicatif::ProgressStyle::with_template(template)
+        .context("progress bar template")?
+        .progress_chars("=> ");
+    let progress = indicatif::ProgressBar::new(len).with_style(style);
+    progress.enable_steady_tick(Duration::from_millis(120));
+    Ok(progress)
+}
+
+/// Waits until `check` holds, polling state every 20 ms, for at most `LONG`.
+pub(crate) async fn wait_until<F, Fut>(what: &str, mut check: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = Instant::now() + LONG;
+    while !check().await? {
+        if Instant::now() > deadline {
+            bail!("timed out after {LONG:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
