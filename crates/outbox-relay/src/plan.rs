@@ -128,12 +128,7 @@ pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) 
 
 /// Computes each row's outcome. `carried` are the aggregates the previous
 /// batch blocked.
-pub(crate) fn plan(
-    backoff: Backoff,
-    rows: &[OutboxRow],
-    outcomes: Vec<Outcome>,
-    carried: &Blocked,
-) -> Plan {
+pub(crate) fn plan(backoff: Backoff, rows: &[OutboxRow], outcomes: Vec<Outcome>, carried: &Blocked) -> Plan {
     let mut plan = Plan::default();
     let failures = &mut plan.failures;
     // The delay given to the last failed row of each aggregate, which rows
@@ -167,9 +162,9 @@ pub(crate) fn plan(
                 let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
                 (format!("permanent: {message}"), attempts, Duration::ZERO)
             }
-            Outcome::HeldBack | Outcome::Sent(Err(DeliveryError::HeldBack { .. })) => {
+            Outcome::HeldBack | Outcome::Sent(Err(DeliveryError::NotSent { .. })) => {
                 let message = match outcome {
-                    Outcome::Sent(Err(DeliveryError::HeldBack { message })) => message,
+                    Outcome::Sent(Err(DeliveryError::NotSent { message })) => message,
                     _ => HELD_BACK.to_owned(),
                 };
                 let delay = behind.unwrap_or_default();

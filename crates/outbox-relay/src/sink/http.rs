@@ -23,6 +23,7 @@ use url::Url;
 
 use super::format::{Formatter, Protocol};
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
+use crate::error::error_chain;
 
 /// Delivers to an HTTP endpoint.
 pub struct HttpSink {
@@ -101,6 +102,9 @@ impl HttpSink {
             Err(e) if e.is_builder() => {
                 return Err(DeliveryError::permanent(format!("building the request: {e}")));
             }
+            // reqwest's top-level message is often just "error sending
+            // request"; the cause (connection refused, timed out) is what an
+            // operator needs.
             Err(e) => return Err(DeliveryError::retryable(error_chain(&e))),
         };
         let status = response.status();
@@ -125,7 +129,7 @@ impl HttpSink {
         for i in group {
             let row = &batch[i];
             let delivery = match failed {
-                Some(id) => Err(DeliveryError::HeldBack {
+                Some(id) => Err(DeliveryError::NotSent {
                     message: format!("held back: earlier event {id} of aggregate failed"),
                 }),
                 None => self.send(row).await,
@@ -181,19 +185,6 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(SystemTime::now()).unwrap_or_default())
-}
-
-/// reqwest's top-level message is often just "error sending request"; the
-/// cause (connection refused, timed out) is what an operator needs.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
-    }
-    message
 }
 
 impl Sink for HttpSink {

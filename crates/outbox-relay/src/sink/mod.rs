@@ -54,11 +54,12 @@ pub enum DeliveryError {
         /// What went wrong, for `last_error`.
         message: String,
     },
-    /// Not sent because an earlier event of the same aggregate failed in this
-    /// batch; sending it would overtake that event. Does not count as an attempt.
+    /// Not attempted in this call; costs no attempt. The HTTP sink answers
+    /// it for the rows of an aggregate behind one that failed in the batch,
+    /// since sending them would overtake that event.
     #[error("{message}")]
-    HeldBack {
-        /// Which earlier event held it back.
+    NotSent {
+        /// Why it was not sent, for `last_error`.
         message: String,
     },
 }

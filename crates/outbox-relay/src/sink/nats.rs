@@ -16,7 +16,7 @@
 //! Ordering: one connection keeps publish order, and a stream stores in
 //! arrival order, so the events of an aggregate land in id order. If one of
 //! them fails (no ack in time, say) the later ones of that aggregate were
-//! already sent concurrently, so they are not [`HeldBack`]: each row
+//! already sent concurrently, so they are not [`NotSent`]: each row
 //! reports its real outcome, and the relay retries the failed one later.
 //! That one failure can therefore land after its successors; consumers that
 //! need strict order must check `outbox_id` per aggregate, as with any
@@ -36,7 +36,7 @@
 //! the next batch, so a NATS that is down turns into "connection refused"
 //! in `last_error` rather than ack timeouts.
 //!
-//! [`HeldBack`]: super::DeliveryError::HeldBack
+//! [`NotSent`]: super::DeliveryError::NotSent
 
 use std::str::FromStr;
 use std::time::Duration;
