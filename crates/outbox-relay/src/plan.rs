@@ -128,7 +128,12 @@ pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) 
 
 /// Computes each row's outcome. `carried` are the aggregates the previous
 /// batch blocked.
-pub(crate) fn plan(backoff: Backoff, rows: &[OutboxRow], outcomes: Vec<Outcome>, carried: &Blocked) -> Plan {
+pub(crate) fn plan(
+    backoff: Backoff,
+    rows: &[OutboxRow],
+    outcomes: Vec<Outcome>,
+    carried: &Blocked,
+) -> Plan {
     let mut plan = Plan::default();
     let failures = &mut plan.failures;
     // The delay given to the last failed row of each aggregate, which rows
