@@ -26,14 +26,17 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use outbox_relay::SinkOptions;
 use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
 use outbox_relay::sink::router::Router;
 use outbox_relay::sink::{self, Sink};
-use serde::Deserialize;
+use outbox_relay::{PerSinkOptions, SinkOptions};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::{Deserialize, Serialize};
 
 use crate::cli::Ordering;
 use crate::exit::ConfigError;
@@ -54,23 +57,148 @@ pub(crate) struct RelayFile {
 }
 
 /// One sink: its URL and the options that override the flags.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+///
+/// The sinks' own keys are [`PerSinkOptions`]'s, declared once beside each
+/// sink. serde's `flatten` cannot be combined with `deny_unknown_fields`, so
+/// this table reads its keys itself: an unknown one is refused where it
+/// stands, and each sink key's value is checked against its declaration
+/// there (so the error points at it) and applied over the flags in
+/// [`SinkTable::options`].
+#[derive(Debug)]
 struct SinkTable {
     sink: String,
     format: Option<String>,
     cloudevents_mode: Option<String>,
     cloudevents_source: Option<String>,
-    stream_prefix: Option<String>,
-    nats_subject: Option<String>,
-    amqp_exchange: Option<String>,
-    amqp_routing_key: Option<String>,
-    kafka_topic: Option<String>,
-    /// librdkafka properties, over the `--kafka-option` ones key by key.
-    kafka_options: Option<BTreeMap<String, String>>,
-    http_secret: Option<String>,
-    http_concurrency: Option<u16>,
     http_timeout: Option<String>,
+    /// The [`PerSinkOptions`] keys the table sets.
+    per_sink: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The keys of a sink table other than [`PerSinkOptions`]'s.
+const SHARED_KEYS: [&str; 5] = [
+    "sink",
+    "format",
+    "cloudevents_mode",
+    "cloudevents_source",
+    "http_timeout",
+];
+
+/// Every key a sink table takes, in the order an unknown-key message lists
+/// them: `sink`, the envelope's, each sink's own, `http_timeout`.
+fn table_keys() -> &'static [&'static str] {
+    static KEYS: OnceLock<&'static [&'static str]> = OnceLock::new();
+    KEYS.get_or_init(|| {
+        let (last, first) = SHARED_KEYS.split_last().expect("not empty");
+        let own = keys_of(&PerSinkOptions::default())
+            .into_iter()
+            .map(|key| &*Box::leak(key.into_boxed_str()));
+        let keys: Vec<&'static str> = first.iter().copied().chain(own).chain([*last]).collect();
+        Box::leak(keys.into_boxed_slice())
+    })
+}
+
+/// The keys `value` serializes with, in order.
+fn keys_of(value: &impl Serialize) -> Vec<String> {
+    struct Keys(Vec<String>);
+    impl<'de> Deserialize<'de> for Keys {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct KeysVisitor;
+            impl<'de> Visitor<'de> for KeysVisitor {
+                type Value = Keys;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a map")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
+                    let mut keys = Vec::new();
+                    while let Some((key, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
+                        keys.push(key);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(KeysVisitor)
+        }
+    }
+    // JSON text keeps the order fields serialize in (a `Value` would sort).
+    let json = serde_json::to_string(value).expect("options serialize to JSON");
+    let Keys(keys) = serde_json::from_str(&json).expect("options serialize to a JSON object");
+    keys
+}
+
+impl<'de> Deserialize<'de> for SinkTable {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_struct("SinkTable", table_keys(), TableVisitor)
+    }
+}
+
+struct TableVisitor;
+
+impl<'de> Visitor<'de> for TableVisitor {
+    type Value = SinkTable;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("struct SinkTable")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SinkTable, A::Error> {
+        let mut sink = None;
+        let mut table = SinkTable {
+            sink: String::new(),
+            format: None,
+            cloudevents_mode: None,
+            cloudevents_source: None,
+            http_timeout: None,
+            per_sink: serde_json::Map::new(),
+        };
+        while let Some(key) = map.next_key_seed(Key)? {
+            match key {
+                "sink" => sink = Some(map.next_value()?),
+                "format" => table.format = Some(map.next_value()?),
+                "cloudevents_mode" => table.cloudevents_mode = Some(map.next_value()?),
+                "cloudevents_source" => table.cloudevents_source = Some(map.next_value()?),
+                "http_timeout" => table.http_timeout = Some(map.next_value()?),
+                own => {
+                    let value = map.next_value_seed(Own(own))?;
+                    table.per_sink.insert(own.to_owned(), value);
+                }
+            }
+        }
+        table.sink = sink.ok_or_else(|| de::Error::missing_field("sink"))?;
+        Ok(table)
+    }
+}
+
+/// A key of a sink table; any other is refused.
+struct Key;
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = &'static str;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        let key = String::deserialize(d)?;
+        let keys = table_keys();
+        keys.iter()
+            .find(|k| **k == key)
+            .copied()
+            .ok_or_else(|| de::Error::unknown_field(&key, keys))
+    }
+}
+
+/// The value of one of [`PerSinkOptions`]'s keys, checked against its
+/// declaration.
+struct Own(&'static str);
+
+impl<'de> DeserializeSeed<'de> for Own {
+    type Value = serde_json::Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        let value = toml::Value::deserialize(d)?;
+        let mut alone = toml::Table::new();
+        alone.insert(self.0.to_owned(), value.clone());
+        PerSinkOptions::deserialize(alone).map_err(|e| de::Error::custom(e.message()))?;
+        serde_json::to_value(value).map_err(de::Error::custom)
+    }
 }
 
 impl RelayFile {
@@ -115,50 +243,60 @@ impl RelayFile {
 }
 
 impl SinkTable {
-    fn build(self, name: &str, flags: &SinkOptions) -> anyhow::Result<Box<dyn Sink>> {
+    /// The options this table's sink is built with: its keys over `flags`.
+    fn options(&self, name: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
         let bad = |key: &str, e: &dyn std::fmt::Display| ConfigError(format!("--config {name} {key}: {e}"));
         let (format, mode, source) = flags.formatter.parts();
-        let format = match self.format {
+        let format = match &self.format {
             Some(f) => f.parse::<Format>().map_err(|e| bad("format", &e))?,
             None => format,
         };
-        let mode = match self.cloudevents_mode {
+        let mode = match &self.cloudevents_mode {
             Some(m) => m
                 .parse::<CloudEventsMode>()
                 .map_err(|e| bad("cloudevents_mode", &e))?,
             None => mode,
         };
-        let timeout = match self.http_timeout {
-            Some(t) => humantime::parse_duration(&t).map_err(|e| bad("http_timeout", &e))?,
+        let timeout = match &self.http_timeout {
+            Some(t) => humantime::parse_duration(t).map_err(|e| bad("http_timeout", &e))?,
             None => flags.timeout,
         };
         if timeout == Duration::ZERO {
-            return Err(bad("http_timeout", &"must be greater than zero").into());
+            return Err(bad("http_timeout", &"must be greater than zero"));
         }
-        let options = SinkOptions {
-            stream_prefix: self.stream_prefix.unwrap_or_else(|| flags.stream_prefix.clone()),
+        // The table's keys over the flags' values; a table value (the
+        // librdkafka properties) goes over the flags' key by key, and
+        // librdkafka keeps the last value of a key: the table's win.
+        let mut per_sink = serde_json::to_value(&flags.per_sink).map_err(|e| bad("options", &e))?;
+        if let serde_json::Value::Object(merged) = &mut per_sink {
+            for (key, value) in &self.per_sink {
+                match (merged.get_mut(key), value) {
+                    (Some(serde_json::Value::Object(under)), serde_json::Value::Object(over)) => {
+                        under.extend(over.clone());
+                    }
+                    _ => {
+                        merged.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        // Each value was checked against its declaration when the file was read.
+        let per_sink = PerSinkOptions::deserialize(per_sink).map_err(|e| bad("options", &e))?;
+        Ok(SinkOptions {
             timeout,
-            http_concurrency: self.http_concurrency.map_or(flags.http_concurrency, usize::from),
-            http_secret: self.http_secret.or_else(|| flags.http_secret.clone()),
-            nats_subject: self.nats_subject.unwrap_or_else(|| flags.nats_subject.clone()),
-            amqp_exchange: self.amqp_exchange.unwrap_or_else(|| flags.amqp_exchange.clone()),
-            amqp_routing_key: self
-                .amqp_routing_key
-                .unwrap_or_else(|| flags.amqp_routing_key.clone()),
-            kafka_topic: self.kafka_topic.unwrap_or_else(|| flags.kafka_topic.clone()),
-            // librdkafka keeps the last value of a key: the table's win.
-            kafka_options: flags
-                .kafka_options
-                .iter()
-                .cloned()
-                .chain(self.kafka_options.into_iter().flatten())
-                .collect(),
             formatter: Formatter::new(
                 format,
                 mode,
-                self.cloudevents_source.unwrap_or_else(|| source.to_owned()),
+                self.cloudevents_source
+                    .clone()
+                    .unwrap_or_else(|| source.to_owned()),
             ),
-        };
+            per_sink,
+        })
+    }
+
+    fn build(self, name: &str, flags: &SinkOptions) -> anyhow::Result<Box<dyn Sink>> {
+        let options = self.options(name, flags)?;
         // SinkError is a configuration error (exit 2) already; the context
         // says which table it came from.
         let sink = sink::from_url(&self.sink, &options)

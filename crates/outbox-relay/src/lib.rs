@@ -43,4 +43,4 @@ mod wake;
 pub use backoff::Backoff;
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
-pub use sink::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
+pub use sink::{Delivery, DeliveryError, PerSinkOptions, Sink, SinkError, SinkOptions};

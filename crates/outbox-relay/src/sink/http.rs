@@ -4,7 +4,7 @@
 //! Events of one aggregate are sent in id order, each only after the previous
 //! one was acknowledged; if one fails, the rest of that aggregate in the batch
 //! is held back (not sent, not counted as an attempt) so nothing overtakes
-//! it. Different aggregates are sent concurrently, up to `http_concurrency`.
+//! it. Different aggregates are sent concurrently, up to `--http-concurrency`.
 //!
 //! Status mapping: 2xx delivered; 408, 429, 5xx, a timeout or a connection
 //! error retryable (a `Retry-After` header sets the earliest next attempt);
@@ -24,6 +24,47 @@ use url::Url;
 use super::format::{Formatter, Protocol};
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 use crate::error::error_chain;
+
+/// `--http-concurrency`'s default.
+const DEFAULT_CONCURRENCY: u16 = 16;
+
+/// The HTTP sink's options. Each field is a flag of `outbox relay`, the
+/// environment variable beside it, and the routes file's key of the same
+/// name (the flag with underscores).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct HttpOptions {
+    /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
+    #[arg(
+        id = "http_secret",
+        value_name = "HTTP_SECRET",
+        long = "http-secret",
+        env = "OUTBOX_HTTP_SECRET",
+        hide_env_values = true
+    )]
+    #[serde(rename = "http_secret")]
+    pub secret: Option<String>,
+    /// Aggregates an HTTP batch sends to concurrently.
+    #[arg(
+        id = "http_concurrency",
+        value_name = "HTTP_CONCURRENCY",
+        long = "http-concurrency",
+        env = "OUTBOX_HTTP_CONCURRENCY",
+        default_value_t = DEFAULT_CONCURRENCY,
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
+    #[serde(rename = "http_concurrency")]
+    pub concurrency: u16,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        Self {
+            secret: None,
+            concurrency: DEFAULT_CONCURRENCY,
+        }
+    }
+}
 
 /// Delivers to an HTTP endpoint.
 pub struct HttpSink {
@@ -46,8 +87,9 @@ impl HttpSink {
                 url: url.to_string(),
                 reason: format!("building the HTTP client: {e}"),
             })?;
-        let secret = options
-            .http_secret
+        let own = &options.per_sink.http;
+        let secret = own
+            .secret
             .as_deref()
             .map(WebhookSecret::parse)
             .transpose()
@@ -58,7 +100,7 @@ impl HttpSink {
         Ok(Self {
             client,
             url,
-            concurrency: options.http_concurrency.max(1),
+            concurrency: usize::from(own.concurrency).max(1),
             secret,
             formatter: options.formatter.clone(),
         })
