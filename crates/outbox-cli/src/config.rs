@@ -313,12 +313,198 @@ mod tests {
         toml::from_str(text)
     }
 
+    /// Every sink option: its flag, environment variable and routes-file
+    /// line, each giving the same value.
+    fn every_option() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
+        let mut all = vec![
+            (
+                "--stream-prefix",
+                "OUTBOX_STREAM_PREFIX",
+                "p",
+                "stream_prefix = \"p\"",
+            ),
+            (
+                "--nats-subject",
+                "OUTBOX_NATS_SUBJECT",
+                "s.{event_type}",
+                "nats_subject = \"s.{event_type}\"",
+            ),
+            (
+                "--amqp-exchange",
+                "OUTBOX_AMQP_EXCHANGE",
+                "x",
+                "amqp_exchange = \"x\"",
+            ),
+            (
+                "--amqp-routing-key",
+                "OUTBOX_AMQP_ROUTING_KEY",
+                "k",
+                "amqp_routing_key = \"k\"",
+            ),
+            (
+                "--http-secret",
+                "OUTBOX_HTTP_SECRET",
+                "whsec_c2VjcmV0",
+                "http_secret = \"whsec_c2VjcmV0\"",
+            ),
+            (
+                "--http-concurrency",
+                "OUTBOX_HTTP_CONCURRENCY",
+                "3",
+                "http_concurrency = 3",
+            ),
+        ];
+        if cfg!(feature = "kafka") {
+            all.extend([
+                ("--kafka-topic", "OUTBOX_KAFKA_TOPIC", "t", "kafka_topic = \"t\""),
+                (
+                    "--kafka-option",
+                    "OUTBOX_KAFKA_OPTIONS",
+                    "linger.ms=5",
+                    "kafka_options = { \"linger.ms\" = \"5\" }",
+                ),
+            ]);
+        }
+        all
+    }
+
+    /// The sinks' own options `outbox relay --sink redis://x <flags>` gets.
+    fn from_flags(flags: &[&str]) -> PerSinkOptions {
+        let args = ["outbox", "relay", "--sink", "redis://x"].iter().chain(flags);
+        match <crate::cli::Cli as clap::Parser>::try_parse_from(args)
+            .unwrap()
+            .command
+        {
+            crate::cli::Command::Relay(relay) => relay.sink_options.per_sink,
+            _ => unreachable!(),
+        }
+    }
+
+    /// The sinks' own options of a `[default]` table, over `flags`.
+    fn from_file(lines: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
+        let file = parse(&format!("[default]\nsink = \"redis://x\"\n{lines}")).unwrap();
+        file.default.unwrap().options("[default]", flags)
+    }
+
+    /// Where the child process started by `one_declaration_is_flag_environment_and_key`
+    /// prints what it parsed.
+    const CHILD_SAYS: &str = "parsed from the environment: ";
+
+    #[test]
+    fn one_declaration_is_flag_environment_and_key() {
+        let options = every_option();
+        let flags: Vec<&str> = options
+            .iter()
+            .flat_map(|(flag, _, value, _)| [*flag, *value])
+            .collect();
+        let from_flags = from_flags(&flags);
+        assert_ne!(from_flags, PerSinkOptions::default());
+
+        let lines: String = options.iter().map(|(.., line)| format!("{line}\n")).collect();
+        let from_file = from_file(&lines, &SinkOptions::default()).unwrap().per_sink;
+        assert_eq!(from_file, from_flags);
+
+        // The environment is read in a child process: this one's cannot be
+        // changed safely while other tests run.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "config::tests::child_parses_the_environment",
+                "--exact",
+                "--nocapture",
+            ])
+            .env("OUTBOX_TEST_CHILD", "1")
+            .envs(options.iter().map(|(_, env, value, _)| (env, value)))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(CHILD_SAYS))
+            .unwrap_or_else(|| panic!("the child did not run: {stdout}"));
+        let from_env: PerSinkOptions = serde_json::from_str(json).unwrap();
+        assert_eq!(from_env, from_flags);
+    }
+
+    #[test]
+    fn child_parses_the_environment() {
+        if std::env::var_os("OUTBOX_TEST_CHILD").is_none() {
+            return;
+        }
+        println!("{CHILD_SAYS}{}", serde_json::to_string(&from_flags(&[])).unwrap());
+    }
+
+    #[test]
+    fn a_key_left_out_takes_the_flag() {
+        let mut flags = SinkOptions {
+            per_sink: from_flags(&["--nats-subject", "from.flag", "--stream-prefix", "flag"]),
+            ..SinkOptions::default()
+        };
+        if cfg!(feature = "kafka") {
+            flags.per_sink = from_flags(&[
+                "--nats-subject",
+                "from.flag",
+                "--stream-prefix",
+                "flag",
+                "--kafka-option",
+                "linger.ms=1",
+                "--kafka-option",
+                "acks=all",
+            ]);
+        }
+        let file =
+            "stream_prefix = \"file\"\nkafka_options = { \"linger.ms\" = \"2\", \"batch.size\" = \"9\" }\n";
+        let file = if cfg!(feature = "kafka") {
+            file
+        } else {
+            "stream_prefix = \"file\"\n"
+        };
+        let options = from_file(file, &flags).unwrap().per_sink;
+        assert_eq!(options.redis.stream_prefix, "file");
+        assert_eq!(options.nats.subject, "from.flag");
+        #[cfg(feature = "kafka")]
+        assert_eq!(
+            options.kafka.options,
+            [("acks", "all"), ("batch.size", "9"), ("linger.ms", "2")]
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        );
+    }
+
     #[test]
     fn refuses_unknown_keys() {
         let e = parse("[default]\nsink = \"redis://x\"\nsubjekt = \"a\"\n")
             .unwrap_err()
             .to_string();
         assert!(e.contains("subjekt"), "{e}");
+        // The same message as a derived `deny_unknown_fields` table's, at the key.
+        let known = if cfg!(feature = "kafka") {
+            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `stream_prefix`, `nats_subject`, \
+             `amqp_exchange`, `amqp_routing_key`, `kafka_topic`, `kafka_options`, `http_secret`, \
+             `http_concurrency`, `http_timeout`"
+        } else {
+            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `stream_prefix`, `nats_subject`, \
+             `amqp_exchange`, `amqp_routing_key`, `http_secret`, `http_concurrency`, `http_timeout`"
+        };
+        assert_eq!(
+            e,
+            format!(
+                "TOML parse error at line 3, column 1\n  |\n3 | subjekt = \"a\"\n  | ^^^^^^^\n\
+                 unknown field `subjekt`, expected one of {known}\n"
+            )
+        );
+        // A value of the wrong type is pointed at.
+        let e = parse("[default]\nsink = \"redis://x\"\nhttp_concurrency = \"a\"\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "TOML parse error at line 3, column 20\n  |\n3 | http_concurrency = \"a\"\n  |                    ^^^\n\
+             invalid type: string \"a\", expected u16\n"
+        );
         let e = parse("[defaults]\nsink = \"redis://x\"\n")
             .unwrap_err()
             .to_string();

@@ -238,21 +238,16 @@ impl Registration {
 
 /// The compiled-in sinks, one line each, behind its feature: a sink whose
 /// feature is off is neither built nor offered as a fix in messages.
+#[rustfmt::skip]
 pub const SINKS: &[Registration] = &[
     #[cfg(feature = "redis")]
-    Registration::new(&["redis", "rediss"], |url, o| {
-        Ok(Box::new(redis::RedisSink::new(url, o)?))
-    }),
+    Registration::new(&["redis", "rediss"], |url, o| Ok(Box::new(redis::RedisSink::new(url, o)?))),
     #[cfg(feature = "http")]
-    Registration::new(&["http", "https"], |url, o| {
-        Ok(Box::new(http::HttpSink::new(parse(url)?, o)?))
-    }),
+    Registration::new(&["http", "https"], |url, o| Ok(Box::new(http::HttpSink::new(parse(url)?, o)?))),
     #[cfg(feature = "nats")]
     Registration::new(&["nats"], |url, o| Ok(Box::new(nats::NatsSink::new(url, o)?))),
     #[cfg(feature = "amqp")]
-    Registration::new(&["amqp", "amqps"], |url, o| {
-        Ok(Box::new(amqp::AmqpSink::new(url, o)?))
-    }),
+    Registration::new(&["amqp", "amqps"], |url, o| Ok(Box::new(amqp::AmqpSink::new(url, o)?))),
     #[cfg(feature = "kafka")]
     Registration::unparsed(&["kafka"], |url, o| Ok(Box::new(kafka::KafkaSink::new(url, o)?))),
 ];
