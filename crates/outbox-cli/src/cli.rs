@@ -178,8 +178,9 @@ pub(crate) struct RelayArgs {
     /// Cap on the retry delay.
     #[arg(long, env = "OUTBOX_BACKOFF_MAX", default_value = "5m", value_parser = positive_duration)]
     pub(crate) backoff_max: Duration,
+    /// Boxed: the largest part of the largest command.
     #[command(flatten)]
-    pub(crate) sink_options: SinkArgs,
+    pub(crate) sink_options: Box<SinkArgs>,
 }
 
 /// The flags sinks are built with: each sink's own (declared beside the sink,

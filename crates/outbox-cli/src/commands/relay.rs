@@ -26,9 +26,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
-    let options = args
-        .sink_options
-        .options(|| format!("/outbox/{}.{}", g.schema, g.table));
+    let options = (*args.sink_options).options(|| format!("/outbox/{}.{}", g.schema, g.table));
     let mut ordering_for: Vec<(String, OrderMode)> = args
         .ordering_for
         .into_iter()
