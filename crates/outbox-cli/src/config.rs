@@ -2,7 +2,9 @@
 //!
 //! Owns the file's shape and its checks; building the sinks is
 //! `outbox_relay::sink`'s. Every key of a sink table is a relay flag's name
-//! with underscores (`--nats-subject` = `nats_subject`), and a key missing
+//! with underscores (`--nats-subject` = `nats_subject`; a sink's own keys
+//! and flags are one declaration, its options struct in
+//! `outbox_relay::sink::PerSinkOptions`), and a key missing
 //! from a table takes the flag's value (or its environment variable, or its
 //! default): file over flag over environment over default. Unknown keys, a
 //! missing `[default]` and a type routed twice are errors (exit 2), found
