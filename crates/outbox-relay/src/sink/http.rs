@@ -34,6 +34,8 @@ const DEFAULT_CONCURRENCY: u16 = 16;
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct HttpOptions {
+    // The doc comment is also `--help`'s text, verbatim.
+    #[allow(rustdoc::invalid_html_tags)]
     /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
     #[arg(
         id = "http_secret",

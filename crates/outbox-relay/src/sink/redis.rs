@@ -27,6 +27,8 @@ const DEFAULT_STREAM_PREFIX: &str = "outbox.event";
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct RedisOptions {
+    // The doc comment is also `--help`'s text, verbatim.
+    #[allow(rustdoc::invalid_html_tags)]
     /// Redis stream name prefix: streams are <prefix>.<aggregate_type>.
     #[arg(
         id = "stream_prefix",
