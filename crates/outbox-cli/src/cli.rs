@@ -178,52 +178,21 @@ pub(crate) struct RelayArgs {
     /// Cap on the retry delay.
     #[arg(long, env = "OUTBOX_BACKOFF_MAX", default_value = "5m", value_parser = positive_duration)]
     pub(crate) backoff_max: Duration,
-    /// Redis stream name prefix: streams are <prefix>.<aggregate_type>.
-    #[arg(long, env = "OUTBOX_STREAM_PREFIX", default_value = "outbox.event")]
-    pub(crate) stream_prefix: String,
-    /// NATS subject; {aggregate_type} and {event_type} are replaced per event.
-    #[arg(
-        long,
-        env = "OUTBOX_NATS_SUBJECT",
-        default_value = "outbox.event.{aggregate_type}"
-    )]
-    pub(crate) nats_subject: String,
-    /// AMQP exchange, declared durable topic if missing; same placeholders.
-    #[arg(long, env = "OUTBOX_AMQP_EXCHANGE", default_value = "outbox")]
-    pub(crate) amqp_exchange: String,
-    /// AMQP routing key; same placeholders.
-    #[arg(
-        long,
-        env = "OUTBOX_AMQP_ROUTING_KEY",
-        default_value = "{aggregate_type}.{event_type}"
-    )]
-    pub(crate) amqp_routing_key: String,
-    /// Kafka topic; same placeholders. Records are keyed by aggregate id.
-    #[arg(
-        long,
-        env = "OUTBOX_KAFKA_TOPIC",
-        default_value = "outbox.event.{aggregate_type}"
-    )]
-    pub(crate) kafka_topic: String,
-    /// A librdkafka producer property, KEY=VALUE, repeatable (TLS, SASL,
-    /// compression, linger.ms); the environment variable takes a
-    /// comma-separated list. Properties the delivery guarantee rests on
-    /// (acks, enable.idempotence, …) are refused.
-    #[arg(
-        long = "kafka-option",
-        env = "OUTBOX_KAFKA_OPTIONS",
-        value_name = "KEY=VALUE",
-        value_delimiter = ',',
-        value_parser = key_value
-    )]
-    pub(crate) kafka_options: Vec<(String, String)>,
+    /// Boxed: the largest part of the largest command.
+    #[command(flatten)]
+    pub(crate) sink_options: Box<SinkArgs>,
+}
+
+/// The flags sinks are built with: each sink's own (declared beside the sink,
+/// in `outbox_relay::sink`), then the ones they share.
+#[derive(Debug, Args)]
+pub(crate) struct SinkArgs {
+    #[command(flatten)]
+    pub(crate) per_sink: outbox_relay::PerSinkOptions,
     /// Timeout of one HTTP request (and of one Redis round trip, NATS ack,
     /// AMQP confirm or Kafka delivery report).
     #[arg(long, env = "OUTBOX_HTTP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
     pub(crate) http_timeout: Duration,
-    /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
-    #[arg(long, env = "OUTBOX_HTTP_SECRET", hide_env_values = true)]
-    pub(crate) http_secret: Option<String>,
     /// Envelope of each event: native, cloudevents or debezium.
     #[arg(long, env = "OUTBOX_FORMAT", default_value = "native")]
     pub(crate) format: outbox_relay::sink::format::Format,
@@ -234,10 +203,18 @@ pub(crate) struct RelayArgs {
     /// CloudEvents `source` attribute [default: /outbox/<schema>.<table>].
     #[arg(long, env = "OUTBOX_CLOUDEVENTS_SOURCE")]
     pub(crate) cloudevents_source: Option<String>,
-    /// Aggregates an HTTP batch sends to concurrently.
-    #[arg(long, env = "OUTBOX_HTTP_CONCURRENCY", default_value_t = 16,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    pub(crate) http_concurrency: u16,
+}
+
+impl SinkArgs {
+    /// The options; `source` is the CloudEvents source when the flag is absent.
+    pub(crate) fn options(self, source: impl FnOnce() -> String) -> outbox_relay::SinkOptions {
+        let source = self.cloudevents_source.unwrap_or_else(source);
+        outbox_relay::SinkOptions {
+            timeout: self.http_timeout,
+            formatter: outbox_relay::sink::format::Formatter::new(self.format, self.cloudevents_mode, source),
+            per_sink: self.per_sink,
+        }
+    }
 }
 
 /// How `migrate --partition-by` splits the outbox.
@@ -414,14 +391,6 @@ fn ordering_for(s: &str) -> Result<(String, Ordering), String> {
     let mode = <Ordering as clap::ValueEnum>::from_str(mode, false)
         .map_err(|_| format!("unknown ordering {mode:?} for {aggregate_type:?} (partition or strict)"))?;
     Ok((aggregate_type.to_owned(), mode))
-}
-
-/// `KEY=VALUE` of `--kafka-option`.
-fn key_value(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .filter(|(key, _)| !key.trim().is_empty())
-        .map(|(key, value)| (key.trim().to_owned(), value.to_owned()))
-        .ok_or_else(|| format!("expected KEY=VALUE (a librdkafka property), got {s:?}"))
 }
 
 /// A lease timeout: ticks come every third of it, so below a second the

@@ -39,7 +39,7 @@ impl RelayError {
     }
 }
 
-/// The error and its sources on one line, for logs.
+/// The error and its sources on one line, for logs and `last_error`.
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut message = e.to_string();
     let mut source = e.source();

@@ -46,4 +46,4 @@ pub use backoff::Backoff;
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use retention::Retention;
-pub use sink::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
+pub use sink::{Delivery, DeliveryError, PerSinkOptions, Sink, SinkError, SinkOptions};

@@ -99,10 +99,8 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
     println!("   outbox rows: {written}");
 
     println!("\n2. relay: delivering to Redis Streams ({STREAM_PREFIX}.orders)");
-    let options = SinkOptions {
-        stream_prefix: STREAM_PREFIX.to_owned(),
-        ..SinkOptions::default()
-    };
+    let mut options = SinkOptions::default();
+    options.per_sink.redis.stream_prefix = STREAM_PREFIX.to_owned();
     let sink = outbox_relay::sink::from_url(&sink_url, &options)?;
     let relay = Relay::new(
         pg.clone(),

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::sink::format::Formatter;
-use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig, SinkOptions};
+use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig};
 
 use crate::cli::{Global, Ordering, RelayArgs};
 use crate::config::RelayFile;
@@ -26,21 +25,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
-    let source = args
-        .cloudevents_source
-        .unwrap_or_else(|| format!("/outbox/{}.{}", g.schema, g.table));
-    let options = SinkOptions {
-        stream_prefix: args.stream_prefix,
-        timeout: args.http_timeout,
-        http_concurrency: usize::from(args.http_concurrency),
-        http_secret: args.http_secret,
-        nats_subject: args.nats_subject,
-        amqp_exchange: args.amqp_exchange,
-        amqp_routing_key: args.amqp_routing_key,
-        kafka_topic: args.kafka_topic,
-        kafka_options: args.kafka_options,
-        formatter: Formatter::new(args.format, args.cloudevents_mode, source),
-    };
+    let options = (*args.sink_options).options(|| format!("/outbox/{}.{}", g.schema, g.table));
     let mut ordering_for: Vec<(String, OrderMode)> = args
         .ordering_for
         .into_iter()

@@ -58,6 +58,48 @@ use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 /// `delivery_mode` of a message the broker writes to disk.
 const PERSISTENT: u8 = 2;
 
+/// `--amqp-exchange`'s default.
+const DEFAULT_EXCHANGE: &str = "outbox";
+/// `--amqp-routing-key`'s default.
+const DEFAULT_ROUTING_KEY: &str = "{aggregate_type}.{event_type}";
+
+/// The RabbitMQ sink's options. Each field is a flag of `outbox relay`, the
+/// environment variable beside it, and the routes file's key of the same
+/// name (the flag with underscores).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct AmqpOptions {
+    /// AMQP exchange, declared durable topic if missing; same placeholders.
+    #[arg(
+        id = "amqp_exchange",
+        value_name = "AMQP_EXCHANGE",
+        long = "amqp-exchange",
+        env = "OUTBOX_AMQP_EXCHANGE",
+        default_value = DEFAULT_EXCHANGE
+    )]
+    #[serde(rename = "amqp_exchange")]
+    pub exchange: String,
+    /// AMQP routing key; same placeholders.
+    #[arg(
+        id = "amqp_routing_key",
+        value_name = "AMQP_ROUTING_KEY",
+        long = "amqp-routing-key",
+        env = "OUTBOX_AMQP_ROUTING_KEY",
+        default_value = DEFAULT_ROUTING_KEY
+    )]
+    #[serde(rename = "amqp_routing_key")]
+    pub routing_key: String,
+}
+
+impl Default for AmqpOptions {
+    fn default() -> Self {
+        Self {
+            exchange: DEFAULT_EXCHANGE.to_owned(),
+            routing_key: DEFAULT_ROUTING_KEY.to_owned(),
+        }
+    }
+}
+
 /// Delivers to a RabbitMQ exchange.
 pub struct AmqpSink {
     url: String,
@@ -96,8 +138,8 @@ impl AmqpSink {
             })?;
         Ok(Self {
             url: url.to_owned(),
-            exchange: Template::parse(&options.amqp_exchange, "--amqp-exchange")?,
-            routing_key: Template::parse(&options.amqp_routing_key, "--amqp-routing-key")?,
+            exchange: Template::parse(&options.per_sink.amqp.exchange, "--amqp-exchange")?,
+            routing_key: Template::parse(&options.per_sink.amqp.routing_key, "--amqp-routing-key")?,
             timeout: options.timeout,
             formatter: options.formatter.clone(),
             link: Mutex::new(None),
@@ -377,10 +419,8 @@ mod tests {
         let options = SinkOptions::default();
         assert!(AmqpSink::new("amqp://guest:guest@127.0.0.1:5672/%2f", &options).is_ok());
         assert!(AmqpSink::new("amqp://guest:guest@127.0.0.1:notaport", &options).is_err());
-        let options = SinkOptions {
-            amqp_routing_key: "{aggregate}".into(),
-            ..SinkOptions::default()
-        };
+        let mut options = SinkOptions::default();
+        options.per_sink.amqp.routing_key = "{aggregate}".into();
         let e = AmqpSink::new("amqp://127.0.0.1", &options)
             .err()
             .unwrap()

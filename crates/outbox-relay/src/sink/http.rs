@@ -4,7 +4,7 @@
 //! Events of one aggregate are sent in id order, each only after the previous
 //! one was acknowledged; if one fails, the rest of that aggregate in the batch
 //! is held back (not sent, not counted as an attempt) so nothing overtakes
-//! it. Different aggregates are sent concurrently, up to `http_concurrency`.
+//! it. Different aggregates are sent concurrently, up to `--http-concurrency`.
 //!
 //! Status mapping: 2xx delivered; 408, 429, 5xx, a timeout or a connection
 //! error retryable (a `Retry-After` header sets the earliest next attempt);
@@ -23,6 +23,50 @@ use url::Url;
 
 use super::format::{Formatter, Protocol};
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
+use crate::error::error_chain;
+
+/// `--http-concurrency`'s default.
+const DEFAULT_CONCURRENCY: u16 = 16;
+
+/// The HTTP sink's options. Each field is a flag of `outbox relay`, the
+/// environment variable beside it, and the routes file's key of the same
+/// name (the flag with underscores).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct HttpOptions {
+    // The doc comment is also `--help`'s text, verbatim.
+    #[allow(rustdoc::invalid_html_tags)]
+    /// Sign HTTP requests with this Standard Webhooks secret (whsec_<base64>).
+    #[arg(
+        id = "http_secret",
+        value_name = "HTTP_SECRET",
+        long = "http-secret",
+        env = "OUTBOX_HTTP_SECRET",
+        hide_env_values = true
+    )]
+    #[serde(rename = "http_secret")]
+    pub secret: Option<String>,
+    /// Aggregates an HTTP batch sends to concurrently.
+    #[arg(
+        id = "http_concurrency",
+        value_name = "HTTP_CONCURRENCY",
+        long = "http-concurrency",
+        env = "OUTBOX_HTTP_CONCURRENCY",
+        default_value_t = DEFAULT_CONCURRENCY,
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
+    #[serde(rename = "http_concurrency")]
+    pub concurrency: u16,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        Self {
+            secret: None,
+            concurrency: DEFAULT_CONCURRENCY,
+        }
+    }
+}
 
 /// Delivers to an HTTP endpoint.
 pub struct HttpSink {
@@ -45,8 +89,9 @@ impl HttpSink {
                 url: url.to_string(),
                 reason: format!("building the HTTP client: {e}"),
             })?;
-        let secret = options
-            .http_secret
+        let own = &options.per_sink.http;
+        let secret = own
+            .secret
             .as_deref()
             .map(WebhookSecret::parse)
             .transpose()
@@ -57,7 +102,7 @@ impl HttpSink {
         Ok(Self {
             client,
             url,
-            concurrency: options.http_concurrency.max(1),
+            concurrency: usize::from(own.concurrency).max(1),
             secret,
             formatter: options.formatter.clone(),
         })
@@ -101,6 +146,9 @@ impl HttpSink {
             Err(e) if e.is_builder() => {
                 return Err(DeliveryError::permanent(format!("building the request: {e}")));
             }
+            // reqwest's top-level message is often just "error sending
+            // request"; the cause (connection refused, timed out) is what an
+            // operator needs.
             Err(e) => return Err(DeliveryError::retryable(error_chain(&e))),
         };
         let status = response.status();
@@ -125,7 +173,7 @@ impl HttpSink {
         for i in group {
             let row = &batch[i];
             let delivery = match failed {
-                Some(id) => Err(DeliveryError::HeldBack {
+                Some(id) => Err(DeliveryError::NotSent {
                     message: format!("held back: earlier event {id} of aggregate failed"),
                 }),
                 None => self.send(row).await,
@@ -181,19 +229,6 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(SystemTime::now()).unwrap_or_default())
-}
-
-/// reqwest's top-level message is often just "error sending request"; the
-/// cause (connection refused, timed out) is what an operator needs.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
-    }
-    message
 }
 
 impl Sink for HttpSink {

@@ -83,6 +83,75 @@ pub const RESERVED: &[(&str, &str)] = &[
     ("transactional.id", "the relay does not use Kafka transactions"),
 ];
 
+/// `--kafka-topic`'s default.
+const DEFAULT_TOPIC: &str = "outbox.event.{aggregate_type}";
+
+/// The Kafka sink's options. Each field is a flag of `outbox relay`, the
+/// environment variable beside it, and the routes file's key of the same
+/// name (the flag with underscores; `--kafka-option` is `kafka_options`, a
+/// table whose keys go over the flags' key by key).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct KafkaOptions {
+    /// Kafka topic; same placeholders. Records are keyed by aggregate id.
+    #[arg(
+        id = "kafka_topic",
+        value_name = "KAFKA_TOPIC",
+        long = "kafka-topic",
+        env = "OUTBOX_KAFKA_TOPIC",
+        default_value = DEFAULT_TOPIC
+    )]
+    #[serde(rename = "kafka_topic")]
+    pub topic: String,
+    /// A librdkafka producer property, KEY=VALUE, repeatable (TLS, SASL,
+    /// compression, linger.ms); the environment variable takes a
+    /// comma-separated list. Properties the delivery guarantee rests on
+    /// (acks, enable.idempotence, …) are refused.
+    #[arg(
+        id = "kafka_options",
+        long = "kafka-option",
+        env = "OUTBOX_KAFKA_OPTIONS",
+        value_name = "KEY=VALUE",
+        value_delimiter = ',',
+        value_parser = key_value
+    )]
+    #[serde(rename = "kafka_options", with = "properties")]
+    pub options: Vec<(String, String)>,
+}
+
+impl Default for KafkaOptions {
+    fn default() -> Self {
+        Self {
+            topic: DEFAULT_TOPIC.to_owned(),
+            options: Vec::new(),
+        }
+    }
+}
+
+/// `KEY=VALUE` of `--kafka-option`.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .filter(|(key, _)| !key.trim().is_empty())
+        .map(|(key, value)| (key.trim().to_owned(), value.to_owned()))
+        .ok_or_else(|| format!("expected KEY=VALUE (a librdkafka property), got {s:?}"))
+}
+
+/// `kafka_options` in a routes file: a table of properties. Later pairs win,
+/// as with librdkafka.
+mod properties {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(pairs: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(pairs.iter().map(|(k, v)| (k, v)))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, String)>, D::Error> {
+        Ok(BTreeMap::<String, String>::deserialize(d)?.into_iter().collect())
+    }
+}
+
 /// Delivers to Kafka.
 pub struct KafkaSink {
     brokers: String,
@@ -105,19 +174,20 @@ impl KafkaSink {
             url: url.to_owned(),
             reason,
         })?;
-        let topic = Template::parse(&options.kafka_topic, "--kafka-topic")?;
+        let own = &options.per_sink.kafka;
+        let topic = Template::parse(&own.topic, "--kafka-topic")?;
         // A topic without placeholders can be checked now rather than per row.
         if topic.is_constant()
-            && let Some(reason) = topic_problem(&options.kafka_topic)
+            && let Some(reason) = topic_problem(&own.topic)
         {
             return Err(SinkError::InvalidTemplate {
                 flag: "--kafka-topic",
-                template: options.kafka_topic.clone(),
+                template: own.topic.clone(),
                 reason,
             });
         }
-        if let Some((key, why)) = options
-            .kafka_options
+        if let Some((key, why)) = own
+            .options
             .iter()
             .find_map(|(key, _)| RESERVED.iter().find(|(reserved, _)| reserved == key))
         {
@@ -130,7 +200,7 @@ impl KafkaSink {
             brokers,
             topic,
             timeout: options.timeout,
-            options: options.kafka_options.clone(),
+            options: own.options.clone(),
             formatter: options.formatter.clone(),
             producer: Mutex::new(None),
         };
@@ -437,10 +507,8 @@ mod tests {
         let sink = KafkaSink::new("kafka://127.0.0.1:9092", &options).unwrap();
         assert_eq!(sink.topic(&row()), "outbox.event.orders");
         assert_eq!(sink.bootstrap_servers(), "127.0.0.1:9092");
-        let options = SinkOptions {
-            kafka_topic: "outbox events".into(),
-            ..SinkOptions::default()
-        };
+        let mut options = SinkOptions::default();
+        options.per_sink.kafka.topic = "outbox events".into();
         let e = KafkaSink::new("kafka://127.0.0.1:9092", &options)
             .err()
             .unwrap()
@@ -450,12 +518,13 @@ mod tests {
 
     #[test]
     fn passes_options_to_librdkafka_and_refuses_reserved_ones() {
-        let with = |pairs: &[(&str, &str)]| SinkOptions {
-            kafka_options: pairs
+        let with = |pairs: &[(&str, &str)]| {
+            let mut options = SinkOptions::default();
+            options.per_sink.kafka.options = pairs
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
-            ..SinkOptions::default()
+                .collect();
+            options
         };
         let url = "kafka://127.0.0.1:9092";
         let sink = KafkaSink::new(url, &with(&[("compression.type", "lz4"), ("linger.ms", "20")])).unwrap();

@@ -1,5 +1,5 @@
-//! Where events go: the [`Sink`] trait, its per-row outcome and the URL
-//! scheme that picks a sink.
+//! Where events go: the [`Sink`] trait, its per-row outcome, and the
+//! registry of sinks by URL scheme.
 //!
 //! A sink gets a claimed batch and answers one [`Delivery`] per row, in the
 //! batch's order. `Ok` means the broker or receiver acknowledged the event;
@@ -8,8 +8,13 @@
 //! the retry, so every retry is visible in the table (`attempts`,
 //! `last_error`, `next_attempt_at`).
 //!
-//! Adding a sink is one file implementing [`Sink`], one feature, and one arm
-//! in [`from_url`].
+//! Adding a sink is one file, one cargo feature, one registry line and one
+//! line in the conformance suite. The file holds the [`Sink`] and its
+//! options, one struct deriving `clap::Args` and `serde`'s traits, whose
+//! declaration gives each option its `outbox relay` flag, environment
+//! variable and routes-file key; the registry line is its entry in
+//! [`SINKS`] (schemes and constructor), beside its options' field in
+//! [`PerSinkOptions`], both behind the sink's feature.
 
 use std::time::Duration;
 
@@ -54,11 +59,12 @@ pub enum DeliveryError {
         /// What went wrong, for `last_error`.
         message: String,
     },
-    /// Not sent because an earlier event of the same aggregate failed in this
-    /// batch; sending it would overtake that event. Does not count as an attempt.
+    /// Not attempted in this call; costs no attempt. The HTTP sink answers
+    /// it for the rows of an aggregate behind one that failed in the batch,
+    /// since sending them would overtake that event.
     #[error("{message}")]
-    HeldBack {
-        /// Which earlier event held it back.
+    NotSent {
+        /// Why it was not sent, for `last_error`.
         message: String,
     },
 }
@@ -95,48 +101,61 @@ pub trait Sink: Send + Sync {
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>>;
 }
 
-/// Settings shared by the sinks; each uses the ones that concern it.
+/// What a sink is built with: the options every sink shares, and each
+/// sink's own.
 #[derive(Debug, Clone)]
 pub struct SinkOptions {
-    /// Redis stream name prefix; the stream is `<prefix>.<aggregate_type>`.
-    pub stream_prefix: String,
-    /// Timeout of one HTTP request, Redis round trip, NATS ack or AMQP
-    /// confirm (and of making a connection).
+    /// Timeout of one HTTP request, Redis round trip, NATS ack, AMQP
+    /// confirm or Kafka delivery report (and of making a connection).
     pub timeout: Duration,
-    /// How many aggregates an HTTP batch sends to at once.
-    pub http_concurrency: usize,
-    /// Standard Webhooks secret (`whsec_…`); when set, HTTP requests are signed.
-    pub http_secret: Option<String>,
-    /// NATS subject, with `{aggregate_type}` / `{event_type}` placeholders.
-    pub nats_subject: String,
-    /// AMQP exchange, with the same placeholders.
-    pub amqp_exchange: String,
-    /// AMQP routing key, with the same placeholders.
-    pub amqp_routing_key: String,
     /// The envelope: `--format`, `--cloudevents-mode`, `--cloudevents-source`.
     pub formatter: Formatter,
-    /// Kafka topic, with the same placeholders.
-    pub kafka_topic: String,
-    /// librdkafka producer properties (`--kafka-option key=value`): TLS,
-    /// SASL, compression, batching. Later pairs win.
-    pub kafka_options: Vec<(String, String)>,
+    /// Each compiled-in sink's own options.
+    pub per_sink: PerSinkOptions,
 }
 
 impl Default for SinkOptions {
     fn default() -> Self {
         Self {
-            stream_prefix: "outbox.event".to_owned(),
             timeout: Duration::from_secs(10),
-            http_concurrency: 16,
-            http_secret: None,
-            nats_subject: "outbox.event.{aggregate_type}".to_owned(),
-            amqp_exchange: "outbox".to_owned(),
-            amqp_routing_key: "{aggregate_type}.{event_type}".to_owned(),
             formatter: Formatter::default(),
-            kafka_topic: "outbox.event.{aggregate_type}".to_owned(),
-            kafka_options: Vec::new(),
+            per_sink: PerSinkOptions::default(),
         }
     }
+}
+
+/// Each compiled-in sink's own options, one field per sink, flattened: `outbox
+/// relay` takes their flags (and environment variables), and a routes-file
+/// table takes their keys. Field order is the order of `--help` and of the
+/// keys an unknown-key message lists.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct PerSinkOptions {
+    /// `--stream-prefix`.
+    #[cfg(feature = "redis")]
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub redis: redis::RedisOptions,
+    /// `--nats-subject`.
+    #[cfg(feature = "nats")]
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub nats: nats::NatsOptions,
+    /// `--amqp-exchange`, `--amqp-routing-key`.
+    #[cfg(feature = "amqp")]
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub amqp: amqp::AmqpOptions,
+    /// `--kafka-topic`, `--kafka-option`.
+    #[cfg(feature = "kafka")]
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub kafka: kafka::KafkaOptions,
+    /// `--http-secret`, `--http-concurrency`.
+    #[cfg(feature = "http")]
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub http: http::HttpOptions,
 }
 
 /// A sink URL that cannot be used.
@@ -181,70 +200,96 @@ pub enum SinkError {
     },
 }
 
-/// The schemes this build handles, for messages: a sink whose feature is
-/// off must not be offered as a fix.
-pub const KNOWN_SCHEMES: &[&str] = &[
+/// Builds a sink from its URL and options; makes no connection.
+pub type Build = fn(&str, &SinkOptions) -> Result<Box<dyn Sink>, SinkError>;
+
+/// A compiled-in sink: the URL schemes it handles and how it is built.
+#[derive(Debug, Clone, Copy)]
+pub struct Registration {
+    /// The URL schemes, e.g. `redis` and `rediss`.
+    pub schemes: &'static [&'static str],
+    /// Whether the URL is handed over as it is, before any URL parsing:
+    /// `kafka://a:9092,b:9092` lists several brokers, which a URL parser
+    /// reads as one host with a bad port.
+    pub unparsed: bool,
+    /// The constructor.
+    pub build: Build,
+}
+
+impl Registration {
+    /// A sink whose URL must parse as a URL with a host.
+    pub const fn new(schemes: &'static [&'static str], build: Build) -> Self {
+        Self {
+            schemes,
+            unparsed: false,
+            build,
+        }
+    }
+
+    /// A sink that parses its URL itself.
+    pub const fn unparsed(schemes: &'static [&'static str], build: Build) -> Self {
+        Self {
+            schemes,
+            unparsed: true,
+            build,
+        }
+    }
+}
+
+/// The compiled-in sinks, one line each, behind its feature: a sink whose
+/// feature is off is neither built nor offered as a fix in messages.
+#[rustfmt::skip]
+pub const SINKS: &[Registration] = &[
     #[cfg(feature = "redis")]
-    "redis",
-    #[cfg(feature = "redis")]
-    "rediss",
+    Registration::new(&["redis", "rediss"], |url, o| Ok(Box::new(redis::RedisSink::new(url, o)?))),
     #[cfg(feature = "http")]
-    "http",
-    #[cfg(feature = "http")]
-    "https",
+    Registration::new(&["http", "https"], |url, o| Ok(Box::new(http::HttpSink::new(parse(url)?, o)?))),
     #[cfg(feature = "nats")]
-    "nats",
+    Registration::new(&["nats"], |url, o| Ok(Box::new(nats::NatsSink::new(url, o)?))),
     #[cfg(feature = "amqp")]
-    "amqp",
-    #[cfg(feature = "amqp")]
-    "amqps",
+    Registration::new(&["amqp", "amqps"], |url, o| Ok(Box::new(amqp::AmqpSink::new(url, o)?))),
     #[cfg(feature = "kafka")]
-    "kafka",
+    Registration::unparsed(&["kafka"], |url, o| Ok(Box::new(kafka::KafkaSink::new(url, o)?))),
 ];
+
+/// The schemes this build handles, in [`SINKS`] order.
+pub fn schemes() -> impl Iterator<Item = &'static str> {
+    SINKS.iter().flat_map(|sink| sink.schemes.iter().copied())
+}
 
 /// Builds the sink a URL names. Builds no connection: an unreachable sink is
 /// a delivery failure later, never a startup crash.
-// Without any sink feature nothing reads `options`.
-#[cfg_attr(
-    not(any(
-        feature = "redis",
-        feature = "http",
-        feature = "nats",
-        feature = "amqp",
-        feature = "kafka"
-    )),
-    allow(unused_variables)
-)]
 pub fn from_url(url: &str, options: &SinkOptions) -> Result<Box<dyn Sink>, SinkError> {
-    // Before URL parsing: `kafka://a:9092,b:9092` lists several brokers,
-    // which a URL parser reads as one host with a bad port.
-    #[cfg(feature = "kafka")]
-    if url.starts_with("kafka://") {
-        return Ok(Box::new(kafka::KafkaSink::new(url, options)?));
+    let handles = |scheme: &str, unparsed: bool| {
+        SINKS
+            .iter()
+            .find(|sink| sink.unparsed == unparsed && sink.schemes.contains(&scheme))
+    };
+    if let Some((scheme, _)) = url.split_once("://")
+        && let Some(sink) = handles(scheme, true)
+    {
+        return (sink.build)(url, options);
     }
-    let parsed = url::Url::parse(url).map_err(|e| SinkError::InvalidUrl {
-        url: url.to_owned(),
-        reason: e.to_string(),
-    })?;
+    let parsed = parse(url)?;
     if parsed.host_str().is_none_or(str::is_empty) {
         return Err(SinkError::InvalidUrl {
             url: url.to_owned(),
             reason: "no host".to_owned(),
         });
     }
-    match parsed.scheme() {
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" => Ok(Box::new(redis::RedisSink::new(url, options)?)),
-        #[cfg(feature = "http")]
-        "http" | "https" => Ok(Box::new(http::HttpSink::new(parsed, options)?)),
-        #[cfg(feature = "nats")]
-        "nats" => Ok(Box::new(nats::NatsSink::new(url, options)?)),
-        #[cfg(feature = "amqp")]
-        "amqp" | "amqps" => Ok(Box::new(amqp::AmqpSink::new(url, options)?)),
-        scheme => Err(SinkError::UnknownScheme {
-            scheme: scheme.to_owned(),
+    match handles(parsed.scheme(), false) {
+        Some(sink) => (sink.build)(url, options),
+        None => Err(SinkError::UnknownScheme {
+            scheme: parsed.scheme().to_owned(),
             url: url.to_owned(),
-            known: KNOWN_SCHEMES.join(", "),
+            known: schemes().collect::<Vec<_>>().join(", "),
         }),
     }
+}
+
+fn parse(url: &str) -> Result<url::Url, SinkError> {
+    url::Url::parse(url).map_err(|e| SinkError::InvalidUrl {
+        url: url.to_owned(),
+        reason: e.to_string(),
+    })
 }

@@ -16,7 +16,7 @@
 //! Ordering: one connection keeps publish order, and a stream stores in
 //! arrival order, so the events of an aggregate land in id order. If one of
 //! them fails (no ack in time, say) the later ones of that aggregate were
-//! already sent concurrently, so they are not [`HeldBack`]: each row
+//! already sent concurrently, so they are not [`NotSent`]: each row
 //! reports its real outcome, and the relay retries the failed one later.
 //! That one failure can therefore land after its successors; consumers that
 //! need strict order must check `outbox_id` per aggregate, as with any
@@ -36,7 +36,7 @@
 //! the next batch, so a NATS that is down turns into "connection refused"
 //! in `last_error` rather than ack timeouts.
 //!
-//! [`HeldBack`]: super::DeliveryError::HeldBack
+//! [`NotSent`]: super::DeliveryError::NotSent
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -62,6 +62,35 @@ const MAX_ACKS_IN_FLIGHT: usize = 20_000;
 /// client anyway; the bound stops a dropped one from retrying forever.
 const MAX_RECONNECTS: usize = 10;
 
+/// `--nats-subject`'s default.
+const DEFAULT_SUBJECT: &str = "outbox.event.{aggregate_type}";
+
+/// The NATS sink's options. Each field is a flag of `outbox relay`, the
+/// environment variable beside it, and the routes file's key of the same
+/// name (the flag with underscores).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct NatsOptions {
+    /// NATS subject; {aggregate_type} and {event_type} are replaced per event.
+    #[arg(
+        id = "nats_subject",
+        value_name = "NATS_SUBJECT",
+        long = "nats-subject",
+        env = "OUTBOX_NATS_SUBJECT",
+        default_value = DEFAULT_SUBJECT
+    )]
+    #[serde(rename = "nats_subject")]
+    pub subject: String,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            subject: DEFAULT_SUBJECT.to_owned(),
+        }
+    }
+}
+
 /// Delivers to NATS JetStream.
 pub struct NatsSink {
     url: String,
@@ -84,14 +113,15 @@ impl NatsSink {
             url: url.to_owned(),
             reason: e.to_string(),
         })?;
-        let subject = Template::parse(&options.nats_subject, "--nats-subject")?;
+        let own = &options.per_sink.nats;
+        let subject = Template::parse(&own.subject, "--nats-subject")?;
         // A subject without placeholders can be checked now rather than per row.
         if subject.is_constant()
-            && let Some(reason) = subject_problem(&options.nats_subject)
+            && let Some(reason) = subject_problem(&own.subject)
         {
             return Err(SinkError::InvalidTemplate {
                 flag: "--nats-subject",
-                template: options.nats_subject.clone(),
+                template: own.subject.clone(),
                 reason,
             });
         }
@@ -280,10 +310,8 @@ mod tests {
     fn refuses_bad_urls_and_constant_subjects() {
         let options = SinkOptions::default();
         assert!(NatsSink::new("nats://127.0.0.1:4222", &options).is_ok());
-        let options = SinkOptions {
-            nats_subject: "outbox.>".into(),
-            ..SinkOptions::default()
-        };
+        let mut options = SinkOptions::default();
+        options.per_sink.nats.subject = "outbox.>".into();
         let e = NatsSink::new("nats://127.0.0.1:4222", &options)
             .err()
             .unwrap()

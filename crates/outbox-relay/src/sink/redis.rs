@@ -18,6 +18,37 @@ use tokio::sync::Mutex;
 use super::format::Formatter;
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
+/// `--stream-prefix`'s default.
+const DEFAULT_STREAM_PREFIX: &str = "outbox.event";
+
+/// The Redis sink's options. Each field is a flag of `outbox relay`, the
+/// environment variable beside it, and the routes file's key of the same
+/// name (the flag with underscores).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct RedisOptions {
+    // The doc comment is also `--help`'s text, verbatim.
+    #[allow(rustdoc::invalid_html_tags)]
+    /// Redis stream name prefix: streams are <prefix>.<aggregate_type>.
+    #[arg(
+        id = "stream_prefix",
+        value_name = "STREAM_PREFIX",
+        long = "stream-prefix",
+        env = "OUTBOX_STREAM_PREFIX",
+        default_value = DEFAULT_STREAM_PREFIX
+    )]
+    #[serde(rename = "stream_prefix")]
+    pub stream_prefix: String,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        Self {
+            stream_prefix: DEFAULT_STREAM_PREFIX.to_owned(),
+        }
+    }
+}
+
 /// Delivers to Redis Streams.
 pub struct RedisSink {
     client: Client,
@@ -36,7 +67,7 @@ impl RedisSink {
         })?;
         Ok(Self {
             client,
-            prefix: options.stream_prefix.clone(),
+            prefix: options.per_sink.redis.stream_prefix.clone(),
             timeout: options.timeout,
             formatter: options.formatter.clone(),
             connection: Mutex::new(None),
