@@ -336,6 +336,7 @@ impl Harness {
             "relay exit status; lines: {:#?}",
             relay.lines()
         );
+        assert_eq!(relay.count_lines("relay stopped"), 1, "the relay says it stopped");
     }
 }
 
@@ -646,7 +647,7 @@ pub async fn kill_between_ack_and_mark<S: SinkUnderTest>(relay: &Path) -> Run<S>
 /// one twice the broker's size limit. The three small ones are delivered;
 /// the big one fails permanently on its first attempt, so it is a dead
 /// letter at once (`attempts` = [`MAX_ATTEMPTS`], `last_error`
-/// `permanent: …` naming the size).
+/// `permanent: <ERROR_WORD>…` naming the size).
 ///
 /// # Panics
 ///
@@ -697,7 +698,10 @@ pub async fn oversized<S: SinkUnderTest>(relay: &Path) -> Run<S> {
         .expect("the big row");
     let (attempts, error, unpublished): (i32, String, bool) = (row.get(0), row.get(1), row.get(2));
     assert!(
-        error.starts_with("permanent:") && error.contains(S::TOO_LARGE),
+        error
+            .to_lowercase()
+            .starts_with(&format!("permanent: {}", S::ERROR_WORD))
+            && error.contains(S::TOO_LARGE),
         "{}: {error}",
         S::NAME
     );
