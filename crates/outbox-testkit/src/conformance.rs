@@ -508,7 +508,7 @@ pub async fn broker_down<S: SinkUnderTest>(relay: &Path) -> Run<S> {
     .await;
     let left = h.unpublished().await;
     assert!(
-        (2_000..3_800).contains(&left),
+        (2_000..=3_800).contains(&left),
         "{}: {left} rows left while the broker is down",
         S::NAME
     );
