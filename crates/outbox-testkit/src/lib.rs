@@ -13,6 +13,7 @@
 //! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
 //! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
 //! | [`Spawned`] | a child process with captured output lines |
+//! | [`conformance`] | the scenarios every sink passes, and the sinks that run them |
 //! | [`free_port`] | a port nobody listens on |
 //! | [`Error`] | what went wrong, and what was being done |
 //!
@@ -39,6 +40,7 @@
 //! # let _ = url; Ok(()) }
 //! ```
 
+pub mod conformance;
 mod error;
 pub mod kafka;
 mod nats;

@@ -36,6 +36,8 @@ pub struct Nats {
     port: u16,
     log: PathBuf,
     server: Option<Child>,
+    /// `max_payload` in bytes, when not the server's default (1 MiB).
+    max_payload: Option<usize>,
     // Declared last so the directory goes after `Drop` has killed the server.
     dir: TempDir,
 }
@@ -45,6 +47,16 @@ impl Nats {
     /// it greets clients with JetStream enabled (up to 20 s). If the port
     /// picked is taken before the server binds it, a new one is tried.
     pub async fn start() -> Result<Nats, Error> {
+        Nats::start_with(None).await
+    }
+
+    /// [`start`](Self::start) with the server's `max_payload` set to `bytes`:
+    /// it refuses larger messages (clients learn the limit from `INFO`).
+    pub async fn start_with_max_payload(bytes: usize) -> Result<Nats, Error> {
+        Nats::start_with(Some(bytes)).await
+    }
+
+    async fn start_with(max_payload: Option<usize>) -> Result<Nats, Error> {
         let exe = find_exe().ok_or(Error::NatsNotInstalled)?;
         let base = support::base_dir();
         let dir = tempfile::Builder::new()
@@ -59,8 +71,14 @@ impl Nats {
             port: 0,
             log: dir.path().join("nats.log"),
             server: None,
+            max_payload,
             dir,
         };
+        if let Some(bytes) = max_payload {
+            let config = nats.dir.path().join("nats.conf");
+            std::fs::write(&config, format!("max_payload: {bytes}\n"))
+                .map_err(Error::io(format!("writing {}", config.display())))?;
+        }
         support::start_on_free_port(&mut nats, PORT_ATTEMPTS).await?;
         Ok(nats)
     }
@@ -99,8 +117,11 @@ impl Nats {
 
     fn spawn(&self) -> Result<Child, Error> {
         let (log, stderr) = support::log_handles(&self.log)?;
-        std::process::Command::new(&self.exe)
-            .args(["-js", "-a", "127.0.0.1", "-p"])
+        let mut cmd = std::process::Command::new(&self.exe);
+        if self.max_payload.is_some() {
+            cmd.arg("-c").arg(self.dir.path().join("nats.conf"));
+        }
+        cmd.args(["-js", "-a", "127.0.0.1", "-p"])
             .arg(self.port.to_string())
             .arg("-n")
             .arg(self.name())

@@ -18,6 +18,8 @@ use crate::support::lock;
 
 /// How long [`Receiver::shutdown`] lets open connections finish.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long [`Receiver::restart`] tries to bind its old port.
+const RESTART_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How the [`Receiver`] answers POSTs. Whatever is scripted, every request is
 /// recorded with the status it actually got.
@@ -98,6 +100,8 @@ struct Shared {
     log: Mutex<Vec<Received>>,
     script: Mutex<Script>,
     retry_after: Mutex<Option<u64>>,
+    /// Bodies longer than this get 413 (recorded).
+    max_body: Mutex<Option<usize>>,
     /// How many requests are in `log`; waiters watch it.
     count: watch::Sender<usize>,
 }
@@ -122,14 +126,26 @@ impl Receiver {
             log: Mutex::new(Vec::new()),
             script: Mutex::new(Script { respond, answered: 0 }),
             retry_after: Mutex::new(None),
+            max_body: Mutex::new(None),
             count: watch::Sender::new(0),
         });
+        let mut receiver = Receiver {
+            addr,
+            state,
+            stop: None,
+            server: None,
+        };
+        receiver.serve(listener);
+        Ok(receiver)
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
         let app = Router::new()
             .fallback(record)
             // Batches of events can be large; a 413 from a limit would be an
             // unrecorded answer nobody scripted.
             .layer(DefaultBodyLimit::disable())
-            .with_state(Arc::clone(&state));
+            .with_state(Arc::clone(&self.state));
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(async move {
             let shutdown = async {
@@ -140,12 +156,50 @@ impl Receiver {
                 tracing::warn!(error = %e, "testkit HTTP receiver failed");
             }
         });
-        Ok(Receiver {
-            addr,
-            state,
-            stop: Some(stop),
-            server: Some(server),
-        })
+        self.stop = Some(stop);
+        self.server = Some(server);
+    }
+
+    /// Stops listening (an outage: connections are refused), letting open
+    /// connections finish (up to 5 s). What was received is kept; stopping
+    /// a stopped receiver does nothing.
+    pub async fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(mut server) = self.server.take()
+            && tokio::time::timeout(SHUTDOWN_TIMEOUT, &mut server).await.is_err()
+        {
+            server.abort();
+        }
+    }
+
+    /// Listens again on the same port (a running receiver is stopped first),
+    /// with the same script and log, retrying for up to 10 s while the port
+    /// is still held.
+    pub async fn restart(&mut self) -> Result<(), Error> {
+        self.stop().await;
+        let deadline = Instant::now() + RESTART_TIMEOUT;
+        let listener = loop {
+            match tokio::net::TcpListener::bind(self.addr).await {
+                Ok(listener) => break listener,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(Error::Io {
+                        doing: format!("binding the HTTP receiver to {} again", self.addr),
+                        source: e,
+                    });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        };
+        self.serve(listener);
+        Ok(())
+    }
+
+    /// Answers 413 (and records it) to every POST whose body is longer than
+    /// `bytes` from now on (`None` removes the limit).
+    pub fn set_max_body(&self, bytes: Option<usize>) {
+        *lock(&self.state.max_body) = bytes;
     }
 
     /// `http://127.0.0.1:<port>/events` (any path is accepted).
@@ -200,14 +254,7 @@ impl Receiver {
     /// Stops accepting, lets open connections finish (up to 5 s) and
     /// returns when the server is gone.
     pub async fn shutdown(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(mut server) = self.server.take()
-            && tokio::time::timeout(SHUTDOWN_TIMEOUT, &mut server).await.is_err()
-        {
-            server.abort();
-        }
+        self.stop().await;
     }
 }
 
@@ -230,7 +277,10 @@ async fn record(
         return StatusCode::METHOD_NOT_ALLOWED.into_response();
     }
     let at = Instant::now();
-    let wanted = {
+    let too_large = lock(&state.max_body).is_some_and(|max| body.len() > max);
+    let wanted = if too_large {
+        413
+    } else {
         let mut script = lock(&state.script);
         let wanted = script.respond.status_for(script.answered);
         script.answered += 1;

@@ -34,6 +34,8 @@ pub struct Redis {
     port: u16,
     log: PathBuf,
     server: Option<Child>,
+    /// Whether the data is kept in an append-only file across restarts.
+    persistent: bool,
     // Declared last so the directory goes after `Drop` has killed the server.
     dir: TempDir,
 }
@@ -43,6 +45,17 @@ impl Redis {
     /// `PING` (up to 20 s). If the port picked is taken before the server
     /// binds it, a new one is tried.
     pub async fn start() -> Result<Redis, Error> {
+        Redis::start_with(false).await
+    }
+
+    /// [`start`](Self::start), but with an append-only file written on every
+    /// command (`--appendonly yes --appendfsync always`), so what the server
+    /// acknowledged survives [`restart`](Self::restart).
+    pub async fn start_persistent() -> Result<Redis, Error> {
+        Redis::start_with(true).await
+    }
+
+    async fn start_with(persistent: bool) -> Result<Redis, Error> {
         let exe = support::find_on_path("redis-server").ok_or(Error::RedisNotInstalled)?;
         let base = support::base_dir();
         let dir = tempfile::Builder::new()
@@ -57,6 +70,7 @@ impl Redis {
             port: 0,
             log: dir.path().join("redis.log"),
             server: None,
+            persistent,
             dir,
         };
         support::start_on_free_port(&mut redis, PORT_ATTEMPTS).await?;
@@ -82,7 +96,8 @@ impl Redis {
     }
 
     /// Starts the server again on the same port (a running one is stopped
-    /// first) and waits until it answers `PING`. Data does not survive.
+    /// first) and waits until it answers `PING`. Data survives only when it
+    /// was started with [`start_persistent`](Self::start_persistent).
     pub async fn restart(&mut self) -> Result<(), Error> {
         self.stop().await?;
         support::restart_server(self).await
@@ -93,7 +108,12 @@ impl Redis {
         std::process::Command::new(&self.exe)
             .arg("--port")
             .arg(self.port.to_string())
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--bind", "127.0.0.1", "--save", ""])
+            .args(if self.persistent {
+                ["--appendonly", "yes", "--appendfsync", "always"].as_slice()
+            } else {
+                ["--appendonly", "no"].as_slice()
+            })
             .args(["--daemonize", "no", "--dir"])
             .arg(self.dir.path())
             .current_dir(self.dir.path())

@@ -112,6 +112,11 @@ impl Spawned {
         }
     }
 
+    /// How the child exited, or `None` while it runs.
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        lock(&self.child).try_wait().ok().flatten()
+    }
+
     /// Every line so far, stdout and stderr interleaved in arrival order.
     pub fn lines(&self) -> Vec<String> {
         lock(&self.output.lines).clone()

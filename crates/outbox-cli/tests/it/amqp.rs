@@ -1,10 +1,10 @@
-//! The relay to RabbitMQ: volume and per-aggregate order, an unroutable
-//! message, headers and message_id, the broker going away, bad URLs.
+//! The relay to RabbitMQ, what only AMQP has: an unroutable message (with
+//! headers and message_id), bad templates. Volume and order, the broker
+//! going away, a re-send after a kill and bad URLs are the conformance
+//! suite's (`conformance_amqp_*`, each on a private node).
 //!
-//! Tests that only need a broker use the machine's (`scripts/test.sh` starts
-//! it), each with its own exchange and an exclusive queue, named with a
-//! random suffix. The one that stops the broker boots a private node from
-//! the testkit, so no other test loses its broker.
+//! These tests use the machine's broker (`scripts/test.sh` starts it), each
+//! with its own exchange and an exclusive queue, named with a random suffix.
 
 use std::collections::HashSet;
 
@@ -15,14 +15,10 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox::Event;
-use outbox_testkit::RabbitMq;
 use serde_json::json;
 
 use crate::cli::expect_config_error;
-use crate::support::{
-    Db, LONG, OUTAGE_FLAGS, StreamEvent, distinct_events, order_violations, start_relay, stop_relay,
-    wait_until,
-};
+use crate::support::{Db, LONG, StreamEvent, start_relay, stop_relay, wait_until};
 
 /// The machine's broker, as `scripts/test.sh` ensures it.
 pub(crate) const MACHINE_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -144,68 +140,12 @@ impl Topology {
         out
     }
 
-    /// The same names on a new connection, after the broker restarted.
-    async fn reconnect(self, url: &str) -> Topology {
-        let connection = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .expect("reconnect to rabbitmq");
-        let channel = connection.create_channel().await.unwrap();
-        Topology {
-            _connection: connection,
-            channel,
-            ..self
-        }
-    }
-
     pub(crate) async fn delete_exchange(&self) {
         self.channel
             .exchange_delete(self.exchange.as_str().into(), ExchangeDeleteOptions::default())
             .await
             .unwrap();
     }
-}
-
-fn events(received: &[Received]) -> Vec<StreamEvent> {
-    received.iter().map(|r| r.event.clone()).collect()
-}
-
-#[tokio::test]
-async fn amqp_delivers_5000_events_exactly_once_in_aggregate_order() {
-    let mut db = Db::start().await;
-    let topology = Topology::new(MACHINE_BROKER, "#", false).await;
-    db.insert_events(5_000, 10).await;
-
-    let relay = start_relay(
-        &db.url,
-        MACHINE_BROKER,
-        &["--batch-size", "500", "--amqp-exchange", &topology.exchange],
-        &[],
-    )
-    .await;
-    db.wait_drained("all 5,000 events published").await;
-    stop_relay(relay).await;
-
-    assert_eq!(topology.depth().await, 5_000, "the queue's own count");
-    let received = topology.read_all().await;
-    let events = events(&received);
-    assert_eq!(events.len(), 5_000);
-    assert_eq!(distinct_events(&events), 5_000);
-    assert_eq!(order_violations(&events), 0);
-    let aggregates: HashSet<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
-    assert_eq!(aggregates.len(), 500);
-    for r in &received {
-        let p = &r.properties;
-        assert_eq!(
-            p.message_id().as_ref().map(|m| m.as_str()),
-            Some(r.event.event_id.as_str())
-        );
-        assert_eq!(p.delivery_mode(), &Some(2), "persistent");
-        assert_eq!(
-            p.content_type().as_ref().map(|c| c.as_str()),
-            Some("application/json")
-        );
-    }
-    topology.delete_exchange().await;
 }
 
 #[tokio::test]
@@ -308,66 +248,10 @@ async fn amqp_unroutable_rows_fail_with_a_clear_error_and_headers_arrive() {
 }
 
 #[tokio::test]
-async fn amqp_broker_down_10s_loses_nothing() {
-    let mut db = Db::start().await;
-    let mut broker = RabbitMq::start().await.unwrap();
-    let topology = Topology::new(&broker.url(), "#", true).await;
-    db.insert_events(2_000, 4).await;
-    let flags = [&["--amqp-exchange", &topology.exchange][..], OUTAGE_FLAGS].concat();
-    let relay = start_relay(&db.url, &broker.url(), &flags, &[]).await;
-    db.wait_published(200).await;
-
-    broker.stop().await.unwrap();
-    // 12 failed attempts at 100 ms doubling, capped at 1 s: ~10 s down.
-    // Events behind a failed one of the same aggregate may be held back
-    // rather than attempted, so not every row reaches 12.
-    wait_until("a row failed 12 times while RabbitMQ is down", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts >= 12")
-            .await
-            > 0
-    })
-    .await;
-    let left = db.unpublished().await;
-    assert!(
-        left > 0 && left < 2_000,
-        "{left} rows left while RabbitMQ is down"
-    );
-    let error: String = db
-        .client
-        .query_one(
-            "SELECT last_error FROM outbox WHERE published_at IS NULL ORDER BY attempts DESC LIMIT 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(error.contains("amqp"), "{error}");
-
-    broker.restart().await.unwrap();
-    db.wait_drained("everything published once RabbitMQ is back")
-        .await;
-    stop_relay(relay).await;
-
-    // The durable queue and its persistent messages survived the restart.
-    let topology = topology.reconnect(&broker.url()).await;
-    let events = events(&topology.read_all().await);
-    assert_eq!(distinct_events(&events), 2_000, "nothing lost");
-    // RabbitMQ does not deduplicate: only the batch whose confirms were lost
-    // when the broker stopped can be sent twice.
-    assert!(events.len() - 2_000 <= 50, "{} duplicates", events.len() - 2_000);
-}
-
-#[tokio::test]
-async fn amqp_bad_urls_and_templates_exit_2() {
+async fn amqp_bad_templates_exit_2() {
     let db = Db::start().await;
     let env = [("DATABASE_URL", db.url.as_str())];
-    expect_config_error(&["relay", "--sink", "amqp://"], &env, "amqp://").await;
-    expect_config_error(
-        &["relay", "--sink", "amqp://guest:guest@127.0.0.1:notaport/%2f"],
-        &env,
-        "notaport",
-    )
-    .await;
+    // Bad URLs: `conformance_amqp_bad_urls`.
     expect_config_error(
         &[
             "relay",

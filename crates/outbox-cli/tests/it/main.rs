@@ -6,6 +6,7 @@
 
 mod amqp;
 mod cli;
+mod conformance;
 mod consume;
 mod crash;
 mod formats;

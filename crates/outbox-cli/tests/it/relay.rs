@@ -1,36 +1,15 @@
-//! The relay against real PostgreSQL and Redis: volume, wake-ups, the
-//! watermark pitfall, and both services going away.
+//! The relay against real PostgreSQL and Redis: wake-ups, the watermark
+//! pitfall, PostgreSQL going away, SIGTERM. Volume and order, Redis going
+//! away, a kill between ack and mark and bad URLs are the conformance
+//! suite's (`conformance_redis_*`).
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use outbox::{Event, Outbox};
 use outbox_testkit::Redis;
 use serde_json::json;
 
-use crate::support::{
-    Db, LONG, connect, distinct_events, order_violations, read_stream, start_relay, stop_relay, wait_until,
-};
-
-#[tokio::test]
-async fn drains_10000_events_to_redis_exactly_once_in_aggregate_order() {
-    let mut db = Db::start().await;
-    let redis = Redis::start().await.unwrap();
-    db.insert_events(10_000, 20).await;
-    assert_eq!(db.unpublished().await, 10_000);
-
-    let relay = start_relay(&db.url, &redis.url(), &[], &[]).await;
-    db.wait_drained("all 10,000 events published").await;
-    stop_relay(relay).await;
-
-    let events = read_stream(&redis.url(), "outbox.event.orders").await;
-    let distinct = distinct_events(&events);
-    assert_eq!(events.len(), 10_000, "no duplicates without a crash");
-    assert_eq!(distinct, 10_000);
-    assert_eq!(order_violations(&events), 0);
-    let aggregates: HashSet<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
-    assert_eq!(aggregates.len(), 500);
-}
+use crate::support::{Db, LONG, connect, distinct_events, read_stream, start_relay, stop_relay, wait_until};
 
 #[tokio::test]
 async fn notify_wakes_the_relay_long_before_the_fallback_poll() {
@@ -134,66 +113,6 @@ async fn postgres_restart_mid_stream_loses_nothing() {
         "{} duplicates",
         events.len() - distinct
     );
-    stop_relay(relay).await;
-}
-
-#[tokio::test]
-async fn redis_down_becomes_retries_and_nothing_is_lost() {
-    let mut db = Db::start().await;
-    let mut redis = Redis::start().await.unwrap();
-    let relay = start_relay(
-        &db.url,
-        &redis.url(),
-        &[
-            "--backoff-base",
-            "100ms",
-            "--backoff-max",
-            "1s",
-            "--max-attempts",
-            "1000",
-            "--http-timeout",
-            "2s",
-        ],
-        &[],
-    )
-    .await;
-
-    redis.stop().await.unwrap();
-    db.insert_events(500, 5).await;
-    // 10 attempts at 100 ms doubling, capped at 1 s: Redis stays down ~10 s.
-    // Events behind a failed one of the same aggregate may be held back
-    // rather than attempted, so not every row reaches 10.
-    wait_until("a row failed 10 times while Redis is down", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE attempts >= 10").await > 0
-    })
-    .await;
-    assert_eq!(
-        db.unpublished().await,
-        500,
-        "nothing marked while the sink is down"
-    );
-    // One statement: the relay keeps going, and a held-back row may fail in
-    // its own right between two separate counts.
-    assert_eq!(
-        db.count(
-            "SELECT count(*) FROM outbox \
-              WHERE last_error LIKE '%redis%' OR last_error LIKE 'held back%'"
-        )
-        .await,
-        500,
-        "every row failed or was held back behind a failure"
-    );
-    assert!(
-        db.count("SELECT count(*) FROM outbox WHERE last_error LIKE '%redis%'")
-            .await
-            >= 100
-    );
-
-    redis.restart().await.unwrap();
-    db.wait_drained("everything published once Redis is back").await;
-    let events = read_stream(&redis.url(), "outbox.event.orders").await;
-    let distinct = distinct_events(&events);
-    assert_eq!(distinct, 500);
     stop_relay(relay).await;
 }
 

@@ -12,24 +12,6 @@ use tokio_postgres::Client;
 
 pub const LONG: Duration = Duration::from_secs(60);
 
-/// Relay flags of the tests that stop a broker for ~10 s mid-run: batches
-/// of 50, retries from 100 ms doubling to 1 s and never dead-lettered, 2 s
-/// per attempt, and a claim every 200 ms so retries go out when due.
-pub const OUTAGE_FLAGS: &[&str] = &[
-    "--batch-size",
-    "50",
-    "--backoff-base",
-    "100ms",
-    "--backoff-max",
-    "1s",
-    "--max-attempts",
-    "1000",
-    "--http-timeout",
-    "2s",
-    "--poll-interval",
-    "200ms",
-];
-
 /// A throwaway cluster with a fresh, migrated database.
 pub struct Db {
     pub pg: Postgres,
@@ -60,17 +42,6 @@ impl Db {
     pub async fn unpublished(&self) -> i64 {
         self.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
             .await
-    }
-
-    /// Waits until at least `n` rows are marked published: the relay is
-    /// under way, so what breaks next breaks mid-stream.
-    pub async fn wait_published(&self, n: i64) {
-        wait_until("the relay under way", LONG, || async {
-            self.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-                .await
-                >= n
-        })
-        .await;
     }
 
     /// Waits until no row is left unpublished; `what` names the wait in
