@@ -110,6 +110,7 @@ pub struct TickRow {
 pub struct RelayStatements {
     claim_all: Statement,
     claim_partitions: Statement,
+    claim_few_partitions: Statement,
     claim_partitions_strict: Statement,
     mark_failed: Statement,
     next_retry: Statement,
@@ -118,9 +119,17 @@ pub struct RelayStatements {
 impl OutboxSql {
     /// Prepares the batch statements on `client`.
     pub async fn prepare_relay(&self, client: &Client) -> Result<RelayStatements, Error> {
-        let (claim_all, claim_partitions, claim_partitions_strict, mark_failed, next_retry) = tokio::try_join!(
+        let (
+            claim_all,
+            claim_partitions,
+            claim_few_partitions,
+            claim_partitions_strict,
+            mark_failed,
+            next_retry,
+        ) = tokio::try_join!(
             client.prepare(&self.claim_batch),
             client.prepare(&self.claim_batch_leased),
+            client.prepare(&self.claim_batch_few_leased),
             client.prepare(&self.claim_batch_strict_leased),
             client.prepare(&self.mark_failed),
             client.prepare(&self.next_retry),
@@ -128,6 +137,7 @@ impl OutboxSql {
         Ok(RelayStatements {
             claim_all,
             claim_partitions,
+            claim_few_partitions,
             claim_partitions_strict,
             mark_failed,
             next_retry,
@@ -147,6 +157,7 @@ impl OutboxSql {
         let text = match shape {
             Shape::All => &self.claim_batch,
             Shape::Partitions => &self.claim_batch_leased,
+            Shape::FewPartitions => &self.claim_batch_few_leased,
             Shape::Strict => &self.claim_batch_strict_leased,
         };
         let options = if analyze {
@@ -207,6 +218,8 @@ impl TickStatement {
 enum Shape {
     All,
     Partitions,
+    /// Partition order, a batch much smaller than the partitions held.
+    FewPartitions,
     Strict,
 }
 
@@ -218,6 +231,9 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
         ClaimScope::Partitions(l) => {
             params.extend([&l.relay_id as Param<'a>, &l.claimable, &l.count]);
             match &l.strict {
+                // Twice the batch: what the peek of `CLAIM_BATCH_FEW_LEASED`
+                // reads, so at most that many lease rows are locked.
+                None if p.limit.saturating_mul(2) < l.claimable.len() as i64 => Shape::FewPartitions,
                 None => Shape::Partitions,
                 Some(s) => {
                     params.extend([&s.exceptions as Param<'a>, &s.by_default]);
@@ -237,6 +253,7 @@ impl RelayStatements {
         let statement = match shape {
             Shape::All => &self.claim_all,
             Shape::Partitions => &self.claim_partitions,
+            Shape::FewPartitions => &self.claim_few_partitions,
             Shape::Strict => &self.claim_partitions_strict,
         };
         let rows = client.query(statement, &params).await?;

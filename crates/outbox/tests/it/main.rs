@@ -4,5 +4,6 @@
 
 #![allow(unreachable_pub, missing_docs)]
 
+mod claim;
 mod support;
 mod writer;

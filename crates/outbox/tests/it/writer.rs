@@ -289,10 +289,18 @@ async fn claim_uses_the_partial_index() {
         count: 64,
         strict: None,
     });
-    for scope in [outbox::sql::ClaimScope::All, leased] {
+    // A batch of 1 over all 64 partitions takes the peeking claim.
+    let every: Vec<i32> = (0..64).collect();
+    let few = outbox::sql::ClaimScope::Partitions(outbox::sql::Partitions {
+        relay_id: uuid::Uuid::nil(),
+        claimable: &every,
+        count: 64,
+        strict: None,
+    });
+    for (scope, limit) in [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)] {
         let claim = outbox::sql::ClaimParams {
             max_attempts: 5,
-            limit: 100,
+            limit,
             scope,
         };
         let plan = sql.explain_claim(&db.client, &claim, false).await.unwrap();

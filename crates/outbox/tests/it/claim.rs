@@ -1,0 +1,175 @@
+//! The relay's claims through the typed seam, on leases set by hand: what a
+//! batch takes, in which order, and what a partition that moved leaves out.
+
+use outbox::Config;
+use outbox::sql::{ClaimParams, ClaimScope, OutboxSql, Partitions, RelayStatements};
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::support::{Db, connect};
+
+const ME: Uuid = Uuid::from_u128(1);
+const OTHER: Uuid = Uuid::from_u128(2);
+
+/// The partition of `aggregate_id` among 64, as the claim computes it.
+async fn partition_of(db: &Db, aggregate_id: &str) -> i32 {
+    db.client
+        .query_one(
+            "SELECT ((hashtextextended($1, 0) % 64 + 64) % 64)::int4",
+            &[&aggregate_id],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// 40 events over aggregates a0..a9 in id order; every lease is ours but
+/// `a3`'s, which another relay holds.
+async fn setup() -> (Db, i32) {
+    let db = Db::start().await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'orders', 'a' || (g % 10), 'E', '{}' FROM generate_series(0, 39) g;",
+        )
+        .await
+        .unwrap();
+    let theirs = partition_of(&db, "a3").await;
+    db.client
+        .execute(
+            "UPDATE outbox_leases SET owner = CASE WHEN partition = $1 THEN $2::uuid ELSE $3::uuid END",
+            &[&theirs, &OTHER, &ME],
+        )
+        .await
+        .unwrap();
+    (db, theirs)
+}
+
+async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i32]) -> Vec<String> {
+    let p = ClaimParams {
+        max_attempts: 5,
+        limit,
+        scope: ClaimScope::Partitions(Partitions {
+            relay_id: ME,
+            claimable,
+            count: 64,
+            strict: None,
+        }),
+    };
+    s.claim(client, &p)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| format!("{}:{}", r.id, r.aggregate_id))
+        .collect()
+}
+
+/// Batches of 1, one of ours in flight on another connection at a time, take
+/// what one large batch takes, in id order. Under a stale view (it still
+/// lists `a3`'s partition) the large claim takes nothing (all or nothing,
+/// until the next tick) and a batch of 1 never takes a row of `a3`.
+#[tokio::test]
+async fn few_and_all_partition_claims_take_the_same_rows_and_skip_a_moved_partition() {
+    let (db, theirs) = setup().await;
+    let sql = OutboxSql::new(&Config::default());
+    let every: Vec<i32> = (0..64).collect();
+    let mine: Vec<i32> = every.iter().copied().filter(|p| *p != theirs).collect();
+    let (a, b) = (connect(&db.url).await, connect(&db.url).await);
+    let (sa, sb) = (
+        sql.prepare_relay(&a).await.unwrap(),
+        sql.prepare_relay(&b).await.unwrap(),
+    );
+
+    a.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(claim(&a, &sa, 64, &every).await, Vec::<String>::new());
+    let all = claim(&a, &sa, 64, &mine).await;
+    a.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(all.len(), 36, "{all:?}");
+    assert!(all.iter().all(|r| !r.ends_with(":a3")), "{all:?}");
+
+    // Batches of 1, two in flight at a time as the relay pipelines them:
+    // together they take the same rows, in id order.
+    let mut ones = Vec::new();
+    let mut open = false;
+    for i in 0.. {
+        let (c, s) = if i % 2 == 0 { (&a, &sa) } else { (&b, &sb) };
+        c.batch_execute("BEGIN").await.unwrap();
+        let batch = claim(c, s, 1, &mine).await;
+        let other = if i % 2 == 0 { &b } else { &a };
+        if open {
+            other.batch_execute("COMMIT").await.unwrap();
+        }
+        open = true;
+        if batch.is_empty() {
+            c.batch_execute("COMMIT").await.unwrap();
+            break;
+        }
+        assert_eq!(batch.len(), 1, "a batch of 1 with one in flight is full");
+        ones.extend(batch);
+    }
+    assert_eq!(ones, all);
+    db.client
+        .execute("UPDATE outbox SET published_at = NULL", &[])
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        a.batch_execute("BEGIN").await.unwrap();
+        let stale = claim(&a, &sa, 1, &every).await;
+        assert!(stale.iter().all(|r| !r.ends_with(":a3")), "{stale:?}");
+        a.batch_execute("COMMIT").await.unwrap();
+    }
+    db.client
+        .execute(
+            "UPDATE outbox SET published_at = now() WHERE aggregate_id <> 'a3'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let left: i64 = db
+        .client
+        .query_one("SELECT count(*) FROM outbox WHERE published_at IS NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 4, "a3's four events stay for the relay that holds it");
+}
+
+/// While a batch of 1 is in flight, its partition's lease is locked: the
+/// owner change another relay's tick would make waits for it.
+#[tokio::test]
+async fn a_batch_of_one_holds_its_partitions_lease_until_it_ends() {
+    let (db, _) = setup().await;
+    let sql = OutboxSql::new(&Config::default());
+    let every: Vec<i32> = (0..64).collect();
+    let a = connect(&db.url).await;
+    let sa = sql.prepare_relay(&a).await.unwrap();
+    a.batch_execute("BEGIN").await.unwrap();
+    let batch = claim(&a, &sa, 1, &every).await;
+    let aggregate = batch[0].split(':').nth(1).unwrap().to_owned();
+    let held = partition_of(&db, &aggregate).await;
+
+    let tick = connect(&db.url).await;
+    tick.batch_execute("SET lock_timeout = '200ms'").await.unwrap();
+    let moved = tick
+        .execute(
+            "UPDATE outbox_leases SET owner = $2 WHERE partition = $1",
+            &[&held, &OTHER],
+        )
+        .await;
+    assert!(moved.is_err(), "the lease moved under a batch in flight");
+    // A partition the batch does not touch is not locked.
+    let free = (0..64).find(|p| *p != held).unwrap();
+    tick.execute(
+        "UPDATE outbox_leases SET owner = $2 WHERE partition = $1",
+        &[&free, &OTHER],
+    )
+    .await
+    .unwrap();
+    a.batch_execute("COMMIT").await.unwrap();
+    tick.execute(
+        "UPDATE outbox_leases SET owner = $2 WHERE partition = $1",
+        &[&held, &OTHER],
+    )
+    .await
+    .unwrap();
+}
