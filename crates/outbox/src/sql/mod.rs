@@ -373,7 +373,8 @@ mod tests {
             &sql.insert_events,
         ] {
             assert!(s.contains("\"app\".\"events\""), "{s}");
-            assert!(!s.contains('{'), "{s}");
+            // `'{}'` is an empty array literal, not a placeholder.
+            assert!(!s.replace("'{}'", "").contains('{'), "{s}");
         }
         assert!(sql.claim_batch_leased.contains("\"app\".\"events_leases\""));
         assert!(sql.relay_tick.contains("\"app\".\"events_relay_tick\"("));
