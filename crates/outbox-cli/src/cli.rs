@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use outbox_relay::OrderMode;
 
 use crate::logging::LogFormat;
 
@@ -152,11 +153,11 @@ pub(crate) struct RelayArgs {
     /// undelivered earlier event of the aggregate) or `none` (any relay, any
     /// order; no leases).
     #[arg(long, env = "OUTBOX_ORDERING", value_enum, default_value = "partition")]
-    pub(crate) ordering: Ordering,
+    pub(crate) ordering: OrderMode,
     /// Per-aggregate-type ordering, overriding --ordering for those types:
     /// `orders=strict,payments=partition`.
     #[arg(long, env = "OUTBOX_ORDERING_FOR", value_delimiter = ',', value_parser = ordering_for)]
-    pub(crate) ordering_for: Vec<(String, Ordering)>,
+    pub(crate) ordering_for: Vec<(String, OrderMode)>,
     /// How soon the partitions of a relay that died (or froze, or lost its
     /// connection) move to the other relays.
     #[arg(long, env = "OUTBOX_LEASE_TIMEOUT", default_value = "10s", value_parser = lease_timeout)]
@@ -371,24 +372,13 @@ pub(crate) struct DemoArgs {
     pub(crate) sink: Option<String>,
 }
 
-/// `relay --ordering`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Ordering {
-    /// Any relay, any order: no leases, plain SKIP LOCKED.
-    None,
-    /// One relay per partition of aggregates; id order while nothing fails.
-    Partition,
-    /// An aggregate waits for its earliest undelivered event.
-    Strict,
-}
-
 /// `TYPE=MODE` of `--ordering-for`.
-fn ordering_for(s: &str) -> Result<(String, Ordering), String> {
+fn ordering_for(s: &str) -> Result<(String, OrderMode), String> {
     let (aggregate_type, mode) = s
         .split_once('=')
         .filter(|(t, _)| !t.is_empty())
         .ok_or_else(|| format!("expected AGGREGATE_TYPE=MODE, got {s:?}"))?;
-    let mode = <Ordering as clap::ValueEnum>::from_str(mode, false)
+    let mode = <OrderMode as clap::ValueEnum>::from_str(mode, false)
         .map_err(|_| format!("unknown ordering {mode:?} for {aggregate_type:?} (partition or strict)"))?;
     Ok((aggregate_type.to_owned(), mode))
 }

@@ -36,11 +36,10 @@ use std::time::Duration;
 use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
 use outbox_relay::sink::router::Router;
 use outbox_relay::sink::{self, Sink};
-use outbox_relay::{PerSinkOptions, SinkOptions};
+use outbox_relay::{OrderMode, PerSinkOptions, SinkOptions};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::Ordering;
 use crate::exit::ConfigError;
 
 /// The whole file.
@@ -212,12 +211,12 @@ impl RelayFile {
     }
 
     /// The `[ordering]` table, checked.
-    pub(crate) fn ordering(&self) -> Result<Vec<(String, Ordering)>, ConfigError> {
+    pub(crate) fn ordering(&self) -> Result<Vec<(String, OrderMode)>, ConfigError> {
         self.ordering
             .iter()
             .map(|(aggregate_type, mode)| match mode.as_str() {
-                "partition" => Ok((aggregate_type.clone(), Ordering::Partition)),
-                "strict" => Ok((aggregate_type.clone(), Ordering::Strict)),
+                "partition" => Ok((aggregate_type.clone(), OrderMode::Partition)),
+                "strict" => Ok((aggregate_type.clone(), OrderMode::Strict)),
                 other => Err(ConfigError(format!(
                     "--config [ordering] {aggregate_type} = {other:?}: expected \"partition\" or \"strict\""
                 ))),
@@ -531,7 +530,7 @@ mod tests {
         let file = parse("[default]\nsink = \"redis://x\"\n[ordering]\norders = \"strict\"\n").unwrap();
         assert_eq!(
             file.ordering().unwrap(),
-            [("orders".to_owned(), Ordering::Strict)]
+            [("orders".to_owned(), OrderMode::Strict)]
         );
         // Without the kafka feature these keys, like the scheme, are unknown.
         if cfg!(feature = "kafka") {

@@ -66,23 +66,28 @@ impl Default for RelayConfig {
     }
 }
 
-/// How strictly the relay keeps each aggregate's events in order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How strictly the relay keeps each aggregate's events in order: the value
+/// of `outbox relay --ordering` (the short help of each value is what
+/// `--help` lists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum OrderMode {
     /// No order promised: every relay claims any row (plain `SKIP LOCKED`),
     /// so two relays can deliver one aggregate's events at once, in either
     /// order. The fastest with several relays.
+    #[value(help = "Any relay, any order: no leases, plain SKIP LOCKED")]
     None,
     /// One relay at a time delivers a partition of aggregates (leases), in
     /// id order while nothing fails. Events behind a failed event of the
     /// same aggregate in the same or the next batch are held back with it;
     /// events claimed after its batch committed may overtake its retry.
     #[default]
+    #[value(help = "One relay per partition of aggregates; id order while nothing fails")]
     Partition,
     /// An event is never delivered while an earlier event of its aggregate
     /// is pending: due later, waiting for a retry, a dead letter nobody gave
     /// up on (`outbox dlq give-up`), or in flight. At most one event per
     /// aggregate per batch.
+    #[value(help = "An aggregate waits for its earliest undelivered event")]
     Strict,
 }
 

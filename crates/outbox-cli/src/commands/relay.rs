@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backoff, Failpoint, OrderMode, Relay, RelayConfig};
+use outbox_relay::{Backoff, Failpoint, Relay, RelayConfig};
 
-use crate::cli::{Global, Ordering, RelayArgs};
+use crate::cli::{Global, RelayArgs};
 use crate::config::RelayFile;
 use crate::exit::ConfigError;
 
@@ -26,18 +26,14 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         .into());
     }
     let options = (*args.sink_options).options(|| format!("/outbox/{}.{}", g.schema, g.table));
-    let mut ordering_for: Vec<(String, OrderMode)> = args
-        .ordering_for
-        .into_iter()
-        .map(|(t, o)| (t, order_mode(o)))
-        .collect();
+    let mut ordering_for = args.ordering_for;
     let sink: Box<dyn outbox_relay::Sink> = match (&args.config, &args.sink) {
         (Some(path), _) => {
             let file = RelayFile::read(path)?;
             // The file's [ordering] table wins over --ordering-for.
             for (aggregate_type, mode) in file.ordering()? {
                 ordering_for.retain(|(t, _)| *t != aggregate_type);
-                ordering_for.push((aggregate_type, order_mode(mode)));
+                ordering_for.push((aggregate_type, mode));
             }
             Box::new(file.router(&options)?)
         }
@@ -65,7 +61,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         notify: !args.no_notify,
         connect_timeout: g.connect_timeout,
         drain: args.drain,
-        ordering: order_mode(args.ordering),
+        ordering: args.ordering,
         ordering_for,
         lease_timeout: args.lease_timeout,
         name: args.relay_name,
@@ -88,12 +84,4 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         let _ = task.await;
     }
     result
-}
-
-fn order_mode(o: Ordering) -> OrderMode {
-    match o {
-        Ordering::None => OrderMode::None,
-        Ordering::Partition => OrderMode::Partition,
-        Ordering::Strict => OrderMode::Strict,
-    }
 }

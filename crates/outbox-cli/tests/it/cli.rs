@@ -226,3 +226,48 @@ async fn bench_quick_reports_exact_counts() {
         assert!(run["events"].as_u64().unwrap() >= 50, "{row}");
     }
 }
+
+/// The configuration reference cannot drift from the option declarations:
+/// every flag and environment variable `outbox relay --help` prints, and
+/// every routes-file key the sinks declare, is in `docs/configuration.md`.
+#[tokio::test]
+async fn the_configuration_reference_lists_every_relay_flag_variable_and_key() {
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration.md"
+    ))
+    .expect("docs/configuration.md");
+    let help = run_cli(&["relay", "--help"], &[]).await;
+    assert_eq!(help.status.code(), Some(0));
+    let help = text(&help.stdout);
+    let mut missing = Vec::new();
+    let mut flags = 0;
+    for line in help.lines() {
+        let line = line.trim_start();
+        let flag = line
+            .strip_prefix("--")
+            .or_else(|| line.get(4..).and_then(|l| l.strip_prefix("--")))
+            .map(|rest| rest.split([' ', '=', '<', ',']).next().unwrap_or_default());
+        if let Some(flag) = flag.filter(|f| !f.is_empty() && *f != "help") {
+            flags += 1;
+            // Relay flags as `relay --x`, the global ones as `--x`.
+            if !doc.contains(&format!("`relay --{flag}`")) && !doc.contains(&format!("| `--{flag}` |")) {
+                missing.push(format!("--{flag}"));
+            }
+        }
+        if let Some(var) = line.strip_prefix("[env: ") {
+            let var = var.split(['=', ']']).next().unwrap_or_default();
+            if !doc.contains(&format!("`{var}`")) {
+                missing.push(var.to_owned());
+            }
+        }
+    }
+    let keys = serde_json::to_value(outbox_relay::PerSinkOptions::default()).unwrap();
+    for key in keys.as_object().expect("a table of keys").keys() {
+        if !doc.contains(&format!("`{key}`")) {
+            missing.push(key.clone());
+        }
+    }
+    assert!(flags > 20, "parsed {flags} flags from:\n{help}");
+    assert!(missing.is_empty(), "not in docs/configuration.md: {missing:?}");
+}
