@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use outbox::{Config, Event, Inbox, InboxConfig, Outbox};
 use outbox_testkit::Spawned;
+use tokio_postgres::Client;
 use tokio_postgres::types::FromSql;
-use tokio_postgres::{Client, NoTls};
 
 use crate::ConfigError;
 
@@ -72,38 +72,15 @@ impl Postgres {
 
 /// `url` parsed (a [`ConfigError`] if it does not), with the connect timeout.
 pub(crate) fn parse_pg_url(url: &str, timeout: Duration) -> anyhow::Result<tokio_postgres::Config> {
-    let mut config: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url))))?;
-    config.connect_timeout(timeout);
-    Ok(config)
-}
-
-/// The URL without its password, for messages.
-fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        _ => url.to_owned(),
-    }
+    outbox_relay::pg::parse_url(url, timeout).map_err(|e| ConfigError(e.to_string()).into())
 }
 
 /// One connection (`application_name` `outbox` unless set); its driver
 /// runs in a task.
 pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
-    let mut config = config.clone();
-    if config.get_application_name().is_none() {
-        config.application_name("outbox");
-    }
-    let (client, connection) = config.connect(NoTls).await.context("connecting to postgres")?;
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::warn!(%error, "postgres connection closed");
-        }
-    });
-    Ok(client)
+    outbox_relay::pg::connect(config)
+        .await
+        .context("connecting to postgres")
 }
 
 /// A scratch schema with its outbox (own NOTIFY channel) and inbox table,

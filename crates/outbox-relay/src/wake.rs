@@ -17,7 +17,7 @@ use futures::StreamExt;
 use outbox::Ident;
 use rand::Rng;
 use tokio::sync::mpsc;
-use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_postgres::{AsyncMessage, Client, Config};
 use tokio_util::sync::CancellationToken;
 
 /// Every relay statement is an index-driven point operation: a walk of the
@@ -68,7 +68,7 @@ pub(crate) async fn connect(
     pg: &Config,
     purpose: Purpose<'_>,
 ) -> Result<(Client, Wakeups), tokio_postgres::Error> {
-    let (client, mut connection) = pg.connect(NoTls).await?;
+    let (client, mut connection) = crate::pg::open(pg).await?;
     let (tx, rx) = mpsc::channel(1);
     tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));

@@ -12,7 +12,7 @@ mod relays;
 mod stats;
 
 use anyhow::Context;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{Cli, Command, Global};
@@ -57,38 +57,14 @@ pub(crate) fn pg_config(g: &Global) -> anyhow::Result<tokio_postgres::Config> {
 }
 
 pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<tokio_postgres::Config> {
-    let mut config: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| ConfigError(format!("invalid DATABASE_URL {:?}: {e}", redact(url))))?;
-    config.connect_timeout(g.connect_timeout);
-    Ok(config)
-}
-
-/// The URL without its password, for messages.
-fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        _ => url.to_owned(),
-    }
+    outbox_relay::pg::parse_url(url, g.connect_timeout).map_err(|e| ConfigError(e.to_string()).into())
 }
 
 /// One connection for a short command; its driver runs in a task.
 pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
-    let mut config = config.clone();
-    if config.get_application_name().is_none() {
-        // The relay names itself `outbox-relay`; the short commands are `outbox`.
-        config.application_name("outbox");
-    }
-    let (client, connection) = config.connect(NoTls).await.context("connecting to postgres")?;
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::warn!(%error, "postgres connection closed");
-        }
-    });
-    Ok(client)
+    outbox_relay::pg::connect(config)
+        .await
+        .context("connecting to postgres")
 }
 
 /// A token cancelled by the first SIGINT or SIGTERM.
