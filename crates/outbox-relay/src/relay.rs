@@ -20,8 +20,8 @@
 //!   flight is delivered, marked and committed first.
 //!
 //! The cycle below reads in that order. What it does not show is where the
-//! batches live between two cycles: the [`Source`] (see
-//! [`crate::source::poll`] for its two-connection overlap, which commits
+//! batches live between two cycles: the `Source` (see
+//! `source::poll` for its two-connection overlap, which commits
 //! one batch and claims the next while a third is at the sink).
 //!
 //! Several relays share one table through partition leases (see `lease`):
