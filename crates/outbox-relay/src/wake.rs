@@ -20,19 +20,6 @@ use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, Client, Config};
 use tokio_util::sync::CancellationToken;
 
-/// Every relay statement is an index-driven point operation: a walk of the
-/// partial index in id order stopped by `LIMIT`, and primary-key lookups.
-/// Statistics can say otherwise: an outbox that was empty at its last
-/// ANALYZE and has since filled up looks tiny, and the planner then sorts
-/// every unpublished row for each claim, which makes a backlog drain in
-/// quadratic time (measured: 149 events/s instead of thousands at batch 1).
-/// So the relay's batch sessions rule out the plans that read whole tables.
-/// Not the lease session: the tick function's statements (a semi-join of
-/// the lease table, an EXISTS over the outbox) are planned well without it,
-/// and badly with it (measured: 600 ms instead of 2 ms per tick).
-const PIN_INDEX_PLANS: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; \
-     SET enable_sort = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
-
 /// Why [`Wakeups::wait`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Wake {
@@ -90,11 +77,7 @@ pub(crate) async fn connect(
         }
     });
     if let Purpose::Batches(channel) = purpose {
-        let mut setup = PIN_INDEX_PLANS.to_owned();
-        if let Some(channel) = channel {
-            setup.push_str(&format!("; LISTEN {}", channel.quoted()));
-        }
-        client.batch_execute(&setup).await?;
+        outbox::sql::setup_batch_session(&client, channel).await?;
     }
     Ok((client, Wakeups { rx }))
 }

@@ -16,6 +16,7 @@ use std::time::Duration;
 use chrono::{Days, NaiveDate};
 use tokio_postgres::Client;
 
+use crate::sql::catalog;
 use crate::{Config, Error, Ident};
 
 /// How long one attempt waits for the outbox lock before giving up (and
@@ -53,42 +54,28 @@ pub async fn maintain(
 ) -> Result<Maintenance, Error> {
     let mut done = Maintenance::default();
     let table = config.qualified();
-    let today: NaiveDate = client
-        .query_one("SELECT (now() AT TIME ZONE 'UTC')::date", &[])
+    let today = catalog::utc_date(client, 0.0)
         .await
-        .map_err(Error::pg("reading the server's date"))?
-        .get(0);
+        .map_err(Error::pg("reading the server's date"))?;
     for offset in 0..=u64::from(premake) {
         let day = today + Days::new(offset);
         let name = partition_name(config, day)?;
-        let exists: bool = client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified(config, &name)])
+        let exists = catalog::exists(client, &qualified(config, &name))
             .await
-            .map_err(Error::pg("looking up a partition"))?
-            .get(0);
+            .map_err(Error::pg("looking up a partition"))?;
         if exists {
             continue;
         }
         let next = day + Days::new(1);
-        client
-            .batch_execute(&format!(
-                "CREATE TABLE {} PARTITION OF {table} \
-                 FOR VALUES FROM ('{day} 00:00:00+00') TO ('{next} 00:00:00+00')",
-                qualified(config, &name)
-            ))
+        catalog::create_daily_partition(client, &table, &qualified(config, &name), day, next)
             .await
             .map_err(Error::pg("creating a daily partition"))?;
         done.created.push(name.to_string());
     }
     if let Some(keep) = keep {
-        let cutoff: NaiveDate = client
-            .query_one(
-                "SELECT ((now() - make_interval(secs => $1)) AT TIME ZONE 'UTC')::date",
-                &[&keep.as_secs_f64()],
-            )
+        let cutoff = catalog::utc_date(client, keep.as_secs_f64())
             .await
-            .map_err(Error::pg("computing the retention cutoff"))?
-            .get(0);
+            .map_err(Error::pg("computing the retention cutoff"))?;
         for (name, day) in daily_partitions(client, config).await? {
             // The day ends at the next midnight; it goes once that is
             // `keep` in the past.
@@ -99,28 +86,21 @@ pub async fn maintain(
         }
     }
     let default = qualified(config, &config.table.suffixed("--table", "_default")?);
-    done.in_default = client
-        .query_one(&format!("SELECT count(*) FROM {default}"), &[])
+    done.in_default = catalog::counts(client, &default)
         .await
         .map_err(Error::pg("counting rows in the default partition"))?
-        .get(0);
+        .1;
     Ok(done)
 }
 
 /// The daily partitions of the outbox, oldest first, by their names.
 async fn daily_partitions(client: &Client, config: &Config) -> Result<Vec<(Ident, NaiveDate)>, Error> {
     let prefix = format!("{}_p", config.table);
-    let rows = client
-        .query(
-            "SELECT c.relname::text FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid \
-              WHERE i.inhparent = to_regclass($1) ORDER BY 1",
-            &[&config.qualified()],
-        )
+    let names = catalog::partitions_of(client, &config.qualified())
         .await
         .map_err(Error::pg("listing partitions"))?;
     let mut out = Vec::new();
-    for row in rows {
-        let name: String = row.get(0);
+    for name in names {
         let Some(day) = name
             .strip_prefix(&prefix)
             .and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
@@ -146,13 +126,7 @@ async fn drop_if_published(
             .transaction()
             .await
             .map_err(Error::pg("starting a partition drop"))?;
-        tx.batch_execute(&format!("SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-            .await
-            .map_err(Error::pg("setting the lock timeout"))?;
-        match tx
-            .batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
-            .await
-        {
+        match catalog::lock_for_drop(&tx, &table, LOCK_TIMEOUT).await {
             Ok(()) => {}
             Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
                 drop(tx);
@@ -161,23 +135,16 @@ async fn drop_if_published(
             }
             Err(e) => return Err(Error::pg("locking the outbox")(e)),
         }
-        let counts = tx
-            .query_one(
-                &format!("SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FROM {partition}"),
-                &[],
-            )
+        let (unpublished, rows) = catalog::counts(&tx, &partition)
             .await
             .map_err(Error::pg("counting a partition's unpublished rows"))?;
-        let (unpublished, rows): (i64, i64) = (counts.get(0), counts.get(1));
         if unpublished > 0 {
             done.kept.push((name.to_string(), unpublished));
             return Ok(());
         }
-        tx.batch_execute(&format!(
-            "ALTER TABLE {table} DETACH PARTITION {partition}; DROP TABLE {partition};"
-        ))
-        .await
-        .map_err(Error::pg("dropping a partition"))?;
+        catalog::drop_partition(&tx, &table, &partition)
+            .await
+            .map_err(Error::pg("dropping a partition"))?;
         tx.commit()
             .await
             .map_err(Error::pg("committing a partition drop"))?;

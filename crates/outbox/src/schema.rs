@@ -172,6 +172,8 @@ fn checksum(m: &Migration) -> String {
 mod pg {
     use tokio_postgres::{Client, GenericClient};
 
+    use crate::sql::catalog;
+
     use super::*;
 
     /// Creates or upgrades the outbox table, its partial index and NOTIFY trigger.
@@ -203,14 +205,9 @@ mod pg {
         client: &impl GenericClient,
         config: &Config,
     ) -> Result<Option<Layout>, Error> {
-        let kind: Option<i8> = client
-            .query_one(
-                "SELECT (SELECT relkind FROM pg_class WHERE oid = to_regclass($1))",
-                &[&config.qualified()],
-            )
+        let kind = catalog::relkind(client, &config.qualified())
             .await
-            .map_err(Error::pg("looking up the outbox table"))?
-            .get(0);
+            .map_err(Error::pg("looking up the outbox table"))?;
         Ok(kind.map(|k| {
             if k as u8 == b'p' {
                 Layout::Daily
@@ -238,20 +235,15 @@ mod pg {
 
     async fn current_version(client: &impl GenericClient, target: &Target) -> Result<i32, Error> {
         let ledger = target.ledger()?;
-        let exists: bool = client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&ledger])
+        let exists = catalog::exists(client, &ledger)
             .await
-            .map_err(Error::pg("looking up the migrations table"))?
-            .get(0);
+            .map_err(Error::pg("looking up the migrations table"))?;
         if !exists {
             return Ok(0);
         }
-        let sql = format!("SELECT coalesce(max(version), 0) FROM {ledger}");
-        Ok(client
-            .query_one(&sql, &[])
+        catalog::ledger_version(client, &ledger)
             .await
-            .map_err(Error::pg("reading the schema version"))?
-            .get(0))
+            .map_err(Error::pg("reading the schema version"))
     }
 
     async fn check_target(client: &impl GenericClient, target: &Target) -> Result<(), Error> {
@@ -281,33 +273,18 @@ mod pg {
             .await
             .map_err(Error::pg("starting the migration transaction"))?;
         // Serialises concurrent `outbox migrate` runs against the same table.
-        tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&ledger])
+        catalog::lock_migrations(&tx, &ledger)
             .await
             .map_err(Error::pg("taking the migration lock"))?;
-        tx.batch_execute(&format!(
-            "CREATE SCHEMA IF NOT EXISTS {schema};
-             CREATE TABLE IF NOT EXISTS {ledger} (
-                 version    integer     PRIMARY KEY,
-                 name       text        NOT NULL,
-                 checksum   text        NOT NULL,
-                 applied_at timestamptz NOT NULL DEFAULT now()
-             );",
-            schema = target.schema.quoted()
-        ))
-        .await
-        .map_err(Error::pg("creating the migrations table"))?;
+        catalog::create_ledger(&tx, &target.schema.quoted(), &ledger)
+            .await
+            .map_err(Error::pg("creating the migrations table"))?;
 
-        let applied = tx
-            .query(
-                &format!("SELECT version, checksum FROM {ledger} ORDER BY version"),
-                &[],
-            )
+        let applied = catalog::applied(&tx, &ledger)
             .await
             .map_err(Error::pg("reading applied migrations"))?;
         let mut version = 0;
-        for row in &applied {
-            let v: i32 = row.get(0);
-            let sum: String = row.get(1);
+        for (v, sum) in applied {
             let Some(m) = target.migrations.iter().find(|m| m.version == v) else {
                 return Err(Error::SchemaTooNew {
                     table: target.display_name(),
@@ -334,12 +311,9 @@ mod pg {
             tx.batch_execute(&target.render(m))
                 .await
                 .map_err(Error::pg("applying a migration"))?;
-            tx.execute(
-                &format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"),
-                &[&m.version, &m.name, &checksum(m)],
-            )
-            .await
-            .map_err(Error::pg("recording a migration"))?;
+            catalog::record(&tx, &ledger, m.version, m.name, &checksum(m))
+                .await
+                .map_err(Error::pg("recording a migration"))?;
             report.applied.push((m.version, m.name));
             report.version = m.version;
         }

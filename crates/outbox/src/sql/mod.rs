@@ -10,6 +10,8 @@ use crate::{Config, InboxConfig};
 #[cfg(feature = "tokio-postgres")]
 mod admin;
 #[cfg(feature = "tokio-postgres")]
+pub(crate) mod catalog;
+#[cfg(feature = "tokio-postgres")]
 mod relay;
 
 #[cfg(feature = "tokio-postgres")]
@@ -17,7 +19,7 @@ pub use admin::{DeadFilter, DeadLetter, PartitionRow, RelayRow, TypeStats};
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
     ClaimParams, ClaimScope, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams, TickRow,
-    TickStatement, backend_identity,
+    TickStatement, backend_identity, setup_batch_session,
 };
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
