@@ -326,3 +326,31 @@ impl Ticker {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(timeout: Duration, poll: Duration) -> LeaseSettings {
+        LeaseSettings {
+            pg: tokio_postgres::Config::new(),
+            relay_id: Uuid::nil(),
+            name: "test".to_owned(),
+            timeout,
+            max_attempts: 5,
+            poll,
+        }
+    }
+
+    #[test]
+    fn the_tick_is_the_poll_when_the_poll_is_shorter() {
+        let s = |t, p| settings(Duration::from_secs(t), Duration::from_millis(p));
+        // Defaults: a tick every third of 10 s, sooner than the 5 s poll.
+        assert_eq!(s(10, 5_000).interval(), Duration::from_secs(10) / 3);
+        // `--poll-interval 1s`: one tick per poll, no claim of its own.
+        assert_eq!(s(10, 1_000).interval(), Duration::from_secs(1));
+        // A short poll never shortens the tick's own timeout.
+        assert_eq!(s(10, 100).tick_timeout(), Duration::from_secs(10) / 3);
+        assert_eq!(s(10, 100).dead_after(), Duration::from_secs(10) * 2 / 3);
+    }
+}
