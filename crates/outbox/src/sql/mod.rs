@@ -85,7 +85,7 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
      RETURNING {ocols}";
 
 /// `CLAIM_BATCH_LEASED` for a batch much smaller than the partitions held
-/// (batch 1 over 64 partitions): the same rows, with a lock on the lease rows
+/// (at most an eighth of them: batch 1 to 8 over 64 partitions): the same rows, with a lock on the lease rows
 /// of the partitions the batch can touch instead of on all of them. Each
 /// tuple lock costs a WAL record (about 60 bytes; 64 of them were 88% of a
 /// batch-1 claim's WAL) and, while the relay's two batches overlap, a
