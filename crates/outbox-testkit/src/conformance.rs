@@ -715,6 +715,12 @@ pub async fn oversized<S: SinkUnderTest>(relay: &Path) -> Run<S> {
     let delivered = delivered(&sink).await;
     let mut aggregates: Vec<&str> = delivered.iter().map(|d| d.aggregate_id.as_str()).collect();
     aggregates.sort_unstable();
+    if !S::DEDUPLICATES {
+        // A refused message can take the channel, and with it the confirms
+        // of messages the broker already stored, down (RabbitMQ): those are
+        // resent, at least once.
+        aggregates.dedup();
+    }
     assert_eq!(aggregates, ["order-0", "order-1", "order-2"], "{}", S::NAME);
     sink.check(Scenario::Oversized, &delivered);
     h.finish(sink, delivered)
@@ -1038,10 +1044,14 @@ impl SinkUnderTest for NatsSink {
     }
 }
 
+/// The throwaway node's `max_message_size`: small, so the oversized
+/// scenario's message is refused by the broker itself.
+const AMQP_MAX_MESSAGE: usize = 4096;
+
 /// RabbitMQ: a private node (the scenarios stop it, so not the machine's)
 /// with a durable topic exchange and a durable queue bound to it with `#`,
 /// read back by consuming without acknowledging (the messages stay). It
-/// keeps re-sends and has no size limit to test here.
+/// keeps re-sends; its `max_message_size` is [`AMQP_MAX_MESSAGE`].
 #[derive(Debug)]
 pub struct AmqpSink {
     /// The node.
@@ -1083,7 +1093,7 @@ impl SinkUnderTest for AmqpSink {
     async fn start() -> Result<Self, Error> {
         use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
         use lapin::types::FieldTable;
-        let broker = RabbitMq::start().await?;
+        let broker = RabbitMq::start_with_max_message_size(AMQP_MAX_MESSAGE).await?;
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let sink = AmqpSink {
             broker,
@@ -1210,7 +1220,7 @@ impl SinkUnderTest for AmqpSink {
     }
 
     fn max_message_bytes(&self) -> Option<usize> {
-        None
+        Some(AMQP_MAX_MESSAGE)
     }
 
     fn bad_urls() -> Vec<(&'static str, &'static str)> {

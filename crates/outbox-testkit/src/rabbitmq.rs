@@ -51,6 +51,16 @@ impl RabbitMq {
     /// Boots a node on free ports and returns once it accepts AMQP
     /// connections (up to 90 s).
     pub async fn start() -> Result<RabbitMq, Error> {
+        Self::start_with(None).await
+    }
+
+    /// [`start`](Self::start) with `max_message_size` set: the node refuses
+    /// a larger message by closing the channel (406 PRECONDITION_FAILED).
+    pub async fn start_with_max_message_size(bytes: usize) -> Result<RabbitMq, Error> {
+        Self::start_with(Some(bytes)).await
+    }
+
+    async fn start_with(max_message_size: Option<usize>) -> Result<RabbitMq, Error> {
         let exe = find_exe().ok_or(Error::RabbitMqNotInstalled)?;
         let base = support::base_dir();
         let dir = tempfile::Builder::new()
@@ -65,6 +75,17 @@ impl RabbitMq {
         std::fs::write(dir.path().join("enabled_plugins"), "[].\n").map_err(Error::io(
             "writing the enabled_plugins file of a throwaway rabbitmq node",
         ))?;
+        if let Some(bytes) = max_message_size {
+            // `RABBITMQ_CONFIG_FILE` is `<dir>/rabbitmq`; the node reads
+            // `<dir>/rabbitmq.conf`.
+            std::fs::write(
+                dir.path().join("rabbitmq.conf"),
+                format!("max_message_size = {bytes}\n"),
+            )
+            .map_err(Error::io(
+                "writing the rabbitmq.conf of a throwaway rabbitmq node",
+            ))?;
+        }
         let mut node = RabbitMq {
             exe,
             port: support::try_free_port()?,
@@ -179,7 +200,8 @@ impl RabbitMq {
         .env("RABBITMQ_PID_FILE", dir.join("rabbitmq.pid"))
         .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
         .env("RABBITMQ_PLUGINS_EXPAND_DIR", dir.join("plugins-expand"))
-        // Files that do not exist: the machine's configuration stays out.
+        // Files of its own (absent unless a test writes them): the
+        // machine's configuration stays out.
         .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq"))
         .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
         .env("RABBITMQ_CONF_ENV_FILE", dir.join("rabbitmq-env.conf"))

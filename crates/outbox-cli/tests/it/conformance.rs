@@ -63,7 +63,7 @@ scenario!(
     kill_between_ack_and_mark,
     AmqpSink
 );
-// No size limit is tested for RabbitMQ (see `AmqpSink`).
+scenario!(conformance_amqp_oversized, oversized, AmqpSink);
 scenario!(conformance_amqp_bad_urls, bad_urls, AmqpSink);
 
 scenario!(

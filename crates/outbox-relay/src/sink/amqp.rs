@@ -25,10 +25,12 @@
 //! "orders.OrderPlaced"` and is retryable, not permanent: the missing
 //! binding is configuration that a consumer typically adds at its own
 //! deploy, and a retried row goes out once it exists, while a row made a
-//! dead letter would need `outbox dlq retry`. After `--max-attempts` it
+//! dead letter would need `outbox dlq requeue`. After `--max-attempts` it
 //! becomes a dead letter anyway. A nack, a lost connection or a missing
 //! confirm is retryable too; a name or header longer than AMQP's 255-byte
-//! short string is permanent.
+//! short string is permanent, and so is a message over the broker's
+//! `max_message_size` (the broker closes the channel naming its size; the
+//! other messages that close cut off are retried).
 //!
 //! Ordering is as for NATS: one channel keeps publish order, so an
 //! aggregate's events reach a queue in id order; a failed row does not hold
@@ -297,8 +299,9 @@ impl AmqpSink {
                         &body,
                         properties,
                     );
+                    let size = body.len();
                     match tokio::time::timeout_at(deadline, publish).await {
-                        Ok(Ok(confirm)) => Ok((route, confirm)),
+                        Ok(Ok(confirm)) => Ok((route, size, confirm)),
                         Ok(Err(e)) => {
                             healthy = false;
                             Err(DeliveryError::retryable(format!("amqp: publishing: {e}")))
@@ -321,12 +324,10 @@ impl AmqpSink {
 
         let confirm_deadline = Instant::now() + self.timeout;
         let waits = confirms.into_iter().map(|sent| async move {
-            let (route, confirm) = sent?;
+            let (route, size, confirm) = sent?;
             match tokio::time::timeout_at(confirm_deadline, confirm).await {
                 Ok(Ok(confirmation)) => Ok((route, confirmation)),
-                Ok(Err(e)) => Err(DeliveryError::retryable(format!(
-                    "amqp: waiting for the publisher confirm: {e}"
-                ))),
+                Ok(Err(e)) => Err(confirm_failed(&e, size)),
                 Err(_) => Err(DeliveryError::retryable(format!(
                     "amqp: no publisher confirm within {:?}",
                     self.timeout
@@ -380,6 +381,27 @@ impl AmqpSink {
             .collect();
         (outcomes, healthy)
     }
+}
+
+/// A confirm that failed because the channel closed. The broker closes it
+/// with 406 PRECONDITION_FAILED "message size N is larger than configured
+/// max size M" for a message over its `max_message_size`: that message
+/// will never be taken, so it is a permanent failure; every other message
+/// the close cut off is retryable.
+fn confirm_failed(e: &lapin::Error, size: usize) -> DeliveryError {
+    let text = e.to_string();
+    let refused = text
+        .split("message size ")
+        .nth(1)
+        .filter(|rest| rest.contains("larger than configured max size"))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse::<usize>().ok());
+    if refused == Some(size) {
+        return DeliveryError::permanent(format!(
+            "amqp: a message of {size} bytes is too large for the broker (its max_message_size): {text}"
+        ));
+    }
+    DeliveryError::retryable(format!("amqp: waiting for the publisher confirm: {text}"))
 }
 
 fn collect_return(
