@@ -8,7 +8,9 @@
 //!   and its reordered sibling `POST; COMMIT`, which fails the other way;
 //! - `outbox`: `INSERT order; INSERT event; COMMIT`, nothing sent.
 //!
-//! At a crash point the app prints `parked …` and waits to be killed.
+//! At a crash point the app prints `parked …`, sends
+//! `OUTBOX_FAILPOINT=parked <where> reached` to `NOTIFY_SOCKET`, and waits
+//! to be killed.
 
 use std::time::Duration;
 
@@ -130,10 +132,12 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
     Ok(())
 }
 
-/// Says where it stopped and waits to be killed (at most a minute, in case
-/// the lab itself died).
+/// Says where it stopped (on stdout, and `OUTBOX_FAILPOINT=parked <at>
+/// reached` to `NOTIFY_SOCKET`) and waits to be killed (at most a minute, in
+/// case the lab itself died).
 async fn park(at: &str) {
     println!("parked {at}");
+    outbox::notify::send(&format!("OUTBOX_FAILPOINT=parked {at} reached"));
     tokio::time::sleep(Duration::from_secs(60)).await;
     std::process::exit(3);
 }
