@@ -26,6 +26,10 @@ use crate::{ConfigError, Database};
 /// backend in `pg_stat_activity`.
 pub(super) const APP_NAME: &str = "outbox-lab-app";
 
+/// Crash points.
+pub(super) const BEFORE_COMMIT: &str = "before commit";
+pub(super) const AFTER_COMMIT: &str = "after commit";
+
 /// Which way a request goes wrong (the reference's five paths).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Path {
@@ -62,7 +66,16 @@ impl Path {
 
     /// Whether the app parks at a crash point (and the lab kills it).
     pub(super) fn crashes(self) -> bool {
-        matches!(self, Path::CrashAfterCommit | Path::SendThenCrash)
+        self.crash_point().is_some()
+    }
+
+    /// Where the app parks, in both styles.
+    pub(super) fn crash_point(self) -> Option<&'static str> {
+        match self {
+            Path::CrashAfterCommit => Some(AFTER_COMMIT),
+            Path::SendThenCrash => Some(BEFORE_COMMIT),
+            _ => None,
+        }
     }
 
     fn parse(s: &str) -> Option<Path> {
@@ -92,7 +105,7 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
                 post(sink, order_id).await?;
                 println!("order {order_id} sent");
                 if path == Path::SendThenCrash {
-                    park("before commit").await;
+                    park(BEFORE_COMMIT).await;
                 }
                 // E.g. a constraint or serialization failure after the POST.
                 tx.rollback().await?;
@@ -101,7 +114,7 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
             tx.commit().await?;
             println!("order {order_id} committed");
             if path == Path::CrashAfterCommit {
-                park("after commit").await;
+                park(AFTER_COMMIT).await;
             }
             post(sink, order_id)
                 .await
@@ -118,13 +131,13 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
                     tx.rollback().await?;
                     bail!("order {order_id} failed; rolled back with its event");
                 }
-                Path::SendThenCrash => park("before commit").await,
+                Path::SendThenCrash => park(BEFORE_COMMIT).await,
                 _ => {}
             }
             tx.commit().await?;
             println!("order {order_id} committed with its event");
             if path == Path::CrashAfterCommit {
-                park("after commit").await;
+                park(AFTER_COMMIT).await;
             }
         }
         other => bail!("unknown app style {other:?}"),
@@ -132,12 +145,17 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
     Ok(())
 }
 
+/// What the app sends to `NOTIFY_SOCKET` when it parks at `at`.
+pub(super) fn parked(at: &str) -> String {
+    format!("OUTBOX_FAILPOINT=parked {at} reached")
+}
+
 /// Says where it stopped (on stdout, and `OUTBOX_FAILPOINT=parked <at>
 /// reached` to `NOTIFY_SOCKET`) and waits to be killed (at most a minute, in
 /// case the lab itself died).
 async fn park(at: &str) {
     println!("parked {at}");
-    outbox::notify::send(&format!("OUTBOX_FAILPOINT=parked {at} reached"));
+    outbox::notify::send(&parked(at));
     tokio::time::sleep(Duration::from_secs(60)).await;
     std::process::exit(3);
 }
