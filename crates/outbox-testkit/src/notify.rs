@@ -4,10 +4,12 @@
 //! `outbox::notify`) instead of for log text.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::UnixDatagram;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::Error;
 use crate::support::lock;
@@ -17,13 +19,24 @@ const MAX_DATAGRAM: usize = 4096;
 
 /// A bound `UnixDatagram` in a temporary directory, and every datagram it
 /// received. Must be created inside a tokio runtime.
+///
+/// A task reads the socket as datagrams come, so a sender (which drops
+/// datagrams rather than block on a full queue) never finds it full.
 #[derive(Debug)]
 pub struct Notifications {
-    socket: UnixDatagram,
+    inner: Arc<Inner>,
+    reader: JoinHandle<()>,
     path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+#[derive(Debug)]
+struct Inner {
+    socket: UnixDatagram,
     /// Kept so a signal that came before the wait still counts.
     received: Mutex<Vec<String>>,
-    _dir: tempfile::TempDir,
+    /// "Modified" after each read, to wake waiters.
+    arrived: watch::Sender<()>,
 }
 
 impl Notifications {
@@ -35,10 +48,16 @@ impl Notifications {
             .map_err(Error::io("creating a directory for NOTIFY_SOCKET"))?;
         let path = dir.path().join("notify.sock");
         let socket = UnixDatagram::bind(&path).map_err(Error::io(format!("binding {}", path.display())))?;
-        Ok(Notifications {
+        let inner = Arc::new(Inner {
             socket,
-            path,
             received: Mutex::new(Vec::new()),
+            arrived: watch::Sender::new(()),
+        });
+        let reader = tokio::spawn(read(Arc::clone(&inner)));
+        Ok(Notifications {
+            inner,
+            reader,
+            path,
             _dir: dir,
         })
     }
@@ -51,30 +70,33 @@ impl Notifications {
     /// Whether a datagram received so far has the line `key_value` (e.g.
     /// `READY=1`). Reads what is queued first, without waiting.
     pub fn has(&self, key_value: &str) -> bool {
-        self.drain();
-        lock(&self.received)
+        self.inner
+            .drain()
             .iter()
             .any(|d| d.lines().any(|l| l == key_value))
     }
 
     /// Every datagram so far, oldest first.
     pub fn received(&self) -> Vec<String> {
-        self.drain();
-        lock(&self.received).clone()
+        self.inner.drain().clone()
     }
 
     /// Waits for a datagram, already received or future, with the line
     /// `key_value`.
     pub async fn wait_for(&self, key_value: &str, timeout: Duration) -> Result<(), Error> {
+        let mut arrived = self.inner.arrived.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
+            // Marked seen before looking, so a datagram read after the
+            // look wakes us below.
+            arrived.borrow_and_update();
             if self.has(key_value) {
                 return Ok(());
             }
-            match tokio::time::timeout_at(deadline, self.socket.readable()).await {
+            match tokio::time::timeout_at(deadline, arrived.changed()).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(Error::io(format!("reading {}", self.path.display()))(e)),
-                Err(_) => {
+                // The sender lives in `self.inner`; treat it like the deadline.
+                Ok(Err(_)) | Err(_) => {
                     return Err(Error::Timeout {
                         waiting_for: format!("{key_value} on NOTIFY_SOCKET"),
                         timeout,
@@ -84,13 +106,35 @@ impl Notifications {
             }
         }
     }
+}
 
-    /// Moves every queued datagram into `received`.
-    fn drain(&self) {
+impl Drop for Notifications {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl Inner {
+    /// Moves every queued datagram into `received`, and returns it. Reading
+    /// under the lock keeps them in arrival order.
+    fn drain(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        let mut received = lock(&self.received);
         let mut buf = [0; MAX_DATAGRAM];
+        let mut any = false;
         while let Ok(n) = self.socket.try_recv(&mut buf) {
-            let datagram = String::from_utf8_lossy(&buf[..n]).into_owned();
-            lock(&self.received).push(datagram);
+            received.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+            any = true;
         }
+        if any {
+            self.arrived.send_modify(|()| {});
+        }
+        received
+    }
+}
+
+/// Reads datagrams as they come, until aborted or the socket fails.
+async fn read(inner: Arc<Inner>) {
+    while inner.socket.readable().await.is_ok() {
+        drop(inner.drain());
     }
 }

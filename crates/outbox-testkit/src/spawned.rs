@@ -80,8 +80,9 @@ impl Spawned {
     }
 
     /// Like [`spawn`](Self::spawn), with `NOTIFY_SOCKET` set to a fresh
-    /// [`Notifications`] socket, so [`wait_for_notification`]
-    /// (Self::wait_for_notification) can wait for `READY=1` and the like.
+    /// [`Notifications`] socket, so
+    /// [`wait_for_notification`](Self::wait_for_notification) can wait for
+    /// `READY=1` and the like.
     pub fn spawn_notified(mut cmd: Command) -> Result<Spawned, Error> {
         let notifications = Notifications::bind()?;
         cmd.env("NOTIFY_SOCKET", notifications.path());

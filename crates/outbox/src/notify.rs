@@ -8,8 +8,9 @@
 //! / `over`, `OUTBOX_BATCH=committed`, `OUTBOX_MESSAGE=rejected`.
 //!
 //! The variable is read once, at the first [`send`]; unset, a send is one
-//! check of an `Option`. Sending never fails the caller: errors are ignored
-//! (logged at debug where this crate has `tracing`).
+//! check of an `Option`. Sending never fails or blocks the caller: errors,
+//! and a full queue, drop the datagram (logged at debug where this crate has
+//! `tracing`).
 
 use std::ffi::OsStr;
 use std::io;
@@ -41,10 +42,11 @@ impl Notifier {
             Some(name) => SocketAddr::from_abstract_name(name)?,
             None => SocketAddr::from_pathname(path)?,
         };
-        Ok(Notifier {
-            socket: UnixDatagram::unbound()?,
-            to,
-        })
+        let socket = UnixDatagram::unbound()?;
+        // A full queue (a listener that does not read) drops the datagram
+        // instead of stalling the relay.
+        socket.set_nonblocking(true)?;
+        Ok(Notifier { socket, to })
     }
 
     fn send(&self, state: &str) -> io::Result<()> {
@@ -85,6 +87,19 @@ mod tests {
         let notifier = Notifier::open(OsStr::new(&format!("@{name}"))).unwrap();
         notifier.send("OUTBOX_BATCH=committed").unwrap();
         assert_eq!(received(&listener), "OUTBOX_BATCH=committed");
+    }
+
+    #[test]
+    fn a_listener_that_does_not_read_does_not_block_the_sender() {
+        let name = format!("outbox-notify-full-{}", std::process::id());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let _listener = UnixDatagram::bind_addr(&addr).unwrap();
+        let notifier = Notifier::open(OsStr::new(&format!("@{name}"))).unwrap();
+        let failed = (0..100_000)
+            .map(|_| notifier.send("OUTBOX_BATCH=committed"))
+            .find_map(Result::err)
+            .expect("the queue fills");
+        assert_eq!(failed.kind(), io::ErrorKind::WouldBlock);
     }
 
     #[test]

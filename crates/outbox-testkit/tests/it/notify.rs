@@ -51,3 +51,20 @@ async fn a_child_gets_the_socket_and_its_exit_ends_the_wait() {
     assert!(plain.wait_for_notification("READY=1", LONG).await.is_err());
     assert!(!plain.notified("READY=1"));
 }
+
+#[tokio::test]
+async fn datagrams_are_read_as_they_come_so_a_burst_never_fills_the_queue() {
+    let n = Notifications::bind().unwrap();
+    let path = n.path().to_owned();
+    // A blocking sender would stall at the kernel's queue limit if nobody
+    // read until the wait.
+    let burst = tokio::task::spawn_blocking(move || {
+        let sender = UnixDatagram::unbound().unwrap();
+        for i in 0..2_000 {
+            sender.send_to(format!("N={i}").as_bytes(), &path).unwrap();
+        }
+    });
+    burst.await.unwrap();
+    n.wait_for("N=1999", LONG).await.unwrap();
+    assert_eq!(n.received().len(), 2_000);
+}
