@@ -279,7 +279,7 @@ impl Scratch {
         let exe = std::env::current_exe().context("locating this binary")?;
         let mut cmd = tokio::process::Command::new(exe);
         for (key, _) in std::env::vars_os() {
-            if key.to_string_lossy().starts_with("OUTBOX_") {
+            if key.to_string_lossy().starts_with("OUTBOX_") || key == "NOTIFY_SOCKET" {
                 cmd.env_remove(key);
             }
         }
@@ -292,7 +292,7 @@ impl Scratch {
     }
 
     /// Starts `outbox relay --sink <sink> <args>` (JSON logs) with `envs`,
-    /// and returns once it logged that it is ready.
+    /// and returns once it signalled `READY=1` on its `NOTIFY_SOCKET`.
     pub(crate) async fn spawn_relay(
         &self,
         sink: &str,
@@ -312,9 +312,9 @@ impl Scratch {
     ) -> anyhow::Result<Spawned> {
         let mut cmd = self.outbox_cmd_on(pg_url, &["relay", "--sink", sink, "--log-format", "json"])?;
         cmd.args(args).envs(envs.iter().copied());
-        let relay = Spawned::spawn(cmd)?;
+        let relay = Spawned::spawn_notified(cmd)?;
         relay
-            .wait_for_line("relay ready", LONG)
+            .wait_for_notification("READY=1", LONG)
             .await
             .context("starting the relay")?;
         Ok(relay)
@@ -331,8 +331,10 @@ impl Scratch {
         let relay = self
             .spawn_relay(sink, args, &[("OUTBOX_FAILPOINT", failpoint)])
             .await?;
+        // `sleep-after-deliver-ms=N` signals as `sleep-after-deliver`.
+        let name = failpoint.split_once("-ms=").map_or(failpoint, |(name, _)| name);
         relay
-            .wait_for_line(&format!("failpoint {failpoint} reached"), LONG)
+            .wait_for_notification(&format!("OUTBOX_FAILPOINT={name} reached"), LONG)
             .await?;
         Ok(relay)
     }

@@ -3,8 +3,9 @@
 //! Crash tests need the relay stopped at an exact place (after the sink
 //! acknowledged a batch, before the batch is marked) so they can `kill -9` it
 //! there, or freeze it there, instead of hoping a sleep lines up. A failpoint
-//! logs that it was reached and parks the relay: for ever, or once for a
-//! while. With the variable unset this is one `Option` check per batch.
+//! logs that it was reached, sends `OUTBOX_FAILPOINT=<name> reached` to
+//! `NOTIFY_SOCKET` (see `outbox::notify`) and parks the relay: for ever, or
+//! once for a while. With the variable unset this is one `Option` check per batch.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,7 +48,8 @@ impl FromStr for Failpoint {
 static SLEPT: AtomicBool = AtomicBool::new(false);
 
 impl Failpoint {
-    /// Logs and parks.
+    /// Logs, tells `NOTIFY_SOCKET` (`OUTBOX_FAILPOINT=<name> reached`, and
+    /// `… over` when a sleep ends) and parks.
     pub(crate) async fn park(self, rows: usize) {
         match self {
             Self::PauseAfterDeliver => {
@@ -55,6 +57,7 @@ impl Failpoint {
                     rows,
                     "failpoint pause-after-deliver reached; parked before marking"
                 );
+                outbox::notify::send("OUTBOX_FAILPOINT=pause-after-deliver reached");
                 std::future::pending::<()>().await;
             }
             Self::SleepAfterDeliver(d) => {
@@ -66,8 +69,10 @@ impl Failpoint {
                     ?d,
                     "failpoint sleep-after-deliver reached; sleeping before marking"
                 );
+                outbox::notify::send("OUTBOX_FAILPOINT=sleep-after-deliver reached");
                 tokio::time::sleep(d).await;
                 tracing::warn!("failpoint sleep-after-deliver over; committing");
+                outbox::notify::send("OUTBOX_FAILPOINT=sleep-after-deliver over");
             }
         }
     }

@@ -106,6 +106,7 @@ impl Relay {
             relay_id = %source.relay_id().map(|id| id.to_string()).unwrap_or_default(),
             "relay ready"
         );
+        outbox::notify::send("READY=1\nSTATUS=relay ready");
         let started = Instant::now();
         let mut blocked = Blocked::default();
         while !cancel.is_cancelled() {

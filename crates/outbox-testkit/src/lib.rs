@@ -12,7 +12,8 @@
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
 //! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
 //! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
-//! | [`Spawned`] | a child process with captured output lines |
+//! | [`Spawned`] | a child process with captured output lines and, optionally, a `NOTIFY_SOCKET` |
+//! | [`Notifications`] | a `NOTIFY_SOCKET` to wait on: `READY=1`, `OUTBOX_FAILPOINT=… reached` |
 //! | [`conformance`] | the scenarios every sink passes, and the sinks that run them |
 //! | [`free_port`] | a port nobody listens on |
 //! | [`Error`] | what went wrong, and what was being done |
@@ -44,6 +45,7 @@ pub mod conformance;
 mod error;
 pub mod kafka;
 mod nats;
+mod notify;
 mod postgres;
 mod rabbitmq;
 mod receiver;
@@ -54,6 +56,7 @@ mod support;
 pub use error::Error;
 pub use kafka::Kafka;
 pub use nats::Nats;
+pub use notify::Notifications;
 pub use postgres::Postgres;
 pub use rabbitmq::RabbitMq;
 pub use receiver::{Received, Receiver, Respond};

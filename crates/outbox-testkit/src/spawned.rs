@@ -1,5 +1,6 @@
-//! A child process whose output is captured line by line, so tests can wait
-//! for what it says, signal it and check how it exited.
+//! A child process whose output is captured line by line, and which can be
+//! given a `NOTIFY_SOCKET`, so tests can wait for what it signals, read what
+//! it says, signal it and check how it exited.
 
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,8 +12,8 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
-use crate::Error;
 use crate::support::{self, lock};
+use crate::{Error, Notifications};
 
 /// Lines of output quoted in errors.
 const TAIL_LINES: usize = 30;
@@ -34,6 +35,8 @@ pub struct Spawned {
     /// A mutex so `&self` methods can check whether it exited.
     child: Mutex<Child>,
     output: Arc<Output>,
+    /// Set by [`Spawned::spawn_notified`].
+    notifications: Option<Notifications>,
 }
 
 #[derive(Debug)]
@@ -72,7 +75,60 @@ impl Spawned {
             program,
             child: Mutex::new(child),
             output,
+            notifications: None,
         })
+    }
+
+    /// Like [`spawn`](Self::spawn), with `NOTIFY_SOCKET` set to a fresh
+    /// [`Notifications`] socket, so
+    /// [`wait_for_notification`](Self::wait_for_notification) can wait for
+    /// `READY=1` and the like.
+    pub fn spawn_notified(mut cmd: Command) -> Result<Spawned, Error> {
+        let notifications = Notifications::bind()?;
+        cmd.env("NOTIFY_SOCKET", notifications.path());
+        let mut spawned = Spawned::spawn(cmd)?;
+        spawned.notifications = Some(notifications);
+        Ok(spawned)
+    }
+
+    /// The notify socket, if it was spawned with
+    /// [`spawn_notified`](Self::spawn_notified).
+    pub fn notifications(&self) -> Option<&Notifications> {
+        self.notifications.as_ref()
+    }
+
+    /// Waits for a notification, already received or future, with the line
+    /// `key_value` (e.g. `READY=1`). Fails early if the child closed its
+    /// output (it exited) without sending one, and at once if it was not
+    /// spawned with [`spawn_notified`](Self::spawn_notified).
+    pub async fn wait_for_notification(&self, key_value: &str, timeout: Duration) -> Result<(), Error> {
+        let waiting_for = format!("{key_value} from {} (pid {})", self.program, self.pid);
+        let Some(notifications) = &self.notifications else {
+            return Err(Error::Failed {
+                doing: format!("waiting for {waiting_for}"),
+                detail: "it was not spawned with Spawned::spawn_notified".into(),
+            });
+        };
+        let mut open_streams = self.output.open_streams.subscribe();
+        tokio::select! {
+            came = notifications.wait_for(key_value, timeout) => {
+                came.map_err(|_| self.missing_error(waiting_for, Some(timeout)))
+            }
+            // A datagram sent before the exit is queued by now.
+            _ = open_streams.wait_for(|&open| open == 0) => {
+                if notifications.has(key_value) {
+                    Ok(())
+                } else {
+                    Err(self.missing_error(waiting_for, None))
+                }
+            }
+        }
+    }
+
+    /// Whether a notification so far had the line `key_value`; `false` if
+    /// it was not spawned with [`spawn_notified`](Self::spawn_notified).
+    pub fn notified(&self, key_value: &str) -> bool {
+        self.notifications.as_ref().is_some_and(|n| n.has(key_value))
     }
 
     /// The child's process id.
@@ -99,14 +155,14 @@ impl Spawned {
                 scanned = lines.len();
             }
             if open == 0 {
-                return Err(self.line_error(needle, None));
+                return Err(self.missing_error(self.line_wanted(needle), None));
             }
             match tokio::time::timeout_at(deadline, open_streams.changed()).await {
                 Ok(Ok(())) => {}
                 // The sender lives in `self.output`, so this cannot happen
                 // while we borrow `self`; treat it like the deadline.
                 Ok(Err(_)) | Err(_) => {
-                    return Err(self.line_error(needle, Some(timeout)));
+                    return Err(self.missing_error(self.line_wanted(needle), Some(timeout)));
                 }
             }
         }
@@ -194,18 +250,21 @@ impl Spawned {
         Ok(status)
     }
 
-    /// The error for a line that did not come: `timeout` if we gave up
-    /// waiting, `None` if the output ended.
-    fn line_error(&self, needle: &str, timeout: Option<Duration>) -> Error {
+    fn line_wanted(&self, needle: &str) -> String {
+        format!(
+            "a line containing {needle:?} from {} (pid {})",
+            self.program, self.pid
+        )
+    }
+
+    /// The error for a line or notification that did not come: `timeout`
+    /// if we gave up waiting, `None` if the output ended.
+    fn missing_error(&self, waiting_for: String, timeout: Option<Duration>) -> Error {
         let state = match lock(&self.child).try_wait() {
             Ok(Some(status)) => format!("the process exited ({status})"),
             Ok(None) => "the process is still running".to_string(),
             Err(e) => format!("the process state is unknown ({e})"),
         };
-        let waiting_for = format!(
-            "a line containing {needle:?} from {} (pid {})",
-            self.program, self.pid
-        );
         let tail = self.tail(TAIL_LINES);
         match timeout {
             Some(timeout) => Error::Timeout {
@@ -215,7 +274,7 @@ impl Spawned {
             },
             None => Error::Failed {
                 doing: format!("waiting for {waiting_for}"),
-                detail: format!("its output ended without one; {state}; its last lines:\n{tail}"),
+                detail: format!("its output ended first; {state}; its last lines:\n{tail}"),
             },
         }
     }

@@ -21,6 +21,7 @@
 //! | [`worker`] | consumer workers: effect through the inbox, acknowledge after commit |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
 //! | [`sql`] | every statement, named |
+//! | [`notify`] | the systemd notify protocol: `READY=1`, `STATUS`, `STOPPING=1` and test signals |
 //!
 //! | feature | default | gives |
 //! |---|---|---|
@@ -53,6 +54,7 @@ mod error;
 mod event;
 mod ident;
 mod inbox;
+pub mod notify;
 #[cfg(feature = "tokio-postgres")]
 pub mod partitions;
 #[cfg(feature = "tokio-postgres")]

@@ -84,6 +84,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
             worker.ack_wait = args.claim_idle;
             worker.pause_after_commit = pause_after_commit;
             info!(%stream, durable = %group, "consumer ready");
+            outbox::notify::send("READY=1\nSTATUS=consumer ready");
             worker.run(&mut db, cancel, effect).await
         }
         From::Amqp => {
@@ -91,6 +92,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
             worker.prefetch = args.prefetch;
             worker.pause_after_commit = pause_after_commit;
             info!(%queue, prefetch = args.prefetch, "consumer ready");
+            outbox::notify::send("READY=1\nSTATUS=consumer ready");
             worker.run(&mut db, cancel, effect).await
         }
         From::Redis => {
@@ -99,6 +101,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
             worker.claim_idle = args.claim_idle;
             worker.pause_after_commit = pause_after_commit;
             info!(%stream, %group, %consumer, "consumer ready");
+            outbox::notify::send("READY=1\nSTATUS=consumer ready");
             worker.run(&mut db, cancel, effect).await
         }
     }

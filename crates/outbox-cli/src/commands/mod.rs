@@ -79,6 +79,7 @@ pub(crate) fn shutdown_token() -> anyhow::Result<CancellationToken> {
             _ = term.recv() => tracing::info!("SIGTERM: finishing the batch in flight"),
             _ = int.recv() => tracing::info!("SIGINT: finishing the batch in flight"),
         }
+        outbox::notify::send("STOPPING=1");
         cancel.cancel();
     });
     Ok(token)

@@ -27,8 +27,8 @@ async fn worker(db: &Db, redis: &Redis, name: &str, envs: &[(&str, &str)]) -> Sp
     .args(["--log-format", "json"])
     .env("DATABASE_URL", &db.url)
     .envs(envs.iter().copied());
-    let w = Spawned::spawn(cmd).expect("spawn consumer");
-    w.wait_for_line("consumer ready", LONG)
+    let w = Spawned::spawn_notified(cmd).expect("spawn consumer");
+    w.wait_for_notification("READY=1", LONG)
         .await
         .expect("consumer ready");
     w
@@ -68,7 +68,7 @@ async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
 
     let mut first = worker(&db, &redis, "a", &[("OUTBOX_FAILPOINT", "pause-after-commit")]).await;
     first
-        .wait_for_line("committed, parked before the acknowledgement", LONG)
+        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-commit reached", LONG)
         .await
         .unwrap();
     first.kill().unwrap();
@@ -174,11 +174,11 @@ async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
         .args(["--claim-idle", "1s", "--apply", APPLY, "--log-format", "json"])
         .env("DATABASE_URL", &db.url)
         .envs(envs.iter().copied());
-        Spawned::spawn(cmd).expect("spawn consumer")
+        Spawned::spawn_notified(cmd).expect("spawn consumer")
     };
     let mut first = worker(&[("OUTBOX_FAILPOINT", "pause-after-commit")]);
     first
-        .wait_for_line("committed, parked before the acknowledgement", LONG)
+        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-commit reached", LONG)
         .await
         .unwrap();
     first.kill().unwrap();
@@ -189,7 +189,7 @@ async fn a_nats_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
     );
 
     let mut second = worker(&[]);
-    second.wait_for_line("consumer ready", LONG).await.unwrap();
+    second.wait_for_notification("READY=1", LONG).await.unwrap();
     wait_until("every event shipped", LONG, || async {
         db.count("SELECT count(*) FROM processed_events").await == 20
     })
@@ -296,11 +296,11 @@ async fn an_amqp_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
             .args(["--prefetch", "50", "--apply", APPLY, "--log-format", "json"])
             .env("DATABASE_URL", &db.url)
             .envs(envs.iter().copied());
-        Spawned::spawn(cmd).expect("spawn consumer")
+        Spawned::spawn_notified(cmd).expect("spawn consumer")
     };
     let mut first = worker(&[("OUTBOX_FAILPOINT", "pause-after-commit")]);
     first
-        .wait_for_line("committed, parked before the acknowledgement", LONG)
+        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-commit reached", LONG)
         .await
         .unwrap();
     first.kill().unwrap();
@@ -311,14 +311,14 @@ async fn an_amqp_worker_killed_before_its_ack_is_redelivered_and_ships_once() {
     );
 
     let mut second = worker(&[]);
-    second.wait_for_line("consumer ready", LONG).await.unwrap();
+    second.wait_for_notification("READY=1", LONG).await.unwrap();
     wait_until("every event shipped", LONG, || async {
         db.count("SELECT count(*) FROM processed_events").await == 20
     })
     .await;
     // The junk message is last in the queue.
     second
-        .wait_for_line("not an outbox event; rejected", LONG)
+        .wait_for_notification("OUTBOX_MESSAGE=rejected", LONG)
         .await
         .unwrap();
     second.signal(nix::sys::signal::Signal::SIGTERM).unwrap();

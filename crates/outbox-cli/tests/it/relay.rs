@@ -19,7 +19,7 @@ async fn notify_wakes_the_relay_long_before_the_fallback_poll() {
     // The relay polled once when it became ready; from now on only a NOTIFY
     // can wake it within the 60 s fallback.
     wait_until("the startup claim", LONG, || async {
-        relay.count_lines("batch committed") == 0
+        !relay.notified("OUTBOX_BATCH=committed")
     })
     .await;
     outbox::enqueue(&db.client, &Event::new("orders", "1", "OrderCreated", json!({})))
@@ -99,7 +99,10 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     db.pg.kill().unwrap();
     db.pg.restart().await.unwrap();
     db.reconnect().await;
-    relay.wait_for_line("relay reconnected", LONG).await.unwrap();
+    relay
+        .wait_for_notification("STATUS=reconnected", LONG)
+        .await
+        .unwrap();
     db.insert_events(1_000, 1).await;
 
     db.wait_drained("everything published after the restart").await;
@@ -128,12 +131,17 @@ async fn sigterm_drains_the_batch_in_flight_so_delivered_equals_marked() {
         &[],
     )
     .await;
+    // Output capture, not synchronisation: the line is logged before
+    // READY=1, so it is read already or about to be.
     let ready = relay.wait_for_line("relay ready", LONG).await.unwrap();
     let ready: serde_json::Value = serde_json::from_str(&ready).expect("--log-format json");
     assert_eq!(ready["fields"]["batch_size"], 1000);
 
     // Stop while batches are flowing: the one in flight must be marked.
-    relay.wait_for_line("batch committed", LONG).await.unwrap();
+    relay
+        .wait_for_notification("OUTBOX_BATCH=committed", LONG)
+        .await
+        .unwrap();
     stop_relay(relay).await;
 
     let events = read_stream(&redis.url(), "outbox.event.orders").await;

@@ -65,7 +65,7 @@ async fn four_relays_share_the_partitions_evenly_and_keep_every_aggregate_in_ord
     assert_eq!(order_violations(&events), 0);
     for relay in &relays {
         assert!(
-            relay.count_lines("batch committed") > 0,
+            relay.notified("OUTBOX_BATCH=committed"),
             "every relay delivered its share"
         );
     }
@@ -192,7 +192,7 @@ async fn a_frozen_relay_cut_from_its_lease_is_fenced_off_and_marks_nothing() {
         &[("OUTBOX_FAILPOINT", "sleep-after-deliver-ms=3000")],
     )
     .await;
-    a.wait_for_line("failpoint sleep-after-deliver reached", LONG)
+    a.wait_for_notification("OUTBOX_FAILPOINT=sleep-after-deliver reached", LONG)
         .await
         .unwrap();
     // Cut its lease connection, and freeze it so it cannot reconnect.
@@ -222,11 +222,11 @@ async fn a_frozen_relay_cut_from_its_lease_is_fenced_off_and_marks_nothing() {
     // A wakes up: its commit fails, and the batch it had claimed next is
     // given back unsent, as its lease ran out.
     a.signal(Signal::SIGCONT).unwrap();
-    a.wait_for_line("failpoint sleep-after-deliver over", LONG)
+    a.wait_for_notification("OUTBOX_FAILPOINT=sleep-after-deliver over", LONG)
         .await
         .unwrap();
     wait_until("A rejoined after losing its connections", LONG, || async {
-        a.count_lines("relay reconnected") > 0
+        a.notified("STATUS=reconnected")
     })
     .await;
     wait_until("A and B share the partitions", LONG, || balanced(&db.url, 2)).await;

@@ -82,12 +82,13 @@ pub async fn connect(url: &str) -> Client {
     client
 }
 
-/// The `outbox` binary with a clean environment (no inherited OUTBOX_* or
-/// DATABASE_URL).
+/// The `outbox` binary with a clean environment (no inherited OUTBOX_*,
+/// DATABASE_URL or NOTIFY_SOCKET).
 pub fn outbox_cmd() -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox"));
     for (key, _) in std::env::vars() {
-        if key.starts_with("OUTBOX_") || key == "DATABASE_URL" || key == "RUST_LOG" {
+        if key.starts_with("OUTBOX_") || ["DATABASE_URL", "RUST_LOG", "NOTIFY_SOCKET"].contains(&key.as_str())
+        {
             cmd.env_remove(key);
         }
     }
@@ -110,7 +111,7 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Starts `outbox relay` and waits for "relay ready".
+/// Starts `outbox relay` with a `NOTIFY_SOCKET` and waits for `READY=1`.
 pub async fn start_relay(url: &str, sink: &str, extra: &[&str], envs: &[(&str, &str)]) -> Spawned {
     let mut cmd = outbox_cmd();
     cmd.arg("relay")
@@ -119,9 +120,9 @@ pub async fn start_relay(url: &str, sink: &str, extra: &[&str], envs: &[(&str, &
         .args(extra)
         .env("DATABASE_URL", url);
     cmd.envs(envs.iter().copied());
-    let relay = Spawned::spawn(cmd).expect("spawn relay");
+    let relay = Spawned::spawn_notified(cmd).expect("spawn relay");
     relay
-        .wait_for_line("relay ready", LONG)
+        .wait_for_notification("READY=1", LONG)
         .await
         .expect("relay ready");
     relay

@@ -8,7 +8,9 @@
 //!   and its reordered sibling `POST; COMMIT`, which fails the other way;
 //! - `outbox`: `INSERT order; INSERT event; COMMIT`, nothing sent.
 //!
-//! At a crash point the app prints `parked …` and waits to be killed.
+//! At a crash point the app prints `parked …`, sends
+//! `OUTBOX_FAILPOINT=parked <where> reached` to `NOTIFY_SOCKET`, and waits
+//! to be killed.
 
 use std::time::Duration;
 
@@ -23,6 +25,10 @@ use crate::{ConfigError, Database};
 /// `application_name` of the app's connection, so the lab can see its
 /// backend in `pg_stat_activity`.
 pub(super) const APP_NAME: &str = "outbox-lab-app";
+
+/// Crash points.
+pub(super) const BEFORE_COMMIT: &str = "before commit";
+pub(super) const AFTER_COMMIT: &str = "after commit";
 
 /// Which way a request goes wrong (the reference's five paths).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +66,16 @@ impl Path {
 
     /// Whether the app parks at a crash point (and the lab kills it).
     pub(super) fn crashes(self) -> bool {
-        matches!(self, Path::CrashAfterCommit | Path::SendThenCrash)
+        self.crash_point().is_some()
+    }
+
+    /// Where the app parks, in both styles.
+    pub(super) fn crash_point(self) -> Option<&'static str> {
+        match self {
+            Path::CrashAfterCommit => Some(AFTER_COMMIT),
+            Path::SendThenCrash => Some(BEFORE_COMMIT),
+            _ => None,
+        }
     }
 
     fn parse(s: &str) -> Option<Path> {
@@ -90,7 +105,7 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
                 post(sink, order_id).await?;
                 println!("order {order_id} sent");
                 if path == Path::SendThenCrash {
-                    park("before commit").await;
+                    park(BEFORE_COMMIT).await;
                 }
                 // E.g. a constraint or serialization failure after the POST.
                 tx.rollback().await?;
@@ -99,7 +114,7 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
             tx.commit().await?;
             println!("order {order_id} committed");
             if path == Path::CrashAfterCommit {
-                park("after commit").await;
+                park(AFTER_COMMIT).await;
             }
             post(sink, order_id)
                 .await
@@ -116,13 +131,13 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
                     tx.rollback().await?;
                     bail!("order {order_id} failed; rolled back with its event");
                 }
-                Path::SendThenCrash => park("before commit").await,
+                Path::SendThenCrash => park(BEFORE_COMMIT).await,
                 _ => {}
             }
             tx.commit().await?;
             println!("order {order_id} committed with its event");
             if path == Path::CrashAfterCommit {
-                park("after commit").await;
+                park(AFTER_COMMIT).await;
             }
         }
         other => bail!("unknown app style {other:?}"),
@@ -130,10 +145,17 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
     Ok(())
 }
 
-/// Says where it stopped and waits to be killed (at most a minute, in case
-/// the lab itself died).
+/// What the app sends to `NOTIFY_SOCKET` when it parks at `at`.
+pub(super) fn parked(at: &str) -> String {
+    format!("OUTBOX_FAILPOINT=parked {at} reached")
+}
+
+/// Says where it stopped (on stdout, and `OUTBOX_FAILPOINT=parked <at>
+/// reached` to `NOTIFY_SOCKET`) and waits to be killed (at most a minute, in
+/// case the lab itself died).
 async fn park(at: &str) {
     println!("parked {at}");
+    outbox::notify::send(&parked(at));
     tokio::time::sleep(Duration::from_secs(60)).await;
     std::process::exit(3);
 }

@@ -17,7 +17,7 @@
 use anyhow::Context;
 use outbox_testkit::{Receiver, Respond, Spawned};
 
-use super::app::Path;
+use super::app::{self, Path};
 use super::shop::{SCHEMA, Shop};
 use crate::report::{Outcome, Verdict};
 use crate::scratch::{LONG, Scratch, wait_until};
@@ -207,9 +207,9 @@ async fn request(
 ) -> anyhow::Result<Request> {
     let spec = format!("{style}:{}:{customer}", path.name());
     let cmd = lab.outbox_cmd(&["lab", "--app", &spec, "--app-sink", sink])?;
-    let mut app = Spawned::spawn(cmd)?;
-    if path.crashes() {
-        app.wait_for_line("parked", LONG)
+    let mut app = Spawned::spawn_notified(cmd)?;
+    if let Some(at) = path.crash_point() {
+        app.wait_for_notification(&app::parked(at), LONG)
             .await
             .with_context(|| format!("the app ({spec}) reaching its crash point"))?;
         app.kill()?;

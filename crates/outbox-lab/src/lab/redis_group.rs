@@ -60,7 +60,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     )
     .await?;
     first
-        .wait_for_line("committed, parked before the acknowledgement", LONG)
+        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-commit reached", LONG)
         .await?;
     first.kill()?;
     first.wait(LONG).await?;
@@ -148,7 +148,7 @@ async fn consumer(
         "json",
     ])?;
     cmd.envs(envs.iter().copied());
-    let c = Spawned::spawn(cmd)?;
-    c.wait_for_line("consumer ready", LONG).await?;
+    let c = Spawned::spawn_notified(cmd)?;
+    c.wait_for_notification("READY=1", LONG).await?;
     Ok(c)
 }

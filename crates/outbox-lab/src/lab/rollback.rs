@@ -7,7 +7,7 @@
 use anyhow::bail;
 use outbox_testkit::Spawned;
 
-use super::app::{APP_NAME, Path};
+use super::app::{self, APP_NAME, Path};
 use super::shop::SCHEMA;
 use crate::report::{Outcome, Verdict};
 use crate::scratch::{LONG, Scratch, wait_until};
@@ -66,8 +66,9 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
         "--app-sink",
         "http://127.0.0.1:9/unused",
     ])?;
-    let mut app = Spawned::spawn(cmd)?;
-    app.wait_for_line("parked before commit", LONG).await?;
+    let mut app = Spawned::spawn_notified(cmd)?;
+    app.wait_for_notification(&app::parked(app::BEFORE_COMMIT), LONG)
+        .await?;
     let open_tx = format!(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{APP_NAME}' AND state = 'idle in transaction'"
     );

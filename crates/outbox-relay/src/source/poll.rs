@@ -349,6 +349,7 @@ impl PollSource {
             elapsed = ?d.started.elapsed(),
             "batch committed"
         );
+        outbox::notify::send("OUTBOX_BATCH=committed");
     }
 
     /// Wakes for a retry due at `at`, unless one is due sooner. A wake-up
@@ -461,6 +462,7 @@ impl PollSource {
                     // Notifications sent while we were away are lost; the
                     // loop claims at once, which covers them.
                     info!("relay reconnected");
+                    outbox::notify::send("STATUS=reconnected");
                     return Some(ss);
                 }
                 Err(error) => warn!(error = %error, retry_in = ?delay, "reconnecting to postgres"),

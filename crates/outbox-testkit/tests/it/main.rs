@@ -2,6 +2,7 @@
 //! nats-server, rabbitmq-server, an HTTP client and `sh`. Every wait is bounded.
 
 mod nats;
+mod notify;
 mod postgres;
 mod rabbitmq;
 mod receiver;

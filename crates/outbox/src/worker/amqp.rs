@@ -117,6 +117,7 @@ impl AmqpWorker {
                     .reject(BasicRejectOptions { requeue: false })
                     .await
                     .map_err(|e| WorkerError::broker("rejecting a malformed message", e))?;
+                crate::notify::send("OUTBOX_MESSAGE=rejected");
                 stats.malformed += 1;
                 continue;
             };

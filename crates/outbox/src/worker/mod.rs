@@ -161,6 +161,7 @@ async fn apply<E: std::fmt::Display>(
             }
             if pause_after_commit {
                 tracing::warn!(event_id = %message.event_id, "failpoint: committed, parked before the acknowledgement");
+                crate::notify::send("OUTBOX_FAILPOINT=pause-after-commit reached");
                 std::future::pending::<()>().await;
             }
             Ok(Applied::Committed)

@@ -99,6 +99,7 @@ impl NatsWorker {
                 msg.ack_with(AckKind::Term)
                     .await
                     .map_err(|e| WorkerError::broker("terminating a malformed message", e))?;
+                crate::notify::send("OUTBOX_MESSAGE=rejected");
                 stats.malformed += 1;
                 continue;
             };

@@ -190,6 +190,7 @@ impl RedisWorker {
                 .map_err(|e| WorkerError::broker("moving a malformed entry aside", &e))?;
             self.ack(redis, &entry.id).await?;
             stats.malformed += 1;
+            crate::notify::send("OUTBOX_MESSAGE=rejected");
             tracing::warn!(entry = %entry.id, stream = %self.stream, to = %aside, "not an outbox event; moved aside");
             return Ok(());
         };

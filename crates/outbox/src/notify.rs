@@ -1,0 +1,110 @@
+//! The systemd notify protocol (`sd_notify(3)`), in a few lines of std.
+//!
+//! When `NOTIFY_SOCKET` is set (systemd does it for `Type=notify` units),
+//! [`send`] writes one datagram of newline-separated `KEY=VALUE` lines to
+//! that socket; a leading `@` names a Linux abstract socket. The relay and
+//! `outbox consume` send `READY=1`, `STATUS=…` and `STOPPING=1`; tests wait
+//! for these and for keys systemd ignores: `OUTBOX_FAILPOINT=<name> reached`
+//! / `over`, `OUTBOX_BATCH=committed`, `OUTBOX_MESSAGE=rejected`.
+//!
+//! The variable is read once, at the first [`send`]; unset, a send is one
+//! check of an `Option`. Sending never fails or blocks the caller: errors,
+//! and a full queue, drop the datagram (logged at debug where this crate has
+//! `tracing`).
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::sync::OnceLock;
+
+/// Sends `state` (e.g. `"READY=1\nSTATUS=relay ready"`) to `NOTIFY_SOCKET`,
+/// if it is set.
+pub fn send(state: &str) {
+    static NOTIFIER: OnceLock<Option<Notifier>> = OnceLock::new();
+    let notifier = NOTIFIER.get_or_init(|| Notifier::open(&std::env::var_os("NOTIFY_SOCKET")?).ok());
+    if let Some(Err(_error)) = notifier.as_ref().map(|n| n.send(state)) {
+        #[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
+        tracing::debug!(error = %_error, state, "sd_notify failed");
+    }
+}
+
+/// An unbound datagram socket and where to send.
+struct Notifier {
+    socket: UnixDatagram,
+    to: SocketAddr,
+}
+
+impl Notifier {
+    fn open(path: &OsStr) -> io::Result<Notifier> {
+        let to = match path.as_bytes().strip_prefix(b"@") {
+            Some(name) => SocketAddr::from_abstract_name(name)?,
+            None => SocketAddr::from_pathname(path)?,
+        };
+        let socket = UnixDatagram::unbound()?;
+        // A full queue (a listener that does not read) drops the datagram
+        // instead of stalling the relay.
+        socket.set_nonblocking(true)?;
+        Ok(Notifier { socket, to })
+    }
+
+    fn send(&self, state: &str) -> io::Result<()> {
+        self.socket.send_to_addr(state.as_bytes(), &self.to).map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn received(listener: &UnixDatagram) -> String {
+        let mut buf = [0; 256];
+        let n = listener.recv(&mut buf).unwrap();
+        String::from_utf8(buf[..n].to_vec()).unwrap()
+    }
+
+    #[test]
+    fn one_datagram_of_key_value_lines_to_a_path() {
+        let dir = std::env::temp_dir().join(format!("outbox-notify-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("notify.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixDatagram::bind(&path).unwrap();
+        let notifier = Notifier::open(path.as_os_str()).unwrap();
+        notifier.send("READY=1\nSTATUS=relay ready").unwrap();
+        notifier.send("STOPPING=1").unwrap();
+        assert_eq!(received(&listener), "READY=1\nSTATUS=relay ready");
+        assert_eq!(received(&listener), "STOPPING=1");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_leading_at_names_an_abstract_socket() {
+        let name = format!("outbox-notify-test-{}", std::process::id());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let listener = UnixDatagram::bind_addr(&addr).unwrap();
+        let notifier = Notifier::open(OsStr::new(&format!("@{name}"))).unwrap();
+        notifier.send("OUTBOX_BATCH=committed").unwrap();
+        assert_eq!(received(&listener), "OUTBOX_BATCH=committed");
+    }
+
+    #[test]
+    fn a_listener_that_does_not_read_does_not_block_the_sender() {
+        let name = format!("outbox-notify-full-{}", std::process::id());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let _listener = UnixDatagram::bind_addr(&addr).unwrap();
+        let notifier = Notifier::open(OsStr::new(&format!("@{name}"))).unwrap();
+        let failed = (0..100_000)
+            .map(|_| notifier.send("OUTBOX_BATCH=committed"))
+            .find_map(Result::err)
+            .expect("the queue fills");
+        assert_eq!(failed.kind(), io::ErrorKind::WouldBlock);
+    }
+
+    #[test]
+    fn nowhere_to_send_is_an_error_not_a_panic() {
+        let notifier = Notifier::open(OsStr::new("/nonexistent/outbox/notify.sock")).unwrap();
+        assert!(notifier.send("READY=1").is_err());
+    }
+}
