@@ -7,10 +7,14 @@
 //! for these and for keys systemd ignores: `OUTBOX_FAILPOINT=<name> reached`
 //! / `over`, `OUTBOX_BATCH=committed`, `OUTBOX_MESSAGE=rejected`.
 //!
-//! The variable is read once, at the first [`send`]; unset, a send is one
-//! check of an `Option`. Sending never fails or blocks the caller: errors,
-//! and a full queue, drop the datagram (logged at debug where this crate has
-//! `tracing`).
+//! The variable is read once, at the first send; unset, a send is one
+//! check of an `Option`. Sending never fails the caller. A datagram socket
+//! queues only a few datagrams (`net.unix.max_dgram_qlen`, 10 by default),
+//! so the two kinds differ on a full queue: [`send`], for the rare states a
+//! listener must not miss (ready, stopping, a failpoint reached), retries
+//! for up to a second and then drops; [`send_lossy`], for the per-batch
+//! `OUTBOX_BATCH`, drops at once rather than slow delivery down. Drops and
+//! errors are logged at debug where this crate has `tracing`.
 
 use std::ffi::OsStr;
 use std::io;
@@ -18,15 +22,40 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// Sends `state` (e.g. `"READY=1\nSTATUS=relay ready"`) to `NOTIFY_SOCKET`,
-/// if it is set.
+/// if it is set, waiting up to [`PATIENCE`] for room in a full queue.
 pub fn send(state: &str) {
+    deliver(state, PATIENCE);
+}
+
+/// [`send`] for a state sent once per batch: a full queue drops it at once.
+pub fn send_lossy(state: &str) {
+    deliver(state, Duration::ZERO);
+}
+
+/// How long [`send`] waits for a listener that has not read its queue.
+pub const PATIENCE: Duration = Duration::from_secs(1);
+
+fn deliver(state: &str, patience: Duration) {
     static NOTIFIER: OnceLock<Option<Notifier>> = OnceLock::new();
-    let notifier = NOTIFIER.get_or_init(|| Notifier::open(&std::env::var_os("NOTIFY_SOCKET")?).ok());
-    if let Some(Err(_error)) = notifier.as_ref().map(|n| n.send(state)) {
+    let Some(notifier) = NOTIFIER.get_or_init(|| Notifier::open(&std::env::var_os("NOTIFY_SOCKET")?).ok())
+    else {
+        return;
+    };
+    let until = Instant::now() + patience;
+    let result = loop {
+        match notifier.send(state) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            other => break other,
+        }
+    };
+    if let Err(_error) = result {
         #[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
-        tracing::debug!(error = %_error, state, "sd_notify failed");
+        tracing::debug!(error = %_error, state, "sd_notify dropped");
     }
 }
 

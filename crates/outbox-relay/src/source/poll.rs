@@ -349,7 +349,7 @@ impl PollSource {
             elapsed = ?d.started.elapsed(),
             "batch committed"
         );
-        outbox::notify::send("OUTBOX_BATCH=committed");
+        outbox::notify::send_lossy("OUTBOX_BATCH=committed");
     }
 
     /// Wakes for a retry due at `at`, unless one is due sooner. A wake-up
