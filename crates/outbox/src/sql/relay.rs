@@ -108,10 +108,8 @@ pub struct TickRow {
 /// One batch connection's prepared statements.
 #[derive(Debug)]
 pub struct RelayStatements {
-    claim_all: Statement,
-    claim_partitions: Statement,
-    claim_few_partitions: Statement,
-    claim_partitions_strict: Statement,
+    /// The claim in each [`Shape`], indexed by it.
+    claims: [Statement; 4],
     mark_failed: Statement,
     next_retry: Statement,
 }
@@ -119,29 +117,30 @@ pub struct RelayStatements {
 impl OutboxSql {
     /// Prepares the batch statements on `client`.
     pub async fn prepare_relay(&self, client: &Client) -> Result<RelayStatements, Error> {
-        let (
-            claim_all,
-            claim_partitions,
-            claim_few_partitions,
-            claim_partitions_strict,
-            mark_failed,
-            next_retry,
-        ) = tokio::try_join!(
-            client.prepare(&self.claim_batch),
-            client.prepare(&self.claim_batch_leased),
-            client.prepare(&self.claim_batch_few_leased),
-            client.prepare(&self.claim_batch_strict_leased),
+        let [all, partitions, few, strict] = Shape::ALL.map(|s| self.claim_text(s));
+        let (all, partitions, few, strict, mark_failed, next_retry) = tokio::try_join!(
+            client.prepare(all),
+            client.prepare(partitions),
+            client.prepare(few),
+            client.prepare(strict),
             client.prepare(&self.mark_failed),
             client.prepare(&self.next_retry),
         )?;
         Ok(RelayStatements {
-            claim_all,
-            claim_partitions,
-            claim_few_partitions,
-            claim_partitions_strict,
+            claims: [all, partitions, few, strict],
             mark_failed,
             next_retry,
         })
+    }
+
+    /// The claim statement of `shape`.
+    fn claim_text(&self, shape: Shape) -> &str {
+        match shape {
+            Shape::All => &self.claim_batch,
+            Shape::Partitions => &self.claim_batch_leased,
+            Shape::FewPartitions => &self.claim_batch_few_leased,
+            Shape::Strict => &self.claim_batch_strict_leased,
+        }
     }
 
     /// The plan of the claim `p` would run, as `EXPLAIN (FORMAT JSON)`
@@ -154,12 +153,7 @@ impl OutboxSql {
         analyze: bool,
     ) -> Result<serde_json::Value, Error> {
         let (shape, params) = claim_params(p);
-        let text = match shape {
-            Shape::All => &self.claim_batch,
-            Shape::Partitions => &self.claim_batch_leased,
-            Shape::FewPartitions => &self.claim_batch_few_leased,
-            Shape::Strict => &self.claim_batch_strict_leased,
-        };
+        let text = self.claim_text(shape);
         let options = if analyze {
             "ANALYZE, BUFFERS, FORMAT JSON"
         } else {
@@ -223,6 +217,11 @@ enum Shape {
     Strict,
 }
 
+impl Shape {
+    /// Every shape, in the order of [`RelayStatements`]' claims.
+    const ALL: [Shape; 4] = [Shape::All, Shape::Partitions, Shape::FewPartitions, Shape::Strict];
+}
+
 /// Which claim `p` needs and its parameters, in `$n` order.
 fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
     let mut params: Vec<Param<'a>> = vec![&p.max_attempts, &p.limit];
@@ -253,12 +252,7 @@ impl RelayStatements {
     /// (a promise the commit keeps). Rows come back in id order.
     pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<Vec<OutboxRow>, Error> {
         let (shape, params) = claim_params(p);
-        let statement = match shape {
-            Shape::All => &self.claim_all,
-            Shape::Partitions => &self.claim_partitions,
-            Shape::FewPartitions => &self.claim_few_partitions,
-            Shape::Strict => &self.claim_partitions_strict,
-        };
+        let statement = &self.claims[shape as usize];
         let rows = client.query(statement, &params).await?;
         let mut rows = rows
             .iter()
