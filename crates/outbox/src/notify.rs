@@ -8,13 +8,12 @@
 //! / `over`, `OUTBOX_BATCH=committed`, `OUTBOX_MESSAGE=rejected`.
 //!
 //! The variable is read once, at the first send; unset, a send is one
-//! check of an `Option`. Sending never fails the caller. A datagram socket
+//! check of an `Option`. Sending never fails the caller. Every state is
+//! rare (the relay signals only its first batch), and a datagram socket
 //! queues only a few datagrams (`net.unix.max_dgram_qlen`, 10 by default),
-//! so the two kinds differ on a full queue: [`send`], for the rare states a
-//! listener must not miss (ready, stopping, a failpoint reached), retries
-//! for up to a second and then drops; [`send_lossy`], for the per-batch
-//! `OUTBOX_BATCH`, drops at once rather than slow delivery down. Drops and
-//! errors are logged at debug where this crate has `tracing`.
+//! so a send waits up to [`PATIENCE`] for a listener to make room, then
+//! drops the datagram. Drops and errors are logged at debug where this
+//! crate has `tracing`.
 
 use std::ffi::OsStr;
 use std::io;
@@ -28,11 +27,6 @@ use std::time::{Duration, Instant};
 /// if it is set, waiting up to [`PATIENCE`] for room in a full queue.
 pub fn send(state: &str) {
     deliver(state, PATIENCE);
-}
-
-/// [`send`] for a state sent once per batch: a full queue drops it at once.
-pub fn send_lossy(state: &str) {
-    deliver(state, Duration::ZERO);
 }
 
 /// How long [`send`] waits for a listener that has not read its queue.

@@ -113,6 +113,8 @@ pub(crate) struct PollSource {
     /// the default is strict.
     exceptions: Vec<String>,
     default_strict: bool,
+    /// `OUTBOX_BATCH=committed` was sent (for the first batch only).
+    signalled_batch: bool,
 }
 
 impl PollSource {
@@ -133,6 +135,7 @@ impl PollSource {
             .collect();
         let mut source = Self {
             default_strict: config.ordering == OrderMode::Strict,
+            signalled_batch: false,
             exceptions,
             config,
             pg,
@@ -349,7 +352,12 @@ impl PollSource {
             elapsed = ?d.started.elapsed(),
             "batch committed"
         );
-        outbox::notify::send_lossy("OUTBOX_BATCH=committed");
+        // Once: a datagram per batch would cost a syscall per batch here
+        // and a message per batch to systemd, which reads every one.
+        if !self.signalled_batch {
+            self.signalled_batch = true;
+            outbox::notify::send("OUTBOX_BATCH=committed");
+        }
     }
 
     /// Wakes for a retry due at `at`, unless one is due sooner. A wake-up
