@@ -207,7 +207,7 @@ impl TickStatement {
     }
 }
 
-/// The claim's three shapes, one statement each.
+/// The claim's four shapes, one statement each.
 #[derive(Debug, Clone, Copy)]
 enum Shape {
     All,
