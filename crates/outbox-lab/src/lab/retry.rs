@@ -8,7 +8,7 @@
 //!
 //! Part 2: a receiver that always answers 500 and `--max-attempts 3`: the
 //! row becomes a dead letter after exactly three attempts and the relay
-//! stops trying; once the receiver is fixed, `outbox dlq retry --all`
+//! stops trying; once the receiver is fixed, `outbox dlq requeue --all`
 //! requeues it and it is delivered.
 
 use std::collections::HashMap;
@@ -30,7 +30,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
          is delivered once an operator requeues it.",
         "part 1: 2 events, receiver answers 500 to its first 3 requests, relay --backoff-base 200ms; \
          part 2: 1 event, receiver always 500, --max-attempts 3 --backoff-base 50ms, then \
-         `outbox dlq retry --all` with the receiver fixed"
+         `outbox dlq requeue --all` with the receiver fixed"
             .to_owned(),
     );
 
@@ -175,7 +175,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let listed: serde_json::Value = serde_json::from_str(&listed)?;
     let listed = listed.as_array().map_or(0, Vec::len);
     receiver.set_respond(Respond::Ok);
-    lab.run_cli(&["--max-attempts", "3", "dlq", "retry", "--all"])
+    lab.run_cli(&["--max-attempts", "3", "dlq", "requeue", "--all"])
         .await?;
     let relay = lab
         .spawn_relay(
@@ -210,7 +210,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
         Verdict::check(listed == 1),
     );
     out.row(
-        "after `outbox dlq retry --all`: delivered / distinct events",
+        "after `outbox dlq requeue --all`: delivered / distinct events",
         format!("{delivered} / {same_event}"),
         "1 / 1",
         Verdict::check(delivered == 1 && same_event == 1),
