@@ -237,6 +237,12 @@ impl Scratch {
         .await
     }
 
+    /// Waits until no row of the scratch outbox is unpublished; `what`
+    /// names it in the timeout message.
+    pub(crate) async fn wait_drained(&self, what: &str) -> anyhow::Result<()> {
+        wait_until(what, async || Ok(self.unpublished().await? == 0)).await
+    }
+
     pub(crate) async fn published(&self) -> anyhow::Result<i64> {
         self.count(&format!(
             "SELECT count(*) FROM {} WHERE published_at IS NOT NULL",

@@ -17,7 +17,7 @@ use super::shop::event_id;
 use crate::bench::throughput::Strategy;
 use crate::plot::{self, Mark, Series};
 use crate::report::{Outcome, Verdict};
-use crate::scratch::{LONG, Scratch, wait_until};
+use crate::scratch::{LONG, Scratch};
 
 const BATCHES: [u32; 4] = [1, 10, 100, 1000];
 
@@ -116,10 +116,7 @@ async fn crash(lab: &mut Scratch, batch: u32) -> anyhow::Result<(usize, usize)> 
     let relay = lab
         .spawn_relay(&receiver.url(), &["--batch-size", &b], &[])
         .await?;
-    wait_until("every event published after the crash", async || {
-        Ok(lab.unpublished().await? == 0)
-    })
-    .await?;
+    lab.wait_drained("every event published after the crash").await?;
     lab.stop_relay(relay).await?;
     let received = receiver.received();
     receiver.shutdown().await;

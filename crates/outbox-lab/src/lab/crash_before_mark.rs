@@ -14,7 +14,7 @@ use outbox_testkit::{Receiver, Respond};
 
 use super::shop::{SCHEMA, event_id};
 use crate::report::{Outcome, Verdict};
-use crate::scratch::{LONG, Scratch, wait_until};
+use crate::scratch::{LONG, Scratch};
 
 const EVENTS: i64 = 5;
 const BATCH: &str = "3";
@@ -67,10 +67,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
             &[],
         )
         .await?;
-    wait_until("all events published after the restart", async || {
-        Ok(lab.unpublished().await? == 0)
-    })
-    .await?;
+    lab.wait_drained("all events published after the restart").await?;
     lab.stop_relay(relay).await?;
     let received = receiver.received();
     receiver.shutdown().await;

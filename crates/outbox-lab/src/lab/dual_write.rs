@@ -20,7 +20,7 @@ use outbox_testkit::{Receiver, Respond, Spawned};
 use super::app::{self, Path};
 use super::shop::{SCHEMA, Shop};
 use crate::report::{Outcome, Verdict};
-use crate::scratch::{LONG, Scratch, wait_until};
+use crate::scratch::{LONG, Scratch};
 
 /// What one request of the app did.
 struct Request {
@@ -112,11 +112,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let relay = lab
         .spawn_relay(&receiver.url(), &["--backoff-base", "50ms"], &[])
         .await?;
-    wait_until(
-        "every event published",
-        async || Ok(lab.unpublished().await? == 0),
-    )
-    .await?;
+    lab.wait_drained("every event published").await?;
     lab.stop_relay(relay).await?;
     let received = receiver.received();
     let refusals = received.iter().filter(|r| r.status == 503).count();

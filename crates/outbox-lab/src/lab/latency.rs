@@ -17,7 +17,7 @@ use crate::latency::{Wakeup, epoch_seconds, latencies_ms};
 use crate::plot::{self, Mark, Series};
 use crate::report::percentile;
 use crate::report::{Outcome, Verdict};
-use crate::scratch::{Scratch, wait_until};
+use crate::scratch::Scratch;
 
 /// What the reference measured in each mode.
 fn reference(wakeup: Wakeup) -> &'static str {
@@ -103,11 +103,7 @@ async fn measure(lab: &mut Scratch, wakeup: Wakeup, events: usize) -> anyhow::Re
             .enqueue(&lab.db, &Scratch::order_event(i as i64, "OrderPlaced"))
             .await?;
     }
-    wait_until(
-        "every event published",
-        async || Ok(lab.unpublished().await? == 0),
-    )
-    .await?;
+    lab.wait_drained("every event published").await?;
     lab.stop_relay(relay).await?;
     // Instants to wall-clock time, through one reading of both clocks.
     let (now_instant, now_epoch) = (Instant::now(), epoch_seconds());

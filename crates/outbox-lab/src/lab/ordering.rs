@@ -114,11 +114,7 @@ async fn run_once(lab: &mut Scratch, mode: &str, relays: usize, orders: i64) -> 
         lab.outbox.enqueue_all(&tx, chunk).await?;
     }
     tx.commit().await?;
-    wait_until(
-        "every event published",
-        async || Ok(lab.unpublished().await? == 0),
-    )
-    .await?;
+    lab.wait_drained("every event published").await?;
     let seconds = started.elapsed().as_secs_f64();
     for relay in running {
         lab.stop_relay(relay).await?;
@@ -192,11 +188,7 @@ async fn one_failure(lab: &mut Scratch, mode: &str) -> anyhow::Result<Vec<String
         .collect();
     lab.outbox.enqueue_all(&lab.db, &events).await?;
     let relays = start_relays(lab, &receiver, mode, 1).await?;
-    wait_until(
-        "every event published",
-        async || Ok(lab.unpublished().await? == 0),
-    )
-    .await?;
+    lab.wait_drained("every event published").await?;
     for relay in relays {
         lab.stop_relay(relay).await?;
     }

@@ -51,11 +51,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let relay = lab
         .spawn_relay(&receiver.url(), &["--backoff-base", "200ms"], &[])
         .await?;
-    wait_until(
-        "both events published",
-        async || Ok(lab.unpublished().await? == 0),
-    )
-    .await?;
+    lab.wait_drained("both events published").await?;
     lab.stop_relay(relay).await?;
     let received = receiver.received();
     receiver.shutdown().await;
@@ -184,10 +180,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
             &[],
         )
         .await?;
-    wait_until("the requeued event published", async || {
-        Ok(lab.unpublished().await? == 0)
-    })
-    .await?;
+    lab.wait_drained("the requeued event published").await?;
     lab.stop_relay(relay).await?;
     let received = receiver.received();
     receiver.shutdown().await;

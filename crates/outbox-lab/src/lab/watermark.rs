@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::shop::event_id;
 use crate::report::{Outcome, Verdict};
-use crate::scratch::{LONG, Scratch, wait_until};
+use crate::scratch::{LONG, Scratch};
 
 pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     let mut out = Outcome::new(
@@ -77,11 +77,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
         );
     }
     a_tx.commit().await?;
-    wait_until(
-        "both events published",
-        async || Ok(lab.unpublished().await? == 0),
-    )
-    .await?;
+    lab.wait_drained("both events published").await?;
     lab.stop_relay(relay).await?;
     let ours_sent = receiver.received();
     receiver.shutdown().await;
