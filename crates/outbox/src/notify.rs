@@ -26,19 +26,12 @@ use std::time::{Duration, Instant};
 /// Sends `state` (e.g. `"READY=1\nSTATUS=relay ready"`) to `NOTIFY_SOCKET`,
 /// if it is set, waiting up to [`PATIENCE`] for room in a full queue.
 pub fn send(state: &str) {
-    deliver(state, PATIENCE);
-}
-
-/// How long [`send`] waits for a listener that has not read its queue.
-pub const PATIENCE: Duration = Duration::from_secs(1);
-
-fn deliver(state: &str, patience: Duration) {
     static NOTIFIER: OnceLock<Option<Notifier>> = OnceLock::new();
     let Some(notifier) = NOTIFIER.get_or_init(|| Notifier::open(&std::env::var_os("NOTIFY_SOCKET")?).ok())
     else {
         return;
     };
-    let until = Instant::now() + patience;
+    let until = Instant::now() + PATIENCE;
     let result = loop {
         match notifier.send(state) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < until => {
@@ -53,6 +46,9 @@ fn deliver(state: &str, patience: Duration) {
     }
 }
 
+/// How long [`send`] waits for a listener that has not read its queue.
+pub const PATIENCE: Duration = Duration::from_secs(1);
+
 /// An unbound datagram socket and where to send.
 struct Notifier {
     socket: UnixDatagram,
@@ -66,8 +62,8 @@ impl Notifier {
             None => SocketAddr::from_pathname(path)?,
         };
         let socket = UnixDatagram::unbound()?;
-        // A full queue (a listener that does not read) drops the datagram
-        // instead of stalling the relay.
+        // Nonblocking, so a listener that does not read stalls a send for
+        // at most `PATIENCE`, not for good.
         socket.set_nonblocking(true)?;
         Ok(Notifier { socket, to })
     }
