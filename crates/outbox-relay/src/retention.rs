@@ -13,7 +13,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::error::error_chain;
-use crate::wake::{self, Purpose};
 
 /// Batch size of scheduled deletes on a plain outbox.
 const BATCH: i64 = 10_000;
@@ -57,9 +56,7 @@ impl Retention {
     }
 
     async fn once(&self, pg: &tokio_postgres::Config, config: &Config) -> Result<(), RunError> {
-        let (mut client, _) = wake::connect(pg, Purpose::Maintenance)
-            .await
-            .map_err(RunError::Connect)?;
+        let mut client = crate::pg::connect(pg).await.map_err(RunError::Connect)?;
         if !outbox::retention::try_lock(&client, config).await? {
             info!("retention skipped: another relay is running it");
             return Ok(());

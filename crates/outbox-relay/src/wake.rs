@@ -45,8 +45,6 @@ pub(crate) enum Purpose<'a> {
     Batches(Option<&'a Ident>),
     /// The lease ticks: the tick function plans its own statements.
     Leases,
-    /// Scheduled retention: plain statements, no notifications.
-    Maintenance,
 }
 
 /// Connects, starts the task that drives the connection, and sets the
