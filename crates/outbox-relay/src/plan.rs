@@ -162,9 +162,14 @@ pub(crate) fn plan(backoff: Backoff, rows: &[OutboxRow], outcomes: Vec<Outcome>,
                 let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
                 (format!("permanent: {message}"), attempts, Duration::ZERO)
             }
-            Outcome::HeldBack | Outcome::Sent(Err(DeliveryError::NotSent { .. })) => {
+            // Neither says anything about the event: no attempt is spent.
+            Outcome::HeldBack
+            | Outcome::Sent(Err(DeliveryError::NotSent { .. } | DeliveryError::Unavailable { .. })) => {
                 let message = match outcome {
                     Outcome::Sent(Err(DeliveryError::NotSent { message })) => message,
+                    Outcome::Sent(Err(DeliveryError::Unavailable { message })) => {
+                        format!("sink unavailable: {message}")
+                    }
                     _ => HELD_BACK.to_owned(),
                 };
                 let delay = behind.unwrap_or_default();

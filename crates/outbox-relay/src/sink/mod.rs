@@ -59,6 +59,16 @@ pub enum DeliveryError {
         /// What went wrong, for `last_error`.
         message: String,
     },
+    /// The sink as a whole is unavailable (connection refused or reset, DNS,
+    /// TLS, a timeout, not connected, no responders, every broker down,
+    /// authentication refused): says nothing about this event, so it costs
+    /// no attempt. The relay opens the sink's circuit breaker: it claims
+    /// nothing more for the sink until [`Sink::probe`] succeeds.
+    #[error("{message}")]
+    Unavailable {
+        /// Why, for `last_error` and the breaker's log line.
+        message: String,
+    },
     /// Not attempted in this call; costs no attempt. The HTTP sink answers
     /// it for the rows of an aggregate behind one that failed in the batch,
     /// since sending them would overtake that event.
@@ -85,6 +95,18 @@ impl DeliveryError {
         }
     }
 
+    /// The sink is unavailable, see [`DeliveryError::Unavailable`].
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::Unavailable {
+            message: message.into(),
+        }
+    }
+
+    /// Whether the answer is about the sink rather than the event.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Unavailable { .. })
+    }
+
     /// Whether a later attempt may succeed.
     pub fn is_retryable(&self) -> bool {
         !matches!(self, Self::Permanent { .. })
@@ -99,6 +121,17 @@ pub trait Sink: Send + Sync {
     /// Delivers `batch` and answers one [`Delivery`] per row, in order. Every
     /// network call inside must have a timeout.
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>>;
+
+    /// Checks that the sink is reachable without sending an event
+    /// (connecting if need be, within the sink's timeout): at startup, and
+    /// while its circuit breaker is open. `Err` is
+    /// [`DeliveryError::Unavailable`] with the cause.
+    ///
+    /// The default answers available, so the breaker closes at the next
+    /// probe and a delivery decides again.
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// What a sink is built with: the options every sink shares, and each
