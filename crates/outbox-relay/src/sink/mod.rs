@@ -132,6 +132,14 @@ pub trait Sink: Send + Sync {
     fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         Box::pin(async { Ok(()) })
     }
+    /// The largest event (payload bytes) the sink accepts, where the sink
+    /// can tell (NATS `max_payload`, a Kafka producer's
+    /// `message.max.bytes`), once it connected. The relay lowers
+    /// `--max-event-bytes` to it, so a larger event fails permanently
+    /// without reaching the sink.
+    fn max_event_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// What a sink is built with: the options every sink shares, and each
