@@ -145,9 +145,17 @@ pub(crate) struct RelayArgs {
     /// Do not LISTEN; poll only.
     #[arg(long, env = "OUTBOX_NO_NOTIFY")]
     pub(crate) no_notify: bool,
-    /// Deliver everything that is due, then exit 0 (for cron jobs and scripts).
+    /// Deliver everything that is due, then exit: 0 if all of it was
+    /// delivered, 1 if anything became a dead letter or a sink was
+    /// unavailable (for cron jobs and scripts).
     #[arg(long)]
     pub(crate) drain: bool,
+    /// The largest payload (as JSON text) sent to a sink; a larger event is
+    /// a dead letter at once and never reaches the sink. Lowered to the
+    /// sink's own limit where the sink reports one (NATS max_payload).
+    /// Bytes, or with a unit: 512KiB, 1MiB, 1MB.
+    #[arg(long, env = "OUTBOX_MAX_EVENT_BYTES", default_value = "1MiB", value_parser = byte_size)]
+    pub(crate) max_event_bytes: u64,
     /// Per-aggregate ordering: `partition` (one relay per partition of
     /// aggregates, id order while nothing fails), `strict` (never past an
     /// undelivered earlier event of the aggregate) or `none` (any relay, any
@@ -391,6 +399,36 @@ fn lease_timeout(s: &str) -> Result<Duration, String> {
         return Err("must be at least 1s".to_owned());
     }
     Ok(d)
+}
+
+/// A size in bytes: a number, optionally followed by B, kB, KiB, MB, MiB,
+/// GB or GiB.
+fn byte_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 65536, 512KiB, 1MiB)"))?;
+    let unit: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "kB" | "KB" => 1000,
+        "KiB" => 1 << 10,
+        "MB" => 1000 * 1000,
+        "MiB" => 1 << 20,
+        "GB" => 1000 * 1000 * 1000,
+        "GiB" => 1 << 30,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} (use B, kB, KiB, MB, MiB, GB or GiB)"
+            ));
+        }
+    };
+    match number.checked_mul(unit) {
+        Some(0) => Err("must be greater than zero".to_owned()),
+        Some(bytes) => Ok(bytes),
+        None => Err(format!("{s:?} is too large")),
+    }
 }
 
 fn positive_duration(s: &str) -> Result<Duration, String> {

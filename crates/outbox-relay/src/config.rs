@@ -43,9 +43,17 @@ pub struct RelayConfig {
     pub lease_timeout: Duration,
     /// How this relay shows in `outbox relays` (default `host:pid`).
     pub name: Option<String>,
+    /// The largest payload (as JSON text) sent to the sink (default
+    /// [`DEFAULT_MAX_EVENT_BYTES`]); a larger one is a dead letter at once,
+    /// never sent. Lowered to the sink's own limit where the sink knows it.
+    pub max_event_bytes: u64,
     /// A test-only pause point.
     pub failpoint: Option<Failpoint>,
 }
+
+/// `--max-event-bytes`' default: 1 MiB, NATS's default `max_payload` and
+/// Kafka's default `message.max.bytes`.
+pub(crate) const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
 
 impl Default for RelayConfig {
     fn default() -> Self {
@@ -61,6 +69,7 @@ impl Default for RelayConfig {
             ordering_for: Vec::new(),
             lease_timeout: Duration::from_secs(10),
             name: None,
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             failpoint: None,
         }
     }

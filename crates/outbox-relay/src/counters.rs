@@ -1,6 +1,7 @@
 //! Running totals of a relay, shared with whoever started it (the CLI's
 //! drain summary, the bench, tests that wait on progress instead of logs).
 
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 
 /// Running totals, readable while the relay runs.
@@ -14,4 +15,7 @@ pub struct Counters {
     pub dead_lettered: AtomicU64,
     /// Batches committed with at least one row.
     pub batches: AtomicU64,
+    /// Why a `drain` relay stopped early: its sink (or a route's) was
+    /// unavailable, with due rows left undelivered.
+    pub sink_unavailable: OnceLock<String>,
 }

@@ -31,6 +31,7 @@
 //! | `kafka` | `kafka://` | Kafka, idempotent producer, `acks=all`, key = aggregate id |
 
 pub mod backoff;
+mod breaker;
 mod config;
 mod counters;
 mod error;

@@ -54,6 +54,8 @@ pub(crate) struct Failures {
     pub(crate) failed: u64,
     /// Rows that became dead letters.
     pub(crate) dead: u64,
+    /// Rows whose sink was unavailable (no attempt spent).
+    pub(crate) unavailable: u64,
     /// The first error, for the batch's log line.
     pub(crate) first_error: Option<String>,
 }
@@ -76,59 +78,127 @@ pub(crate) struct Plan {
     pub(crate) blocked: Blocked,
 }
 
-/// The rows of `rows` that may go to the sink, when some are held back by
-/// `blocked` (None: all of them; the common case copies nothing).
-pub(crate) fn sendable(rows: &[OutboxRow], blocked: &Blocked) -> Option<Vec<OutboxRow>> {
-    if blocked.is_empty() || !rows.iter().any(|r| holds(blocked, r).is_some()) {
-        return None;
-    }
-    Some(
-        rows.iter()
-            .filter(|r| holds(blocked, r).is_none())
-            .cloned()
-            .collect(),
-    )
+/// What the relay decides before the sink sees a batch: which rows it
+/// keeps back, and why. Built by [`screen`]; the common case (nothing kept
+/// back) copies nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Screen {
+    /// Indices into the batch of the rows kept back, ascending, with their
+    /// outcome.
+    stopped: Vec<(usize, Outcome)>,
 }
 
-/// What became of one row of a batch: the sink's answer, or held back by
-/// the relay before it reached the sink. Hold-back is the relay's state,
-/// which is why it is not one of the sink's [`DeliveryError`]s.
+/// Screens a batch: later rows of aggregates `blocked` holds back, and rows
+/// whose payload is over `max_event_bytes`, never reach the sink.
+pub(crate) fn screen(rows: &[OutboxRow], blocked: &Blocked, max_event_bytes: u64) -> Screen {
+    let stopped = rows
+        .iter()
+        .enumerate()
+        .filter_map(|(i, row)| {
+            if holds(blocked, row).is_some() {
+                return Some((i, Outcome::HeldBack));
+            }
+            let bytes = payload_bytes(&row.payload);
+            (bytes > max_event_bytes).then_some((
+                i,
+                Outcome::TooLarge {
+                    bytes,
+                    limit: max_event_bytes,
+                },
+            ))
+        })
+        .collect();
+    Screen { stopped }
+}
+
+impl Screen {
+    /// The rows that may go to the sink, when some are kept back (None: all
+    /// of them).
+    pub(crate) fn sendable(&self, rows: &[OutboxRow]) -> Option<Vec<OutboxRow>> {
+        if self.stopped.is_empty() {
+            return None;
+        }
+        let mut stopped = self.stopped.iter().map(|(i, _)| *i).peekable();
+        Some(
+            rows.iter()
+                .enumerate()
+                .filter(|(i, _)| stopped.next_if_eq(i).is_none())
+                .map(|(_, row)| row.clone())
+                .collect(),
+        )
+    }
+
+    /// Merges the sink's answers for the sendable rows back into batch
+    /// order, beside the outcomes of the rows kept back.
+    pub(crate) fn merge(self, batch_len: usize, sent: Vec<Delivery>) -> Vec<Outcome> {
+        let mut sent = sent.into_iter();
+        let mut stopped = self.stopped.into_iter().peekable();
+        (0..batch_len)
+            .map(|i| match stopped.next_if(|(at, _)| *at == i) {
+                Some((_, outcome)) => outcome,
+                None => Outcome::Sent(sent.next().unwrap_or_else(|| {
+                    Err(DeliveryError::retryable(
+                        "the sink answered for fewer rows than it was given",
+                    ))
+                })),
+            })
+            .collect()
+    }
+}
+
+/// The size of a payload as JSON text, counted without building it.
+pub(crate) fn payload_bytes(payload: &serde_json::Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter cannot fail, and a `Value` always serializes.
+    let _ = serde_json::to_writer(&mut count, payload);
+    count.0
+}
+
+/// What became of one row of a batch: the sink's answer, or kept back by
+/// the relay before it reached the sink. Those are the relay's decisions,
+/// which is why they are not among the sink's [`DeliveryError`]s.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Outcome {
     /// The sink answered for the row.
     Sent(Delivery),
     /// A later event of an aggregate the previous batch blocked: not sent.
     HeldBack,
+    /// The payload is over `--max-event-bytes`: not sent, and it never
+    /// will be, so it is a dead letter at once.
+    TooLarge {
+        /// The payload's size as JSON text.
+        bytes: u64,
+        /// The limit it is over.
+        limit: u64,
+    },
 }
+
+/// When a row whose sink was unavailable comes due again: the breaker's
+/// longest probe interval.
+const UNAVAILABLE_RETRY: Duration = crate::breaker::MAX_PROBE;
 
 /// The message recorded in `last_error` for a row the relay held back.
 const HELD_BACK: &str = "held back: an earlier event of this aggregate failed in the previous batch";
 
-/// Merges the sink's answers for the sendable rows back into batch order,
-/// [`Outcome::HeldBack`] for the rest.
-pub(crate) fn merge(rows: &[OutboxRow], blocked: &Blocked, sent: Vec<Delivery>) -> Vec<Outcome> {
-    if blocked.is_empty() {
-        return sent.into_iter().map(Outcome::Sent).collect();
-    }
-    let mut sent = sent.into_iter();
-    rows.iter()
-        .map(|r| {
-            if holds(blocked, r).is_some() {
-                Outcome::HeldBack
-            } else {
-                Outcome::Sent(sent.next().unwrap_or_else(|| {
-                    Err(DeliveryError::retryable(
-                        "the sink answered for fewer rows than it was given",
-                    ))
-                }))
-            }
-        })
-        .collect()
-}
-
 /// Computes each row's outcome. `carried` are the aggregates the previous
 /// batch blocked.
-pub(crate) fn plan(backoff: Backoff, rows: &[OutboxRow], outcomes: Vec<Outcome>, carried: &Blocked) -> Plan {
+pub(crate) fn plan(
+    backoff: Backoff,
+    sink: &str,
+    rows: &[OutboxRow],
+    outcomes: Vec<Outcome>,
+    carried: &Blocked,
+) -> Plan {
     let mut plan = Plan::default();
     let failures = &mut plan.failures;
     // The delay given to the last failed row of each aggregate, which rows
@@ -162,14 +232,36 @@ pub(crate) fn plan(backoff: Backoff, rows: &[OutboxRow], outcomes: Vec<Outcome>,
                 let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
                 (format!("permanent: {message}"), attempts, Duration::ZERO)
             }
+            Outcome::TooLarge { bytes, limit } => {
+                let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
+                let message = format!(
+                    "permanent: {sink}: event too large: its payload is {bytes} bytes, over the limit of {limit} \
+                     (--max-event-bytes, or the sink's max payload); it was not sent"
+                );
+                (message, attempts, Duration::ZERO)
+            }
+            // The sink, not the event, failed: no attempt is spent. The row
+            // comes due again after one probe interval, so a route that is
+            // down is not claimed in a loop while the others deliver (a
+            // sink that is down as a whole stops the claim altogether, see
+            // `breaker`).
+            Outcome::Sent(Err(DeliveryError::Unavailable { message })) => {
+                let delay = UNAVAILABLE_RETRY.max(behind.unwrap_or_default());
+                failures.unavailable += 1;
+                failures.soonest = Some(failures.soonest.map_or(delay, |s| s.min(delay)));
+                failures.push(
+                    row.id,
+                    format!("sink unavailable: {message}"),
+                    row.attempts,
+                    delay,
+                );
+                block(&mut blocked, k, row.id, delay);
+                continue;
+            }
             // Neither says anything about the event: no attempt is spent.
-            Outcome::HeldBack
-            | Outcome::Sent(Err(DeliveryError::NotSent { .. } | DeliveryError::Unavailable { .. })) => {
+            Outcome::HeldBack | Outcome::Sent(Err(DeliveryError::NotSent { .. })) => {
                 let message = match outcome {
                     Outcome::Sent(Err(DeliveryError::NotSent { message })) => message,
-                    Outcome::Sent(Err(DeliveryError::Unavailable { message })) => {
-                        format!("sink unavailable: {message}")
-                    }
                     _ => HELD_BACK.to_owned(),
                 };
                 let delay = behind.unwrap_or_default();
@@ -235,6 +327,8 @@ mod tests {
         }
     }
 
+    const NO_LIMIT: u64 = u64::MAX;
+
     fn failed() -> Outcome {
         Outcome::Sent(Err(DeliveryError::retryable("down")))
     }
@@ -244,15 +338,17 @@ mod tests {
         let first = [row(1, "a"), row(2, "b")];
         let plan = plan(
             Backoff::default(),
+            "redis",
             &first,
             vec![failed(), Outcome::Sent(Ok(()))],
             &Blocked::new(),
         );
         assert_eq!(plan.published, 1);
         let next = [row(3, "a"), row(4, "b")];
-        let sendable = sendable(&next, &plan.blocked).expect("a is held back");
+        let screened = screen(&next, &plan.blocked, NO_LIMIT);
+        let sendable = screened.sendable(&next).expect("a is held back");
         assert_eq!(sendable.iter().map(|r| r.id).collect::<Vec<_>>(), [4]);
-        let answers = merge(&next, &plan.blocked, vec![Ok(())]);
+        let answers = screened.merge(next.len(), vec![Ok(())]);
         assert_eq!(answers[0], Outcome::HeldBack);
         assert_eq!(answers[1], Outcome::Sent(Ok(())));
     }
@@ -263,15 +359,17 @@ mod tests {
         // batch before, still blocks the aggregate: 5 is earlier, so it goes.
         let held = plan(
             Backoff::default(),
+            "redis",
             &[row(6, "a")],
             vec![Outcome::HeldBack],
             &Blocked::new(),
         );
         assert_eq!(held.blocked[&("orders".to_owned(), "a".to_owned())].from_id, 6);
         let again = [row(5, "a")];
-        assert!(sendable(&again, &held.blocked).is_none(), "row 5 is sent");
+        let screened = screen(&again, &held.blocked, NO_LIMIT);
+        assert!(screened.sendable(&again).is_none(), "row 5 is sent");
         assert_eq!(
-            merge(&again, &held.blocked, vec![Ok(())]),
+            screened.merge(again.len(), vec![Ok(())]),
             vec![Outcome::Sent(Ok(()))]
         );
     }
@@ -281,6 +379,7 @@ mod tests {
         let rows = [row(1, "a"), row(2, "a")];
         let plan = plan(
             Backoff::default(),
+            "redis",
             &rows,
             vec![failed(), Outcome::HeldBack],
             &Blocked::new(),
@@ -289,5 +388,60 @@ mod tests {
         assert_eq!(plan.failures.attempts, [1, 0], "held back spends no attempt");
         assert_eq!(plan.failures.delay_ms[0], plan.failures.delay_ms[1]);
         assert_eq!(plan.failures.failed, 1);
+    }
+
+    #[test]
+    fn a_payload_over_the_limit_never_reaches_the_sink_and_is_dead_at_once() {
+        let mut big = row(2, "b");
+        big.payload = json!({"blob": "x".repeat(100)});
+        let bytes = payload_bytes(&big.payload);
+        assert_eq!(bytes, big.payload.to_string().len() as u64);
+        let rows = [row(1, "a"), big, row(3, "c")];
+        let screened = screen(&rows, &Blocked::new(), bytes - 1);
+        let sendable = screened.sendable(&rows).expect("the big one is kept back");
+        assert_eq!(sendable.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 3]);
+        let outcomes = screened.merge(rows.len(), vec![Ok(()), Ok(())]);
+        assert_eq!(
+            outcomes[1],
+            Outcome::TooLarge {
+                bytes,
+                limit: bytes - 1
+            }
+        );
+        let plan = plan(Backoff::default(), "redis", &rows, outcomes, &Blocked::new());
+        assert_eq!(plan.published, 2);
+        assert_eq!(plan.failures.ids, [2]);
+        assert_eq!(plan.failures.dead, 1);
+        assert_eq!(plan.failures.attempts, [Backoff::default().max_attempts]);
+        assert!(
+            plan.failures.errors[0].starts_with("permanent: redis: event too large"),
+            "{}",
+            plan.failures.errors[0]
+        );
+        assert!(
+            screen(&rows, &Blocked::new(), bytes).sendable(&rows).is_none(),
+            "at the limit: sent"
+        );
+    }
+
+    #[test]
+    fn an_unavailable_sink_spends_no_attempt_and_the_row_comes_due_after_a_probe_interval() {
+        let rows = [row(1, "a"), row(2, "a")];
+        let plan = plan(
+            Backoff::default(),
+            "redis",
+            &rows,
+            vec![
+                Outcome::Sent(Err(DeliveryError::unavailable("connection refused"))),
+                Outcome::HeldBack,
+            ],
+            &Blocked::new(),
+        );
+        assert_eq!(plan.failures.attempts, [0, 0]);
+        assert_eq!(plan.failures.unavailable, 1);
+        assert_eq!(plan.failures.failed, 0);
+        assert_eq!(plan.failures.delay_ms, [1000.0, 1000.0]);
+        assert_eq!(plan.failures.soonest, Some(UNAVAILABLE_RETRY));
+        assert_eq!(plan.failures.errors[0], "sink unavailable: connection refused");
     }
 }

@@ -41,6 +41,7 @@ use outbox::OutboxRow;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::breaker::{Breaker, CircuitState, Probed};
 pub use crate::config::{OrderMode, RelayConfig};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
@@ -57,6 +58,9 @@ enum Step {
     Cancelled,
     /// Nothing left to do and the relay runs with `drain`.
     Drained,
+    /// The sink was unavailable for the whole batch (its breaker is open),
+    /// or, in a drain, for any of it.
+    Unavailable,
 }
 
 /// The relay. Build with [`Relay::new`], run with [`Relay::run`].
@@ -109,9 +113,47 @@ impl Relay {
         outbox::notify::send("READY=1\nSTATUS=relay ready");
         let started = Instant::now();
         let mut blocked = Blocked::default();
+        let mut breaker = Breaker::new(self.sink.name(), None);
+        // The relay starts whether or not the sink is up, and says which.
+        match self.sink.probe().await {
+            Ok(()) => info!(sink = self.sink.name(), "sink reachable"),
+            // A drain lets its first batch find out, and stops there.
+            Err(error) if self.config.drain => warn!(sink = self.sink.name(), %error, "sink not reachable"),
+            Err(error) => breaker.open(&error.to_string()),
+        }
         while !cancel.is_cancelled() {
-            match self.cycle(&mut source, &mut blocked, &cancel).await {
+            if breaker.state() == CircuitState::Open
+                && let Probed::Cancelled = breaker.wait(self.sink.as_ref(), &cancel).await
+            {
+                break;
+            }
+            match self.cycle(&mut source, &mut blocked, &mut breaker, &cancel).await {
                 Ok(Step::Continue) => {}
+                Ok(Step::Unavailable) => {
+                    // Claim nothing while the sink is down: commit the
+                    // outcomes (no attempt spent) and give back the batch
+                    // claimed ahead, so no transaction stays open.
+                    blocked.clear();
+                    if let Err(error) = source.hold().await {
+                        if !source.recover(error, &cancel).await {
+                            break;
+                        }
+                        continue;
+                    }
+                    if self.config.drain {
+                        let cause = breaker.cause().unwrap_or("a route's sink is unavailable");
+                        warn!(
+                            sink = self.sink.name(),
+                            error = cause,
+                            "relay drain stopped: the sink is unavailable, due rows are left undelivered"
+                        );
+                        let _ = self
+                            .counters
+                            .sink_unavailable
+                            .set(format!("{}: {cause}", self.sink.name()));
+                        break;
+                    }
+                }
                 Ok(Step::Cancelled) => break,
                 Ok(Step::Drained) => {
                     info!(
@@ -143,6 +185,7 @@ impl Relay {
         &self,
         source: &mut impl Source,
         blocked: &mut Blocked,
+        breaker: &mut Breaker,
         cancel: &CancellationToken,
     ) -> Result<Step, SourceError> {
         // 1. Wait and claim: the rows are locked and provisionally marked
@@ -165,27 +208,39 @@ impl Relay {
             return Ok(Step::Continue);
         }
 
-        // 2. Deliver what no earlier failure holds back. Meanwhile the
-        //    source commits the previous batch and claims the next.
-        let sendable = plan::sendable(&batch.rows, blocked);
+        // 2. Deliver what no earlier failure holds back and is not too
+        //    large. Meanwhile the source commits the previous batch and
+        //    claims the next.
+        let screened = plan::screen(&batch.rows, blocked, self.max_event_bytes());
+        let sendable = screened.sendable(&batch.rows);
         let to_send = sendable.as_deref().unwrap_or(&batch.rows);
         let (sent, overlapped) =
             tokio::join!(self.deliver(to_send, source.lapse()), source.overlap(batch.full),);
-        let answers = plan::merge(&batch.rows, blocked, sent);
+        let open = breaker.record(&sent);
+        let answers = screened.merge(batch.rows.len(), sent);
         if let Some(failpoint) = self.config.failpoint {
             failpoint.park(batch.rows.len()).await;
         }
         overlapped?;
 
         // 3. Mark: what became of each row, and when failed rows come due.
-        let mut plan = plan::plan(self.config.backoff, &batch.rows, answers, blocked);
+        let mut plan = plan::plan(
+            self.config.backoff,
+            self.sink.name(),
+            &batch.rows,
+            answers,
+            blocked,
+        );
         self.count_failures(&plan);
         *blocked = std::mem::take(&mut plan.blocked);
+        // A drain stops at the first sink outage, even of one route: it
+        // cannot wait for the route to come back, and must say so.
+        let pause = open || (self.config.drain && plan.failures.unavailable > 0);
 
         // 4. Commit: the source makes the outcomes durable in the next round
         //    trip on the batch's connection. Until then a crash redelivers.
         source.settle(plan);
-        Ok(Step::Continue)
+        Ok(if pause { Step::Unavailable } else { Step::Continue })
     }
 
     /// Sends `rows`, unless the source stops vouching for them first
@@ -213,6 +268,13 @@ impl Relay {
                     .collect()
             }
         }
+    }
+
+    /// The largest payload sent: `--max-event-bytes`, or the sink's own
+    /// limit where it is lower and the sink knows it.
+    fn max_event_bytes(&self) -> u64 {
+        let own = self.sink.max_event_bytes().unwrap_or(u64::MAX);
+        self.config.max_event_bytes.min(own)
     }
 
     /// Counts a planned batch's failures and logs the first.

@@ -2,10 +2,11 @@
 //! nothing is due), then finish the batch in flight.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backoff, Failpoint, Relay, RelayConfig};
+use outbox_relay::{Backoff, Counters, Failpoint, Relay, RelayConfig};
 
 use crate::cli::{Global, RelayArgs};
 use crate::config::RelayFile;
@@ -65,6 +66,7 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         ordering_for,
         lease_timeout: args.lease_timeout,
         name: args.relay_name,
+        max_event_bytes: args.max_event_bytes,
         failpoint,
     };
     let cancel = super::shutdown_token()?;
@@ -75,13 +77,30 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         };
         tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone()))
     });
-    let result = Relay::new(pg, Arc::from(sink), config)
-        .run(cancel.clone())
-        .await
-        .context("running the relay");
+    let drain = config.drain;
+    let relay = Relay::new(pg, Arc::from(sink), config);
+    let counters = relay.counters();
+    let result = relay.run(cancel.clone()).await.context("running the relay");
     cancel.cancel();
     if let Some(task) = retention {
         let _ = task.await;
     }
-    result
+    result?;
+    if drain {
+        drain_verdict(&counters)?;
+    }
+    Ok(())
+}
+
+/// A drain that left due rows behind or made dead letters fails (exit 1),
+/// so a cron job notices.
+fn drain_verdict(counters: &Counters) -> anyhow::Result<()> {
+    if let Some(cause) = counters.sink_unavailable.get() {
+        anyhow::bail!("the drain stopped with due events undelivered: the sink is unavailable ({cause})");
+    }
+    let dead = counters.dead_lettered.load(Ordering::Relaxed);
+    if dead > 0 {
+        anyhow::bail!("the drain made {dead} dead letter(s): see `outbox dlq list`");
+    }
+    Ok(())
 }

@@ -33,7 +33,8 @@ scenario!(
     kill_between_ack_and_mark,
     RedisSink
 );
-// Redis has no size limit to go over (see `RedisSink`).
+// Redis has no size limit of its own: the relay's --max-event-bytes is it.
+scenario!(conformance_redis_oversized, oversized, RedisSink);
 scenario!(conformance_redis_bad_urls, bad_urls, RedisSink);
 
 scenario!(conformance_http_in_order, in_order, HttpSink);

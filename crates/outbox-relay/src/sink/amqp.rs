@@ -26,8 +26,10 @@
 //! binding is configuration that a consumer typically adds at its own
 //! deploy, and a retried row goes out once it exists, while a row made a
 //! dead letter would need `outbox dlq requeue`. After `--max-attempts` it
-//! becomes a dead letter anyway. A nack, a lost connection or a missing
-//! confirm is retryable too; a name or header longer than AMQP's 255-byte
+//! becomes a dead letter anyway. A nack is retryable too. No connection
+//! (refused, or authentication refused), a lost connection or channel, or
+//! a confirm that never comes make the sink unavailable: no attempt is
+//! spent, and the relay's breaker probes by connecting. A name or header longer than AMQP's 255-byte
 //! short string is permanent, and so is a message over the broker's
 //! `max_message_size` (the broker closes the channel naming its size; the
 //! other messages that close cut off are retried).
@@ -225,12 +227,12 @@ impl AmqpSink {
         if slot.is_none() {
             match self.connect().await {
                 Ok(link) => *slot = Some(link),
-                Err(message) => return all_failed(batch, &message),
+                Err(message) => return all_failed(batch, DeliveryError::unavailable(message)),
             }
         }
         // Just filled when empty.
         let Some(link) = slot.as_mut() else {
-            return all_failed(batch, "amqp: no connection");
+            return all_failed(batch, DeliveryError::unavailable("amqp: no connection"));
         };
         let (outcomes, healthy) = self.publish(link, batch).await;
         if !healthy {
@@ -279,7 +281,7 @@ impl AmqpSink {
             };
             if let Some(message) = failed {
                 // The broker closes the channel on a refused declare.
-                return (all_failed(batch, &message), false);
+                return (all_failed(batch, DeliveryError::retryable(message)), false);
             }
             link.declared.insert(exchange.to_owned());
         }
@@ -304,18 +306,18 @@ impl AmqpSink {
                         Ok(Ok(confirm)) => Ok((route, size, confirm)),
                         Ok(Err(e)) => {
                             healthy = false;
-                            Err(DeliveryError::retryable(format!("amqp: publishing: {e}")))
+                            Err(DeliveryError::unavailable(format!("amqp: publishing: {e}")))
                         }
                         Err(_) => {
                             healthy = false;
-                            Err(DeliveryError::retryable(format!(
+                            Err(DeliveryError::unavailable(format!(
                                 "amqp: not sent, the connection took no message within {:?}",
                                 self.timeout
                             )))
                         }
                     }
                 }
-                Ok(_) => Err(DeliveryError::retryable(
+                Ok(_) => Err(DeliveryError::unavailable(
                     "amqp: not sent: the connection failed earlier in the batch",
                 )),
             };
@@ -415,11 +417,8 @@ fn collect_return(
     }
 }
 
-fn all_failed(batch: &[OutboxRow], message: &str) -> Vec<Delivery> {
-    batch
-        .iter()
-        .map(|_| Err(DeliveryError::retryable(message)))
-        .collect()
+fn all_failed(batch: &[OutboxRow], error: DeliveryError) -> Vec<Delivery> {
+    batch.iter().map(|_| Err(error.clone())).collect()
 }
 
 impl Sink for AmqpSink {
@@ -429,6 +428,21 @@ impl Sink for AmqpSink {
 
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
         self.deliver_batch(batch).boxed()
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            let mut slot = self.link.lock().await;
+            if slot
+                .as_ref()
+                .is_some_and(|l| l.connection.status().connected() && l.channel.status().connected())
+            {
+                return Ok(());
+            }
+            *slot = Some(self.connect().await.map_err(DeliveryError::unavailable)?);
+            Ok(())
+        }
+        .boxed()
     }
 }
 

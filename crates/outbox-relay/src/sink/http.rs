@@ -6,9 +6,11 @@
 //! is held back (not sent, not counted as an attempt) so nothing overtakes
 //! it. Different aggregates are sent concurrently, up to `--http-concurrency`.
 //!
-//! Status mapping: 2xx delivered; 408, 429, 5xx, a timeout or a connection
-//! error retryable (a `Retry-After` header sets the earliest next attempt);
-//! any other status permanent, because the receiver refused the event itself.
+//! Status mapping: 2xx delivered; 408, 429, 5xx retryable (a `Retry-After`
+//! header sets the earliest next attempt); any other status permanent,
+//! because the receiver refused the event itself. No answer at all (refused,
+//! reset, DNS, TLS, a timeout) makes the sink unavailable: no attempt is
+//! spent, and the relay's breaker probes the receiver before sending again.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
@@ -146,9 +148,13 @@ impl HttpSink {
             Err(e) if e.is_builder() => {
                 return Err(DeliveryError::permanent(format!("building the request: {e}")));
             }
-            // reqwest's top-level message is often just "error sending
-            // request"; the cause (connection refused, timed out) is what an
-            // operator needs.
+            // Refused, reset, DNS, TLS or no answer: the receiver, not this
+            // event, is the problem. reqwest's top-level message is often
+            // just "error sending request"; the cause (connection refused,
+            // timed out) is what an operator needs.
+            Err(e) if e.is_connect() || e.is_timeout() => {
+                return Err(DeliveryError::unavailable(error_chain(&e)));
+            }
             Err(e) => return Err(DeliveryError::retryable(error_chain(&e))),
         };
         let status = response.status();
@@ -238,6 +244,18 @@ impl Sink for HttpSink {
 
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
         self.deliver_batch(batch).boxed()
+    }
+
+    /// A `HEAD` request to the URL: any answer, whatever its status, says
+    /// the receiver is there.
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            match self.client.head(self.url.clone()).send().await {
+                Ok(_) => Ok(()),
+                Err(e) => Err(DeliveryError::unavailable(error_chain(&e))),
+            }
+        }
+        .boxed()
     }
 }
 

@@ -29,9 +29,11 @@
 //! report said the broker acknowledged it with `acks=all`.
 //!
 //! Errors: a record over the broker's size limit, an invalid topic name or a
-//! refused authorization is permanent; anything else (timeouts, brokers down,
-//! an unknown topic that an operator may still create, leader changes) is
-//! retryable. The sink never creates topics: partitions, replication and
+//! refused authorization is permanent; no acknowledgement within the
+//! timeout, every broker down, a transport failure or refused
+//! authentication make the sink unavailable (no attempt spent, the relay's
+//! breaker probes with a metadata request); anything else (an unknown topic
+//! that an operator may still create, leader changes) is retryable. The sink never creates topics: partitions, replication and
 //! retention are the operator's choice (a broker with
 //! `auto.create.topics.enable` creates them on first use).
 //!
@@ -255,7 +257,7 @@ impl KafkaSink {
         let producer: KafkaProducer = self
             .config()
             .create_with_context(LogContext)
-            .map_err(|e| DeliveryError::retryable(format!("kafka: creating the producer: {e}")))?;
+            .map_err(|e| DeliveryError::unavailable(format!("kafka: creating the producer: {e}")))?;
         *slot = Some(producer.clone());
         Ok(producer)
     }
@@ -323,10 +325,10 @@ impl KafkaSink {
             match tokio::time::timeout_at(deadline, report).await {
                 Ok(Ok(Ok(_delivered))) => Ok(()),
                 Ok(Ok(Err((e, _message)))) => Err(classify(&e, &topic, timeout)),
-                Ok(Err(_canceled)) => Err(DeliveryError::retryable(
+                Ok(Err(_canceled)) => Err(DeliveryError::unavailable(
                     "kafka: the producer went away before reporting",
                 )),
-                Err(_) => Err(DeliveryError::retryable(format!(
+                Err(_) => Err(DeliveryError::unavailable(format!(
                     "kafka: no delivery report for topic {topic:?} within {:?}",
                     timeout + REPORT_GRACE
                 ))),
@@ -411,9 +413,12 @@ fn classify(error: &KafkaError, topic: &str, timeout: Duration) -> DeliveryError
             | C::UnsupportedForMessageFormat
             | C::PolicyViolation,
         ) => DeliveryError::permanent(format!("kafka: writing to topic {topic:?}: {error}")),
-        Some(C::MessageTimedOut) => DeliveryError::retryable(format!(
+        Some(C::MessageTimedOut) => DeliveryError::unavailable(format!(
             "kafka: no acknowledgement for topic {topic:?} within {timeout:?} (brokers down or unreachable?)"
         )),
+        Some(
+            C::AllBrokersDown | C::BrokerTransportFailure | C::SaslAuthenticationFailed | C::Authentication,
+        ) => DeliveryError::unavailable(format!("kafka: writing to topic {topic:?}: {error}")),
         Some(C::UnknownTopic | C::UnknownTopicOrPartition) => DeliveryError::retryable(format!(
             "kafka: topic {topic:?} does not exist; create it, e.g. \
              `kafka-topics.sh --create --topic {topic}`"
@@ -458,6 +463,26 @@ impl Sink for KafkaSink {
 
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
         self.deliver_batch(batch).boxed()
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            let producer = self.producer()?;
+            let timeout = self.timeout;
+            // A metadata request answers only when a broker does; librdkafka
+            // blocks the calling thread for it.
+            let metadata = tokio::task::spawn_blocking(move || {
+                producer.client().fetch_metadata(None, timeout).map(|_| ())
+            });
+            match metadata.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(DeliveryError::unavailable(format!("kafka: {e}"))),
+                Err(e) => Err(DeliveryError::unavailable(format!(
+                    "kafka: the metadata request failed: {e}"
+                ))),
+            }
+        }
+        .boxed()
     }
 }
 

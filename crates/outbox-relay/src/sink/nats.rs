@@ -22,11 +22,13 @@
 //! need strict order must check `outbox_id` per aggregate, as with any
 //! at-least-once sink.
 //!
-//! Errors: no ack in time, a lost connection, a full stream or any other
-//! JetStream error is retryable. So is "no stream captures this subject"
+//! Errors: no connection, no ack in time or a lost connection make the sink
+//! unavailable (no attempt spent; the relay's breaker probes with a
+//! round trip to the server). So does "no stream captures this subject"
 //! (no responders): the stream is configuration, but an operator may create
 //! it later (`nats stream add OUTBOX --subjects 'outbox.event.>'`), and the
-//! rows then go out without a requeue. The sink never creates streams:
+//! rows then go out without a requeue. A full stream or any other JetStream
+//! error is retryable. The sink never creates streams:
 //! retention, replicas and limits are the operator's choice. An invalid
 //! subject or header name, or a message over the server's `max_payload`, is
 //! permanent.
@@ -39,6 +41,7 @@
 //! [`NotSent`]: super::DeliveryError::NotSent
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -98,6 +101,8 @@ pub struct NatsSink {
     timeout: Duration,
     formatter: Formatter,
     connection: Mutex<Option<Connection>>,
+    /// The server's `max_payload`, once connected (0 before).
+    max_payload: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -131,6 +136,7 @@ impl NatsSink {
             timeout: options.timeout,
             formatter: options.formatter.clone(),
             connection: Mutex::new(None),
+            max_payload: AtomicU64::new(0),
         })
     }
 
@@ -161,6 +167,8 @@ impl NatsSink {
             .timeout(self.timeout)
             .max_ack_inflight(MAX_ACKS_IN_FLIGHT)
             .build(client.clone());
+        let max_payload = u64::try_from(client.server_info().max_payload).unwrap_or(u64::MAX);
+        self.max_payload.store(max_payload, Ordering::Relaxed);
         let c = Connection { client, jetstream };
         *slot = Some(c.clone());
         Ok(c)
@@ -200,7 +208,7 @@ impl NatsSink {
             Err(message) => {
                 return batch
                     .iter()
-                    .map(|_| Err(DeliveryError::retryable(message.clone())))
+                    .map(|_| Err(DeliveryError::unavailable(message.clone())))
                     .collect();
             }
         };
@@ -219,7 +227,7 @@ impl NatsSink {
                     match tokio::time::timeout_at(deadline, publish).await {
                         Ok(Ok(ack)) => Ok((subject, ack)),
                         Ok(Err(e)) => Err(classify(e.kind(), &subject, &e.to_string(), self.timeout)),
-                        Err(_) => Err(DeliveryError::retryable(format!(
+                        Err(_) => Err(DeliveryError::unavailable(format!(
                             "nats: not sent, the connection took no message within {:?}",
                             self.timeout
                         ))),
@@ -269,15 +277,17 @@ fn subject_problem(subject: &str) -> Option<String> {
 
 fn classify(kind: PublishErrorKind, subject: &str, detail: &str, timeout: Duration) -> DeliveryError {
     match kind {
-        PublishErrorKind::StreamNotFound => DeliveryError::retryable(format!(
+        PublishErrorKind::StreamNotFound => DeliveryError::unavailable(format!(
             "nats: no JetStream stream captures subject {subject:?} (no responders); \
              create one, e.g. `nats stream add OUTBOX --subjects 'outbox.event.>'`"
         )),
+        // The client buffers while disconnected, so a server that is down
+        // shows as an ack that never comes.
         PublishErrorKind::TimedOut => {
-            DeliveryError::retryable(format!("nats: no ack for subject {subject:?} within {timeout:?}"))
+            DeliveryError::unavailable(format!("nats: no ack for subject {subject:?} within {timeout:?}"))
         }
         PublishErrorKind::BrokenPipe => {
-            DeliveryError::retryable("nats: connection lost before the ack".to_owned())
+            DeliveryError::unavailable("nats: connection lost before the ack".to_owned())
         }
         PublishErrorKind::MaxPayloadExceeded => DeliveryError::permanent(format!("nats: {detail}")),
         _ => DeliveryError::retryable(format!("nats publish to {subject:?}: {detail}")),
@@ -291,6 +301,25 @@ impl Sink for NatsSink {
 
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
         self.deliver_batch(batch).boxed()
+    }
+
+    fn max_event_bytes(&self) -> Option<u64> {
+        Some(self.max_payload.load(Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            let conn = self.connection().await.map_err(DeliveryError::unavailable)?;
+            match tokio::time::timeout(self.timeout, conn.client.flush()).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(DeliveryError::unavailable(format!("nats: {e}"))),
+                Err(_) => Err(DeliveryError::unavailable(format!(
+                    "nats: no answer within {:?}",
+                    self.timeout
+                ))),
+            }
+        }
+        .boxed()
     }
 }
 

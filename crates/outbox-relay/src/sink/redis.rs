@@ -4,7 +4,8 @@
 //! stream (say, a key of the wrong type) fails only its own rows. An entry
 //! counts as delivered when Redis answered it with an entry id. The
 //! connection is made lazily and dropped on any connection-level failure, so
-//! a Redis that is down at startup, or restarts, only turns into retries.
+//! a Redis that is down at startup, or restarts, makes the sink unavailable
+//! (no attempt spent) until a `PING` probe answers.
 
 use std::time::Duration;
 
@@ -99,7 +100,7 @@ impl RedisSink {
         let all_failed = |message: String| -> Vec<Delivery> {
             batch
                 .iter()
-                .map(|_| Err(DeliveryError::retryable(message.clone())))
+                .map(|_| Err(DeliveryError::unavailable(message.clone())))
                 .collect()
         };
         let mut conn = match self.connection().await {
@@ -150,5 +151,19 @@ impl Sink for RedisSink {
 
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
         self.deliver_batch(batch).boxed()
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            let unavailable = |e: redis::RedisError| DeliveryError::unavailable(format!("redis: {e}"));
+            let mut conn = self.connection().await.map_err(unavailable)?;
+            let ping: RedisResult<String> = redis::cmd("PING").query_async(&mut conn).await;
+            if let Err(e) = ping {
+                *self.connection.lock().await = None;
+                return Err(unavailable(e));
+            }
+            Ok(())
+        }
+        .boxed()
     }
 }

@@ -1,23 +1,30 @@
 //! Routing by aggregate type: a [`Sink`] made of sinks.
 //!
-//! [`Router`] owns the split and the merge, nothing else: it sends each row
-//! to the sink its `aggregate_type` is routed to (or the default route),
-//! delivers the parts concurrently and answers one [`Delivery`] per row in
-//! the batch's order, each the answer of that row's own sink. The relay
-//! core is unchanged: a row is marked only when its own sink acknowledged
-//! it, and a sink that is down fails only its own rows, which the relay
-//! retries while the other sinks' rows are marked.
+//! [`Router`] owns the split and the merge: it sends each row to the sink
+//! its `aggregate_type` is routed to (or the default route), delivers the
+//! parts concurrently and answers one [`Delivery`] per row in the batch's
+//! order, each the answer of that row's own sink. The relay core is
+//! unchanged: a row is marked only when its own sink acknowledged it.
+//!
+//! Each route has its own circuit breaker (`breaker`): a route whose sink
+//! answered a whole part unavailable is open, its rows are answered
+//! unavailable at once (no attempt spent, due again after one probe
+//! interval) without calling its sink, and a task probes that sink with
+//! backoff until it answers. So a sink that is down costs the other routes
+//! nothing, not even a connection timeout per batch.
 //!
 //! Order is kept per aggregate because an aggregate has one type, so all its
 //! rows of a batch go to one sink, in batch order.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
 
 use super::{Delivery, DeliveryError, Sink};
+use crate::breaker::{Breaker, CircuitState};
 
 /// Delivers each row to the sink of its aggregate type.
 pub struct Router {
@@ -25,7 +32,71 @@ pub struct Router {
     routes: HashMap<String, usize>,
     /// Index of the default route's sink.
     default: usize,
-    sinks: Vec<Box<dyn Sink>>,
+    sinks: Vec<Arc<Route>>,
+}
+
+/// One route's sink and breaker.
+struct Route {
+    sink: Box<dyn Sink>,
+    /// A std mutex: held for a few instructions, never across an await.
+    breaker: Mutex<Breaker>,
+}
+
+impl Route {
+    fn new(sink: Box<dyn Sink>, route: Option<String>) -> Arc<Self> {
+        let breaker = Mutex::new(Breaker::new(sink.name(), route));
+        Arc::new(Self { sink, breaker })
+    }
+
+    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        // The breaker is plain state; a panic elsewhere leaves it usable.
+        self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// While the route is open: why, to answer its rows with.
+    fn open_cause(&self) -> Option<String> {
+        let breaker = self.breaker();
+        (breaker.state() == CircuitState::Open).then(|| breaker.cause().unwrap_or_default().to_owned())
+    }
+
+    /// Probes the sink with backoff until it answers, then half-opens the
+    /// route; the next part sent to it decides. Runs as a task, one per
+    /// opening.
+    async fn probe_until_available(self: Arc<Self>) {
+        loop {
+            let wait = self.breaker().next_probe();
+            tokio::time::sleep(wait).await;
+            let probe = self.sink.probe().await;
+            let mut breaker = self.breaker();
+            match probe {
+                Ok(()) => {
+                    breaker.half_open();
+                    return;
+                }
+                Err(error) => breaker.open(&error.to_string()),
+            }
+        }
+    }
+
+    /// Delivers `rows`, or answers them unavailable while the route is open.
+    async fn deliver(self: &Arc<Self>, rows: &[OutboxRow]) -> Vec<Delivery> {
+        if let Some(cause) = self.open_cause() {
+            return rows
+                .iter()
+                .map(|_| Err(DeliveryError::unavailable(cause.clone())))
+                .collect();
+        }
+        let answers = self.sink.deliver(rows).await;
+        let opened = {
+            let mut breaker = self.breaker();
+            let was = breaker.state();
+            breaker.record(&answers) && was != CircuitState::Open
+        };
+        if opened {
+            tokio::spawn(Arc::clone(self).probe_until_available());
+        }
+        answers
+    }
 }
 
 impl Router {
@@ -34,15 +105,16 @@ impl Router {
         Self {
             routes: HashMap::new(),
             default: 0,
-            sinks: vec![default],
+            sinks: vec![Route::new(default, None)],
         }
     }
 
     /// Routes the events of `aggregate_type` to `sink`. A later route for the
     /// same type replaces an earlier one; the CLI refuses duplicates first.
     pub fn route(mut self, aggregate_type: impl Into<String>, sink: Box<dyn Sink>) -> Self {
-        self.sinks.push(sink);
-        self.routes.insert(aggregate_type.into(), self.sinks.len() - 1);
+        let aggregate_type = aggregate_type.into();
+        self.sinks.push(Route::new(sink, Some(aggregate_type.clone())));
+        self.routes.insert(aggregate_type, self.sinks.len() - 1);
         self
     }
 
@@ -67,9 +139,9 @@ impl Router {
             .filter(|(_, part)| !part.is_empty())
             .map(|(s, part)| {
                 let rows: Vec<OutboxRow> = part.iter().map(|&i| batch[i].clone()).collect();
-                let sink = &self.sinks[s];
+                let route = &self.sinks[s];
                 async move {
-                    let answers = sink.deliver(&rows).await;
+                    let answers = route.deliver(&rows).await;
                     (part, answers)
                 }
             });
@@ -85,6 +157,37 @@ impl Router {
             .map(|d| d.unwrap_or_else(|| Err(DeliveryError::retryable("router: the sink gave no answer"))))
             .collect()
     }
+
+    /// Probes every route's sink; available if any route is, so the relay
+    /// claims again for the routes that are up (the rows of the others are
+    /// answered unavailable without a call).
+    async fn probe_all(&self) -> Result<(), DeliveryError> {
+        let probes = self.sinks.iter().map(|route| async move {
+            let probe = route.sink.probe().await;
+            let mut breaker = route.breaker();
+            match &probe {
+                Ok(()) => breaker.half_open(),
+                Err(error) => {
+                    let opened = breaker.state() != CircuitState::Open;
+                    breaker.open(&error.to_string());
+                    if opened {
+                        tokio::spawn(Arc::clone(route).probe_until_available());
+                    }
+                }
+            }
+            probe
+        });
+        let mut first_error = None;
+        for probe in futures::future::join_all(probes).await {
+            match probe {
+                Ok(()) => return Ok(()),
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
 }
 
 impl Sink for Router {
@@ -95,23 +198,27 @@ impl Sink for Router {
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
         self.deliver_batch(batch).boxed()
     }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        self.probe_all().boxed()
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use chrono::Utc;
     use serde_json::json;
     use uuid::Uuid;
 
     use super::*;
 
-    /// Records what it got; fails every row when `down`.
+    /// Records what it got; fails every row when `down`, as unavailable
+    /// when `unavailable`.
     struct Fake {
         name: &'static str,
         down: bool,
-        seen: Mutex<Vec<i64>>,
+        unavailable: bool,
+        seen: Arc<Mutex<Vec<i64>>>,
     }
 
     impl Fake {
@@ -119,7 +226,8 @@ mod tests {
             Box::new(Self {
                 name,
                 down,
-                seen: Mutex::new(Vec::new()),
+                unavailable: false,
+                seen: Arc::default(),
             })
         }
     }
@@ -134,7 +242,9 @@ mod tests {
             let answers = batch
                 .iter()
                 .map(|_| {
-                    if self.down {
+                    if self.unavailable {
+                        Err(DeliveryError::unavailable(format!("{} refused", self.name)))
+                    } else if self.down {
                         Err(DeliveryError::retryable(format!("{} down", self.name)))
                     } else {
                         Ok(())
@@ -172,5 +282,24 @@ mod tests {
         let ok: Vec<bool> = answers.iter().map(Result::is_ok).collect();
         assert_eq!(ok, [false, true, false, true]);
         assert_eq!(answers[0].as_ref().unwrap_err().to_string(), "redis down");
+    }
+
+    #[tokio::test]
+    async fn a_route_whose_sink_is_unavailable_is_not_called_again_until_a_probe_succeeds() {
+        let mut down = Fake::new("redis", false);
+        down.unavailable = true;
+        let seen = Arc::clone(&down.seen);
+        let router = Router::new(Fake::new("http", false)).route("orders", down);
+        let batch = [row(1, "orders"), row(2, "invoices")];
+        for _ in 0..3 {
+            let answers = router.deliver(&batch).await;
+            assert!(answers[0].as_ref().is_err_and(DeliveryError::is_unavailable));
+            assert!(answers[1].is_ok(), "the other route delivers");
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [1],
+            "called once; then answered by its breaker"
+        );
     }
 }

@@ -95,6 +95,11 @@ pub(crate) trait Source: Send {
     /// committed: with the next claim, or before the next wait.
     fn settle(&mut self, plan: Plan);
 
+    /// Before a pause (the sink is unavailable): commits the settled batch
+    /// and gives back one claimed ahead, so no transaction stays open while
+    /// nothing is delivered; the next [`Source::claim`] claims at once.
+    fn hold(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
+
     /// After a failed operation: gives back everything in flight and gets
     /// ready to claim again. False if shutdown was requested meanwhile.
     fn recover(

@@ -607,6 +607,16 @@ impl Source for PollSource {
         });
     }
 
+    async fn hold(&mut self) -> Result<(), SourceError> {
+        if let Some(claimed) = self.pipeline.prefetched.take() {
+            let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+            ss[claimed.conn].client.batch_execute("ROLLBACK").await?;
+        }
+        self.commit_settled().await?;
+        self.pipeline.idle = false;
+        Ok(())
+    }
+
     async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
         self.pipeline = Pipeline::default();
         let lost = matches!(error, SourceError::ConnectionLost)

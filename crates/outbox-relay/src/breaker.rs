@@ -1,0 +1,315 @@
+//! Circuit breakers: while a sink is unavailable the relay spends no
+//! attempt on it and probes it with backoff instead of sending events.
+//!
+//! A batch every answer of which is [`DeliveryError::Unavailable`] (or
+//! not sent because of one) opens the breaker: the sink, not the events,
+//! failed. Open, the sink is [`Sink::probe`]d at 100 ms, doubling to 1 s,
+//! so delivery resumes within one probe interval of the sink's return. A
+//! probe that succeeds half-opens it: the next batch decides, closing it if
+//! anything was delivered and opening it again (the backoff carried on) if
+//! the sink is still unavailable. Each change of state is logged once, with
+//! the cause; a probe failing for the same cause as the last one is not.
+//!
+//! Two users: the relay holds one for its sink and, while it is open,
+//! claims nothing (`relay.rs`); the [`Router`] holds one per route and,
+//! while a route's is open, answers its rows unavailable without calling
+//! its sink, so only that route waits.
+//!
+//! [`Router`]: crate::sink::router::Router
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::sink::{Delivery, DeliveryError, Sink};
+
+/// The first probe interval after the breaker opens.
+const FIRST_PROBE: Duration = Duration::from_millis(100);
+
+/// The longest probe interval: delivery resumes at most this long after
+/// the sink is back (plus the probe's own round trip).
+pub(crate) const MAX_PROBE: Duration = Duration::from_secs(1);
+
+/// A breaker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CircuitState {
+    /// Delivering.
+    Closed,
+    /// The sink is unavailable: nothing is sent, the sink is probed.
+    Open,
+    /// A probe succeeded: the next batch decides.
+    HalfOpen,
+}
+
+impl fmt::Display for CircuitState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+            Self::HalfOpen => "half-open",
+        })
+    }
+}
+
+/// One sink's breaker.
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    /// The sink, for logs.
+    sink: &'static str,
+    /// The aggregate type of a route, for logs; None for the relay's sink.
+    route: Option<String>,
+    state: CircuitState,
+    /// Since when and why the sink has been unavailable (set while open or
+    /// half-open).
+    down: Option<(Instant, String)>,
+    /// The next probe interval.
+    interval: Duration,
+}
+
+/// How [`Breaker::wait`] ended.
+pub(crate) enum Probed {
+    /// The sink answered its probe: half-open, deliver again.
+    Available,
+    /// Shutdown was requested.
+    Cancelled,
+}
+
+/// Whether every answer of a batch says the sink is unavailable, and why.
+fn unavailable(answers: &[Delivery]) -> Option<&str> {
+    // Rows the sink did not try (behind an unavailable one of their
+    // aggregate) say nothing either way.
+    let all = answers.iter().all(|a| {
+        matches!(
+            a,
+            Err(DeliveryError::Unavailable { .. } | DeliveryError::NotSent { .. })
+        )
+    });
+    if !all {
+        return None;
+    }
+    answers.iter().find_map(|a| match a {
+        Err(DeliveryError::Unavailable { message }) => Some(message.as_str()),
+        _ => None,
+    })
+}
+
+impl Breaker {
+    /// A closed breaker for `sink` (and, in a router, the route of
+    /// aggregate type `route`).
+    pub(crate) fn new(sink: &'static str, route: Option<String>) -> Self {
+        Self {
+            sink,
+            route,
+            state: CircuitState::Closed,
+            down: None,
+            interval: FIRST_PROBE,
+        }
+    }
+
+    pub(crate) fn state(&self) -> CircuitState {
+        self.state
+    }
+
+    /// Why the sink is unavailable, while open or half-open.
+    pub(crate) fn cause(&self) -> Option<&str> {
+        self.down.as_ref().map(|(_, cause)| cause.as_str())
+    }
+
+    /// Records a batch's answers; true if the breaker is open after them.
+    pub(crate) fn record(&mut self, answers: &[Delivery]) -> bool {
+        match unavailable(answers) {
+            Some(cause) => {
+                self.open(cause);
+                true
+            }
+            None => {
+                if answers.iter().any(Result::is_ok) {
+                    self.close();
+                }
+                false
+            }
+        }
+    }
+
+    /// The sink failed its probe or a batch: open, logging a new cause.
+    pub(crate) fn open(&mut self, cause: &str) {
+        match (&mut self.down, self.state) {
+            (Some((_, last)), CircuitState::Open | CircuitState::HalfOpen) => {
+                if last != cause {
+                    warn!(sink = self.sink, route = self.route.as_deref(), error = %cause, "sink still unavailable");
+                    cause.clone_into(last);
+                }
+            }
+            _ => {
+                warn!(
+                    sink = self.sink,
+                    route = self.route.as_deref(),
+                    error = %cause,
+                    "sink unavailable; sending it nothing until a probe succeeds (no attempts are spent)"
+                );
+                outbox::notify::send(&format!("STATUS=sink {} unavailable", self.label()));
+                self.down = Some((Instant::now(), cause.to_owned()));
+                self.interval = FIRST_PROBE;
+            }
+        }
+        self.state = CircuitState::Open;
+    }
+
+    /// How long to wait before the next probe; backs off.
+    pub(crate) fn next_probe(&mut self) -> Duration {
+        let interval = self.interval;
+        self.interval = (self.interval * 2).min(MAX_PROBE);
+        interval
+    }
+
+    /// A probe succeeded: half-open.
+    pub(crate) fn half_open(&mut self) {
+        if self.state == CircuitState::Open {
+            info!(
+                sink = self.sink,
+                route = self.route.as_deref(),
+                "sink answered its probe; delivering again"
+            );
+            self.state = CircuitState::HalfOpen;
+        }
+    }
+
+    /// A delivery went through: closed again.
+    fn close(&mut self) {
+        self.state = CircuitState::Closed;
+        if let Some((since, _)) = self.down.take() {
+            info!(
+                sink = self.sink,
+                route = self.route.as_deref(),
+                seconds = since.elapsed().as_secs_f64(),
+                "sink available again"
+            );
+            outbox::notify::send(&format!("STATUS=sink {} available", self.label()));
+        }
+    }
+
+    /// While open: probes `sink` with backoff until it answers (half-open)
+    /// or `cancel` fires.
+    pub(crate) async fn wait(&mut self, sink: &dyn Sink, cancel: &CancellationToken) -> Probed {
+        while self.state == CircuitState::Open {
+            // Both futures are cancel-safe: a dropped probe sends nothing.
+            tokio::select! {
+                () = tokio::time::sleep(self.next_probe()) => {}
+                () = cancel.cancelled() => return Probed::Cancelled,
+            }
+            let probe = tokio::select! {
+                probe = sink.probe() => probe,
+                () = cancel.cancelled() => return Probed::Cancelled,
+            };
+            match probe {
+                Ok(()) => self.half_open(),
+                Err(error) => self.open(&error.to_string()),
+            }
+        }
+        Probed::Available
+    }
+
+    /// `sink` or `sink route`, as the notify status names it.
+    fn label(&self) -> String {
+        match &self.route {
+            Some(route) => format!("{} route {route}", self.sink),
+            None => self.sink.to_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn down() -> Delivery {
+        Err(DeliveryError::unavailable("connection refused"))
+    }
+
+    #[test]
+    fn a_batch_all_unavailable_opens_and_a_delivery_closes() {
+        let mut b = Breaker::new("redis", None);
+        assert!(!b.record(&[Ok(()), down()]), "a mixed batch does not open it");
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(b.record(&[down(), down()]));
+        assert_eq!(b.state(), CircuitState::Open);
+        assert_eq!(b.cause(), Some("connection refused"));
+        b.half_open();
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert!(b.record(&[down()]), "half-open, unavailable again: open");
+        b.half_open();
+        assert!(!b.record(&[Ok(())]));
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert_eq!(b.cause(), None);
+    }
+
+    #[test]
+    fn rows_not_sent_say_nothing_and_a_permanent_failure_does_not_open_it() {
+        let mut b = Breaker::new("http", None);
+        let not_sent = Err(DeliveryError::NotSent {
+            message: "behind".into(),
+        });
+        assert!(b.record(&[down(), not_sent.clone()]));
+        let mut b = Breaker::new("http", None);
+        assert!(!b.record(&[not_sent]), "nothing unavailable: nothing to open for");
+        assert!(!b.record(&[Err(DeliveryError::permanent("413"))]));
+        assert_eq!(b.state(), CircuitState::Closed);
+    }
+
+    #[test]
+    fn probes_back_off_to_one_second_and_restart_after_closing() {
+        let mut b = Breaker::new("nats", None);
+        b.open("no responders");
+        let waits: Vec<_> = (0..6).map(|_| b.next_probe()).collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000].map(Duration::from_millis));
+        b.half_open();
+        b.record(&[Ok(())]);
+        b.open("no responders");
+        assert_eq!(b.next_probe(), FIRST_PROBE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_probes_until_the_sink_answers() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        use futures::future::BoxFuture;
+
+        /// Unavailable for its first three probes.
+        struct Flaky(AtomicUsize);
+        impl Sink for Flaky {
+            fn name(&self) -> &'static str {
+                "flaky"
+            }
+            fn deliver<'a>(&'a self, batch: &'a [outbox::OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
+                Box::pin(async move { batch.iter().map(|_| Ok(())).collect() })
+            }
+            fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+                let n = self.0.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move {
+                    if n < 3 {
+                        Err(DeliveryError::unavailable("refused"))
+                    } else {
+                        Ok(())
+                    }
+                })
+            }
+        }
+        let sink = Flaky(AtomicUsize::new(0));
+        let mut b = Breaker::new("flaky", None);
+        b.open("refused");
+        let started = tokio::time::Instant::now();
+        assert!(matches!(
+            b.wait(&sink, &CancellationToken::new()).await,
+            Probed::Available
+        ));
+        assert_eq!(
+            sink.0.load(Ordering::SeqCst),
+            4,
+            "3 failed probes, then one answered"
+        );
+        assert_eq!(started.elapsed(), Duration::from_millis(100 + 200 + 400 + 800));
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+    }
+}
