@@ -541,3 +541,64 @@ async fn read_lines(stream: impl AsyncRead + Unpin, output: Arc<Output>, pid: u3
     }
     output.open_streams.send_modify(|open| *open -= 1);
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    const LONG: Duration = Duration::from_secs(30);
+
+    /// `sh` in a group of its own, with a `sleep` it started; returns the
+    /// `sleep`'s pid too.
+    async fn sh_and_sleep(script: &str) -> (Spawned, Pid) {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(format!("{script} sleep 30 & echo $!; wait"));
+        let setup = Setup {
+            group: Group::Own,
+            ..Setup::default()
+        };
+        let sh = Spawned::start(cmd, setup).unwrap();
+        let line = sh.wait_for_line("", LONG).await.unwrap();
+        (sh, Pid::from_raw(line.parse().unwrap()))
+    }
+
+    #[tokio::test]
+    async fn stop_signals_the_group() {
+        let (mut sh, sleep) = sh_and_sleep("").await;
+        let started = Instant::now();
+        sh.stop(Signal::SIGTERM, LONG).await.unwrap();
+        assert!(
+            started.elapsed() < LONG / 2,
+            "stopped by SIGTERM, not by the deadline"
+        );
+        assert_eq!(sh.exit_status().unwrap().signal(), Some(Signal::SIGTERM as i32));
+        assert!(all_dead(&[sleep]), "the sleep got SIGTERM too");
+    }
+
+    #[tokio::test]
+    async fn stop_kills_what_ignores_the_signal_once_late() {
+        // Ignored signals stay ignored across exec, so the sleep ignores
+        // SIGTERM too.
+        let (mut sh, sleep) = sh_and_sleep("trap '' TERM;").await;
+        sh.stop(Signal::SIGTERM, Duration::from_millis(200))
+            .await
+            .unwrap();
+        assert_eq!(sh.exit_status().unwrap().signal(), Some(Signal::SIGKILL as i32));
+        assert!(all_dead(&[sleep]), "the sleep was killed too");
+    }
+
+    #[tokio::test]
+    async fn drop_kills_and_reaps_what_it_started() {
+        let (sh, sleep) = sh_and_sleep("").await;
+        let pid = sh.nix_pid();
+        drop(sh);
+        assert!(all_dead(&[sleep]), "the sleep was killed");
+        assert_eq!(
+            nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)),
+            Err(Errno::ECHILD),
+            "the child was reaped"
+        );
+    }
+}
