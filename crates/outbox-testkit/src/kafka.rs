@@ -11,15 +11,16 @@
 //! [tansu]: https://crates.io/crates/tansu
 
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::Error;
+use crate::spawned::Setup;
 use crate::support::{self, Boot};
+use crate::{Error, Spawned};
 
 /// The command that installs the broker where [`Kafka::start`] looks first
 /// after `OUTBOX_TANSU` and `PATH` (the `sqlite` storage engine comes with
@@ -47,8 +48,9 @@ pub struct Kafka {
     exe: PathBuf,
     port: u16,
     log: PathBuf,
-    server: Option<Child>,
-    // Declared last so the directory goes after `Drop` has killed the broker.
+    server: Option<Spawned>,
+    // Declared last: fields drop in order, so the directory goes after the
+    // broker was killed.
     dir: TempDir,
 }
 
@@ -158,11 +160,10 @@ impl Kafka {
         format!("{}-{}", dir.to_string_lossy(), self.port)
     }
 
-    fn spawn(&self) -> Result<Child, Error> {
-        let (log, stderr) = support::log_handles(&self.log)?;
+    fn spawn(&self) -> Result<Spawned, Error> {
         let listener = format!("tcp://127.0.0.1:{}", self.port);
-        std::process::Command::new(&self.exe)
-            .arg("broker")
+        let mut cmd = tokio::process::Command::new(&self.exe);
+        cmd.arg("broker")
             .arg("--cluster-id")
             .arg(self.cluster_id())
             .arg("--listener-url")
@@ -177,16 +178,9 @@ impl Kafka {
             .env_remove("CLUSTER_ID")
             .env_remove("LISTENER_URL")
             .env_remove("ADVERTISED_LISTENER_URL")
-            .env_remove("STORAGE_ENGINE")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(stderr)
-            .spawn()
-            .map_err(Error::io(format!(
-                "spawning {} on port {}",
-                self.exe.display(),
-                self.port
-            )))
+            .env_remove("STORAGE_ENGINE");
+        let name = format!("{} on port {}", self.exe.display(), self.port);
+        Spawned::start(cmd, Setup::server(name, &self.log))
     }
 }
 
@@ -202,7 +196,7 @@ impl support::ChildServer for Kafka {
         self.port = port;
     }
 
-    fn child(&mut self) -> &mut Option<Child> {
+    fn child(&mut self) -> &mut Option<Spawned> {
         &mut self.server
     }
 
@@ -222,16 +216,6 @@ impl support::ChildServer for Kafka {
         };
         let (port, cluster) = (self.port, self.cluster_id());
         support::boot(&mut self.server, child, |_| probe(port, &cluster), spec).await
-    }
-}
-
-impl Drop for Kafka {
-    fn drop(&mut self) {
-        if let Some(mut server) = self.server.take()
-            && let Err(e) = support::kill_and_reap(&mut server, "tansu")
-        {
-            tracing::warn!(error = %e, "killing a testkit tansu on drop");
-        }
     }
 }
 

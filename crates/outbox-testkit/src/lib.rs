@@ -12,7 +12,7 @@
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
 //! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
 //! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
-//! | [`Spawned`] | a child process with captured output lines and, optionally, a `NOTIFY_SOCKET` |
+//! | [`Spawned`] | a child process: captured output lines, optionally a `NOTIFY_SOCKET`; signal, wait, kill (what it started too) on drop. Every server above runs in one |
 //! | [`Notifications`] | a `NOTIFY_SOCKET` to wait on: `READY=1`, `OUTBOX_FAILPOINT=… reached` |
 //! | [`conformance`] | the scenarios every sink passes, and the sinks that run them |
 //! | [`free_port`] | a port nobody listens on |

@@ -4,15 +4,15 @@
 //! needed.
 
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 
-use crate::Error;
+use crate::spawned::Setup;
 use crate::support::{self, Boot};
+use crate::{Error, Spawned};
 
 /// How long a start or restart may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -35,10 +35,11 @@ pub struct Nats {
     exe: PathBuf,
     port: u16,
     log: PathBuf,
-    server: Option<Child>,
+    server: Option<Spawned>,
     /// `max_payload` in bytes, when not the server's default (1 MiB).
     max_payload: Option<usize>,
-    // Declared last so the directory goes after `Drop` has killed the server.
+    // Declared last: fields drop in order, so the directory goes after the
+    // server was killed.
     dir: TempDir,
 }
 
@@ -115,9 +116,8 @@ impl Nats {
         format!("{}-{}", dir.to_string_lossy(), self.port)
     }
 
-    fn spawn(&self) -> Result<Child, Error> {
-        let (log, stderr) = support::log_handles(&self.log)?;
-        let mut cmd = std::process::Command::new(&self.exe);
+    fn spawn(&self) -> Result<Spawned, Error> {
+        let mut cmd = tokio::process::Command::new(&self.exe);
         if self.max_payload.is_some() {
             cmd.arg("-c").arg(self.dir.path().join("nats.conf"));
         }
@@ -127,16 +127,9 @@ impl Nats {
             .arg(self.name())
             .arg("-sd")
             .arg(self.dir.path().join("store"))
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(stderr)
-            .spawn()
-            .map_err(Error::io(format!(
-                "spawning {} on port {}",
-                self.exe.display(),
-                self.port
-            )))
+            .current_dir(self.dir.path());
+        let name = format!("{} on port {}", self.exe.display(), self.port);
+        Spawned::start(cmd, Setup::server(name, &self.log))
     }
 }
 
@@ -152,7 +145,7 @@ impl support::ChildServer for Nats {
         self.port = port;
     }
 
-    fn child(&mut self) -> &mut Option<Child> {
+    fn child(&mut self) -> &mut Option<Spawned> {
         &mut self.server
     }
 
@@ -172,16 +165,6 @@ impl support::ChildServer for Nats {
         };
         let (port, name) = (self.port, self.name());
         support::boot(&mut self.server, child, |_| probe(port, &name), spec).await
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        if let Some(mut server) = self.server.take()
-            && let Err(e) = support::kill_and_reap(&mut server, "nats-server")
-        {
-            tracing::warn!(error = %e, "killing a testkit nats-server on drop");
-        }
     }
 }
 

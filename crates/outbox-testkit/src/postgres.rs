@@ -2,16 +2,17 @@
 //! `initdb` template, and one cluster's life (start, stop, crash, restart).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::process::Stdio;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::Signal;
 use tempfile::TempDir;
 use tokio_postgres::{Client, NoTls};
 
-use crate::Error;
-use crate::support::{self, POLL, RunAs, lock};
+use crate::spawned::Setup;
+use crate::support::{self, POLL, RunAs};
+use crate::{Error, Spawned};
 
 /// How long a start or restart may take before we give up.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -55,9 +56,10 @@ pub struct Postgres {
     /// Where `data` was copied from (named in errors, since a damaged
     /// template would break every start).
     template: PathBuf,
-    /// The postmaster; a mutex so `is_running(&self)` can poll it.
-    server: Mutex<Option<Child>>,
-    // Declared last so the directory goes after `Drop` has killed the server.
+    /// The postmaster.
+    server: Option<Spawned>,
+    // Declared last: fields drop in order, so the directory goes after the
+    // server was killed.
     dir: TempDir,
 }
 
@@ -104,7 +106,7 @@ impl Postgres {
             socket_dir: usable_socket_dir(&socket_dir).then_some(socket_dir),
             log: dir.path().join("postgres.log"),
             template,
-            server: Mutex::new(None),
+            server: None,
             dir,
         };
 
@@ -172,19 +174,10 @@ impl Postgres {
     /// SIGKILLing it if it has not exited within 30 s. Stopping a stopped
     /// server does nothing.
     pub async fn stop(&mut self) -> Result<(), Error> {
-        let Some(mut server) = lock(&self.server).take() else {
-            return Ok(());
-        };
-        let what = format!("PostgreSQL on port {}", self.port);
-        support::signal_child(&server, Signal::SIGINT, &what)?;
-        if support::wait_exit(&mut server, STOP_TIMEOUT, &what)
-            .await?
-            .is_none()
-        {
-            tracing::warn!(port = self.port, "PostgreSQL ignored a fast shutdown; killing it");
-            kill_cluster(server, &what)?;
+        match self.server.take() {
+            Some(mut server) => server.stop(Signal::SIGINT, STOP_TIMEOUT).await,
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Crashes the server now: SIGKILL to the postmaster and to every
@@ -194,8 +187,8 @@ impl Postgres {
     /// and shared memory free). Committed transactions survive; the next
     /// start runs crash recovery. Killing a stopped server does nothing.
     pub fn kill(&mut self) -> Result<(), Error> {
-        match lock(&self.server).take() {
-            Some(server) => kill_cluster(server, &format!("PostgreSQL on port {}", self.port)),
+        match self.server.take() {
+            Some(mut server) => server.kill_and_reap(),
             None => Ok(()),
         }
     }
@@ -232,43 +225,21 @@ impl Postgres {
     /// Whether the postmaster is alive (it may still be starting up or
     /// shutting down).
     pub fn is_running(&self) -> bool {
-        let mut server = lock(&self.server);
-        match server.as_mut().map(Child::try_wait) {
-            Some(Ok(None)) => true,
-            // An exited postmaster is reaped here; a later `kill` or `stop`
-            // then has nothing to do.
-            Some(Ok(Some(_))) | Some(Err(_)) => {
-                *server = None;
-                false
-            }
-            None => false,
-        }
+        // An exited postmaster is reaped here; a later `kill` or `stop` then
+        // has nothing to do.
+        self.server
+            .as_ref()
+            .is_some_and(|server| server.exit_status().is_none())
     }
 
     /// Spawns the postmaster on `self.port` and waits until it accepts
     /// connections, or until it exits for a reason worth retrying.
     async fn boot(&mut self, deadline: Instant) -> Result<Boot, Error> {
         let offset = support::file_len(&self.log);
-        let child = self.spawn()?;
-        *lock(&self.server) = Some(child);
+        self.server = Some(self.spawn()?);
         loop {
-            let exited = {
-                let mut server = lock(&self.server);
-                match server.as_mut().map(Child::try_wait).transpose() {
-                    Ok(Some(Some(status))) => {
-                        *server = None;
-                        Some(status)
-                    }
-                    Ok(_) => None,
-                    Err(e) => {
-                        return Err(Error::Io {
-                            doing: format!("watching PostgreSQL start on port {}", self.port),
-                            source: e,
-                        });
-                    }
-                }
-            };
-            if let Some(status) = exited {
+            if let Some(status) = self.server.as_ref().and_then(Spawned::exit_status) {
+                self.server = None;
                 let log = support::log_since(&self.log, offset);
                 if let Some(why) = retryable(&log) {
                     return Ok(Boot::Retry(format!("port {}: {why}", self.port)));
@@ -299,13 +270,12 @@ impl Postgres {
         }
     }
 
-    fn spawn(&self) -> Result<Child, Error> {
-        let (stdout, log) = support::log_handles(&self.log)?;
+    fn spawn(&self) -> Result<Spawned, Error> {
         let socket_dirs = match &self.socket_dir {
             Some(dir) => format!("unix_socket_directories={}", dir.display()),
             None => "unix_socket_directories=".to_string(),
         };
-        let mut cmd = std::process::Command::new(self.bin.dir.join("postgres"));
+        let mut cmd = tokio::process::Command::new(self.bin.dir.join("postgres"));
         cmd.arg("-D")
             .arg(&self.data)
             .arg("-p")
@@ -319,16 +289,17 @@ impl Postgres {
             .args(["-c", "full_page_writes=off", "-c", "max_connections=200"])
             .args(["-c", "logging_collector=off"])
             // postgres complains when started from a directory it cannot read.
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(log);
-        self.run_as.apply_std(&mut cmd);
-        cmd.spawn().map_err(Error::io(format!(
-            "spawning {} on port {}",
+            .current_dir(self.dir.path());
+        let name = format!(
+            "{} on port {}",
             self.bin.dir.join("postgres").display(),
             self.port
-        )))
+        );
+        let setup = Setup {
+            run_as: Some(self.run_as),
+            ..Setup::server(name, &self.log)
+        };
+        Spawned::start(cmd, setup)
     }
 
     /// Whether our server answers on our port. Checking the data directory
@@ -365,16 +336,6 @@ impl Postgres {
     }
 }
 
-impl Drop for Postgres {
-    fn drop(&mut self) {
-        if let Some(server) = lock(&self.server).take()
-            && let Err(e) = kill_cluster(server, "PostgreSQL")
-        {
-            tracing::warn!(error = %e, "killing a testkit PostgreSQL on drop");
-        }
-    }
-}
-
 enum Boot {
     Ready,
     /// The server exited for a transient reason (port or shared memory still
@@ -391,25 +352,6 @@ fn retryable(log: &str) -> Option<&'static str> {
     } else {
         None
     }
-}
-
-/// SIGKILLs the postmaster and the processes it had forked, reaps it, and
-/// waits (briefly) for the others, so nothing holds the port, the shared
-/// memory or files in the data directory afterwards.
-fn kill_cluster(mut postmaster: Child, what: &str) -> Result<(), Error> {
-    // Backends are reparented once the postmaster dies: list them first.
-    let children = support::children_of(support::pid_of(&postmaster));
-    support::kill_and_reap(&mut postmaster, what)?;
-    for &pid in &children {
-        let _ = kill(pid, Signal::SIGKILL);
-    }
-    // They were SIGKILLed: dying takes milliseconds, and our bound only
-    // matters if /proc lies.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !children.iter().all(|&pid| support::is_dead(pid)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    Ok(())
 }
 
 fn usable_socket_dir(dir: &Path) -> bool {

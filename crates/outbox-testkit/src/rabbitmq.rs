@@ -9,17 +9,16 @@
 //! that only need a broker use the machine's, and this is for the ones that
 //! stop it.
 
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::Signal;
 use tempfile::TempDir;
 use tokio::net::TcpStream;
 
-use crate::Error;
-use crate::support::{self, POLL};
+use crate::spawned::{Group, Setup};
+use crate::support::{self, Boot};
+use crate::{Error, Spawned};
 
 /// How long a boot may take; a first boot creates the Mnesia schema.
 const READY_TIMEOUT: Duration = Duration::from_secs(90);
@@ -42,8 +41,9 @@ pub struct RabbitMq {
     port: u16,
     dist_port: u16,
     log: PathBuf,
-    server: Option<Child>,
-    // Declared last so the directory goes after `Drop` has killed the node.
+    server: Option<Spawned>,
+    // Declared last: fields drop in order, so the directory goes after the
+    // node was killed.
     dir: TempDir,
 }
 
@@ -115,21 +115,7 @@ impl RabbitMq {
         let Some(mut server) = self.server.take() else {
             return Ok(());
         };
-        let what = format!("rabbitmq node on port {}", self.port);
-        let vm = support::children_of(support::pid_of(&server));
-        signal_group(&server, Signal::SIGTERM, &what)?;
-        let exited = support::wait_exit(&mut server, STOP_TIMEOUT, &what).await?;
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        while exited.is_some() && !vm.iter().all(|&pid| support::is_dead(pid)) {
-            if Instant::now() >= deadline {
-                break;
-            }
-            tokio::time::sleep(POLL).await;
-        }
-        if exited.is_none() || !vm.iter().all(|&pid| support::is_dead(pid)) {
-            signal_group(&server, Signal::SIGKILL, &what)?;
-            support::kill_and_reap(&mut server, &what)?;
-        }
+        server.stop(Signal::SIGTERM, STOP_TIMEOUT).await?;
         self.wait_port_closed().await
     }
 
@@ -141,53 +127,33 @@ impl RabbitMq {
     }
 
     async fn boot(&mut self) -> Result<(), Error> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let offset = support::file_len(&self.log);
-        self.server = Some(self.spawn()?);
-        loop {
-            let server = self.server.as_mut().ok_or_else(|| Error::Failed {
-                doing: format!("starting a rabbitmq node on port {}", self.port),
-                detail: "the node vanished while starting".into(),
-            })?;
-            let status = server.try_wait().map_err(Error::io(format!(
-                "watching a rabbitmq node start on port {}",
-                self.port
-            )))?;
-            if let Some(status) = status {
-                self.server = None;
-                return Err(Error::Failed {
-                    doing: format!("starting a rabbitmq node on port {}", self.port),
-                    detail: format!(
-                        "it exited during startup ({status}); last lines of {}:\n{}",
-                        self.log.display(),
-                        support::last_lines(&support::log_since(&self.log, offset), LOG_LINES)
-                    ),
-                });
-            }
-            // RabbitMQ opens its AMQP listener as the last boot step.
-            if TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                if let Some(mut server) = self.server.take() {
-                    let _ = signal_group(&server, Signal::SIGKILL, "rabbitmq node");
-                    support::kill_and_reap(&mut server, "rabbitmq node")?;
-                }
-                return Err(support::not_ready(
-                    format!("a rabbitmq node to listen on 127.0.0.1:{}", self.port),
-                    READY_TIMEOUT,
-                    &self.log,
-                    LOG_LINES,
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let spec = support::BootSpec {
+            name: "rabbitmq node",
+            port: self.port,
+            log: &self.log,
+            port_taken: "eaddrinuse",
+            ready_means: "listen",
+            timeout: READY_TIMEOUT,
+            deadline: Instant::now() + READY_TIMEOUT,
+            log_lines: LOG_LINES,
+            log_offset: support::file_len(&self.log),
+        };
+        let child = self.spawn()?;
+        let port = self.port;
+        // RabbitMQ opens its AMQP listener as the last boot step.
+        let probe = |_| async move { TcpStream::connect(("127.0.0.1", port)).await.map(|_| true) };
+        match support::boot(&mut self.server, child, probe, spec).await? {
+            Boot::Ready => Ok(()),
+            Boot::PortTaken(why) => Err(Error::Failed {
+                doing: format!("starting a rabbitmq node on port {port}"),
+                detail: why,
+            }),
         }
     }
 
-    fn spawn(&self) -> Result<Child, Error> {
-        let (log, stderr) = support::log_handles(&self.log)?;
+    fn spawn(&self) -> Result<Spawned, Error> {
         let dir = self.dir.path();
-        let mut cmd = std::process::Command::new(&self.exe);
+        let mut cmd = tokio::process::Command::new(&self.exe);
         cmd.env(
             "RABBITMQ_NODENAME",
             format!("outbox-testkit-{}@localhost", self.port),
@@ -207,43 +173,19 @@ impl RabbitMq {
         .env("RABBITMQ_CONF_ENV_FILE", dir.join("rabbitmq-env.conf"))
         // The Erlang cookie goes to $HOME; ours is private.
         .env("HOME", dir)
-        .current_dir(dir)
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(stderr);
-        cmd.spawn().map_err(Error::io(format!(
-            "spawning {} on port {}",
-            self.exe.display(),
-            self.port
-        )))
+        .current_dir(dir);
+        let name = format!("{} on port {}", self.exe.display(), self.port);
+        // The script starts the Erlang VM as a child: a group of their own
+        // is signalled as one.
+        let setup = Setup {
+            group: Group::Own,
+            ..Setup::server(name, &self.log)
+        };
+        Spawned::start(cmd, setup)
     }
 
     async fn wait_port_closed(&self) -> Result<(), Error> {
         support::wait_port_closed(self.port, PORT_TIMEOUT, "the rabbitmq node").await
-    }
-}
-
-impl Drop for RabbitMq {
-    fn drop(&mut self) {
-        if let Some(mut server) = self.server.take() {
-            let _ = signal_group(&server, Signal::SIGKILL, "rabbitmq node");
-            if let Err(e) = support::kill_and_reap(&mut server, "rabbitmq node") {
-                tracing::warn!(error = %e, "killing a testkit rabbitmq node on drop");
-            }
-        }
-    }
-}
-
-/// The script starts the Erlang VM as a child; both are in the group whose
-/// id is the script's pid, which we have not reaped yet.
-fn signal_group(child: &Child, signal: Signal, what: &str) -> Result<(), Error> {
-    match killpg(support::pid_of(child), signal) {
-        Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
-        Err(e) => Err(Error::Sys {
-            doing: format!("sending {signal} to {what} (process group {})", child.id()),
-            source: e,
-        }),
     }
 }
 

@@ -2,15 +2,15 @@
 //! persistence, spoken to with raw RESP so no Redis client is needed.
 
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use crate::Error;
+use crate::spawned::Setup;
 use crate::support::{self, Boot};
+use crate::{Error, Spawned};
 
 /// How long a start or restart may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -33,10 +33,11 @@ pub struct Redis {
     exe: PathBuf,
     port: u16,
     log: PathBuf,
-    server: Option<Child>,
+    server: Option<Spawned>,
     /// Whether the data is kept in an append-only file across restarts.
     persistent: bool,
-    // Declared last so the directory goes after `Drop` has killed the server.
+    // Declared last: fields drop in order, so the directory goes after the
+    // server was killed.
     dir: TempDir,
 }
 
@@ -103,10 +104,9 @@ impl Redis {
         support::restart_server(self).await
     }
 
-    fn spawn(&self) -> Result<Child, Error> {
-        let (log, stderr) = support::log_handles(&self.log)?;
-        std::process::Command::new(&self.exe)
-            .arg("--port")
+    fn spawn(&self) -> Result<Spawned, Error> {
+        let mut cmd = tokio::process::Command::new(&self.exe);
+        cmd.arg("--port")
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", ""])
             .args(if self.persistent {
@@ -116,16 +116,9 @@ impl Redis {
             })
             .args(["--daemonize", "no", "--dir"])
             .arg(self.dir.path())
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(stderr)
-            .spawn()
-            .map_err(Error::io(format!(
-                "spawning {} on port {}",
-                self.exe.display(),
-                self.port
-            )))
+            .current_dir(self.dir.path());
+        let name = format!("{} on port {}", self.exe.display(), self.port);
+        Spawned::start(cmd, Setup::server(name, &self.log))
     }
 }
 
@@ -141,7 +134,7 @@ impl support::ChildServer for Redis {
         self.port = port;
     }
 
-    fn child(&mut self) -> &mut Option<Child> {
+    fn child(&mut self) -> &mut Option<Spawned> {
         &mut self.server
     }
 
@@ -161,16 +154,6 @@ impl support::ChildServer for Redis {
         };
         let port = self.port;
         support::boot(&mut self.server, child, |pid| probe(port, pid), spec).await
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        if let Some(mut server) = self.server.take()
-            && let Err(e) = support::kill_and_reap(&mut server, "redis-server")
-        {
-            tracing::warn!(error = %e, "killing a testkit redis-server on drop");
-        }
     }
 }
 

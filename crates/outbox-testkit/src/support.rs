@@ -1,17 +1,16 @@
 //! Plumbing the services share: where their throwaway directories go, which
-//! user runs them, finding programs, reading log tails and waiting for or
-//! killing processes.
+//! user runs them, finding programs, reading log tails, and booting,
+//! stopping and restarting a server on its port (its process is a
+//! [`Spawned`]).
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
-use crate::Error;
+use crate::{Error, Spawned};
 
 /// How often we look at something that cannot notify us (a process exiting,
 /// a server starting to accept connections).
@@ -104,14 +103,6 @@ impl RunAs {
         }
     }
 
-    /// Makes `cmd` run as this user.
-    pub(crate) fn apply_std(&self, cmd: &mut std::process::Command) {
-        use std::os::unix::process::CommandExt;
-        if self.switch {
-            cmd.uid(self.uid).gid(self.gid);
-        }
-    }
-
     /// Gives `path` to this user, so its processes can write there.
     pub(crate) fn own(&self, path: &Path) -> Result<(), Error> {
         if !self.switch {
@@ -186,87 +177,6 @@ pub(crate) fn last_lines(text: &str, n: usize) -> String {
 /// critical section here is a single push, swap or read).
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-pub(crate) fn pid_of(child: &Child) -> Pid {
-    // Child ids are pids, which fit in pid_t.
-    Pid::from_raw(child.id() as i32)
-}
-
-/// Sends `signal` to a child we have not reaped yet (so its pid cannot have
-/// been reused).
-pub(crate) fn signal_child(child: &Child, signal: Signal, what: &str) -> Result<(), Error> {
-    match kill(pid_of(child), signal) {
-        Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
-        Err(e) => Err(Error::Sys {
-            doing: format!("sending {signal} to {what} (pid {})", child.id()),
-            source: e,
-        }),
-    }
-}
-
-/// Waits up to `timeout` for a child to exit; `None` if it is still running.
-///
-/// std's `Child` cannot be awaited, and a process exit notifies nobody we can
-/// listen to without taking over SIGCHLD, so this polls.
-pub(crate) async fn wait_exit(
-    child: &mut Child,
-    timeout: Duration,
-    what: &str,
-) -> Result<Option<ExitStatus>, Error> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let status = child
-            .try_wait()
-            .map_err(Error::io(format!("waiting for {what} to exit")))?;
-        if status.is_some() || Instant::now() >= deadline {
-            return Ok(status);
-        }
-        tokio::time::sleep(POLL).await;
-    }
-}
-
-/// SIGKILLs a child and reaps it. Reaping after SIGKILL takes milliseconds,
-/// so blocking is fine, and it lets `Drop` and sync callers use this.
-pub(crate) fn kill_and_reap(child: &mut Child, what: &str) -> Result<ExitStatus, Error> {
-    signal_child(child, Signal::SIGKILL, what)?;
-    child
-        .wait()
-        .map_err(Error::io(format!("reaping {what} after SIGKILL")))
-}
-
-/// The pids whose parent is `parent`, from `/proc` (empty where there is no
-/// `/proc`).
-pub(crate) fn children_of(parent: Pid) -> Vec<Pid> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| proc_stat(pid).is_some_and(|(_, ppid)| ppid == parent.as_raw()))
-        .map(Pid::from_raw)
-        .collect()
-}
-
-/// (state, ppid) of a process, from `/proc/<pid>/stat`.
-fn proc_stat(pid: i32) -> Option<(char, i32)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may itself contain ") ".
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let ppid = fields.next()?.parse().ok()?;
-    Some((state, ppid))
-}
-
-/// Whether a process is gone or a zombie (it holds no memory, sockets or
-/// files any more).
-pub(crate) fn is_dead(pid: Pid) -> bool {
-    match proc_stat(pid.as_raw()) {
-        Some((state, _)) => state == 'Z' || state == 'X',
-        None => !Path::new("/proc").join(pid.as_raw().to_string()).exists(),
-    }
 }
 
 /// A port nobody listens on right now (someone may take it before we do;
@@ -347,8 +257,8 @@ pub(crate) struct BootSpec<'a> {
 /// `probe(pid)` says it is ready, it exits (port taken, or a startup failure
 /// quoted from its log), or `spec.deadline` passes (the child is killed).
 pub(crate) async fn boot<P, F>(
-    slot: &mut Option<std::process::Child>,
-    child: std::process::Child,
+    slot: &mut Option<Spawned>,
+    child: Spawned,
     probe: P,
     spec: BootSpec<'_>,
 ) -> Result<Boot, Error>
@@ -364,12 +274,8 @@ where
             doing: doing(),
             detail: "the server vanished while starting".into(),
         })?;
-        let pid = server.id();
-        let status = server.try_wait().map_err(Error::io(format!(
-            "watching {} start on port {}",
-            spec.name, spec.port
-        )))?;
-        if let Some(status) = status {
+        let pid = server.pid();
+        if let Some(status) = server.exit_status() {
             *slot = None;
             let log = log_since(spec.log, offset);
             if log.contains(spec.port_taken) {
@@ -392,7 +298,7 @@ where
         }
         if Instant::now() >= spec.deadline {
             if let Some(mut server) = slot.take() {
-                kill_and_reap(&mut server, spec.name)?;
+                server.kill_and_reap()?;
             }
             return Err(not_ready(
                 format!("{} on 127.0.0.1:{} to {}", spec.name, spec.port, spec.ready_means),
@@ -415,7 +321,7 @@ pub(crate) trait ChildServer {
     const READY_TIMEOUT: Duration;
     fn port(&self) -> u16;
     fn set_port(&mut self, port: u16);
-    fn child(&mut self) -> &mut Option<Child>;
+    fn child(&mut self) -> &mut Option<Spawned>;
     /// Spawns the child and waits for it: [`boot`] with its own spec.
     fn boot(&mut self, deadline: Instant) -> impl std::future::Future<Output = Result<Boot, Error>>;
 }
@@ -448,11 +354,7 @@ pub(crate) async fn stop_server<S: ChildServer>(
     let Some(mut child) = server.child().take() else {
         return Ok(());
     };
-    let what = format!("{} on port {}", S::NAME, server.port());
-    signal_child(&child, Signal::SIGTERM, &what)?;
-    if wait_exit(&mut child, stop_timeout, &what).await?.is_none() {
-        kill_and_reap(&mut child, &what)?;
-    }
+    child.stop(Signal::SIGTERM, stop_timeout).await?;
     wait_port_closed(server.port(), port_timeout, S::NAME).await
 }
 
