@@ -3,13 +3,14 @@
 //! | code | meaning |
 //! |---|---|
 //! | 0 | success, including a clean drain after SIGINT/SIGTERM |
-//! | 1 | runtime failure: PostgreSQL unreachable, a statement failed |
-//! | 2 | usage or configuration: bad flag, URL, identifier, duration, schema not migrated or too new |
+//! | 1 | runtime failure: PostgreSQL unreachable until `--connect-timeout`, a statement failed |
+//! | 2 | usage or configuration: bad flag, URL, TLS file, identifier, duration, schema not migrated or too new; PostgreSQL refused the login, the database or the certificate |
 //!
 //! Errors print as `error: …` followed by one `caused by: …` line per source.
 
 use std::process::ExitCode;
 
+use outbox_relay::pg::{ConnectError, UrlError};
 use outbox_relay::{RelayError, SinkError};
 
 /// A configuration mistake found by the CLI itself (exit code 2).
@@ -23,6 +24,10 @@ fn is_config(e: &anyhow::Error) -> bool {
         cause.is::<ConfigError>()
             || cause.is::<outbox_lab::ConfigError>()
             || cause.is::<SinkError>()
+            || cause.is::<UrlError>()
+            || cause
+                .downcast_ref::<ConnectError>()
+                .is_some_and(ConnectError::is_permanent)
             || cause
                 .downcast_ref::<outbox::Error>()
                 .is_some_and(outbox::Error::is_config)

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use outbox::{Config, Event, Inbox, InboxConfig, Outbox};
+use outbox_relay::pg::PgConfig;
 use outbox_testkit::Spawned;
 use tokio_postgres::Client;
 use tokio_postgres::types::FromSql;
@@ -41,7 +42,7 @@ pub struct Database {
 /// cluster behind them, if any, which lives as long as this does.
 pub(crate) struct Postgres {
     pub(crate) url: String,
-    pub(crate) config: tokio_postgres::Config,
+    pub(crate) config: PgConfig,
     throwaway: Option<outbox_testkit::Postgres>,
 }
 
@@ -71,22 +72,21 @@ impl Postgres {
 }
 
 /// `url` parsed (a [`ConfigError`] if it does not), with the connect timeout.
-pub(crate) fn parse_pg_url(url: &str, timeout: Duration) -> anyhow::Result<tokio_postgres::Config> {
-    outbox_relay::pg::parse_url(url, timeout).map_err(|e| ConfigError(e.to_string()).into())
+pub(crate) fn parse_pg_url(url: &str, timeout: Duration) -> anyhow::Result<PgConfig> {
+    outbox_relay::pg::parse_url(url, timeout)
+        .map_err(|e| ConfigError(format!("{:#}", anyhow::Error::from(e))).into())
 }
 
 /// One connection (`application_name` `outbox` unless set); its driver
-/// runs in a task.
-pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
-    outbox_relay::pg::connect(config)
-        .await
-        .context("connecting to postgres")
+/// runs in a task. Retries until the connect timeout.
+pub(crate) async fn connect(config: &PgConfig) -> anyhow::Result<Client> {
+    Ok(outbox_relay::pg::connect(config).await?)
 }
 
 /// A scratch schema with its outbox (own NOTIFY channel) and inbox table,
 /// the harness's own connection, the run's Redis and progress bar.
 pub(crate) struct Scratch {
-    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) pg: PgConfig,
     pub(crate) pg_url: String,
     schema: &'static str,
     channel: &'static str,
@@ -109,7 +109,7 @@ impl Scratch {
     /// Connects; the schema is built by [`Scratch::reset_outbox`] (or the
     /// lab's `reset`).
     pub(crate) async fn new(
-        pg: tokio_postgres::Config,
+        pg: PgConfig,
         pg_url: String,
         schema: &'static str,
         channel: &'static str,
@@ -195,7 +195,7 @@ impl Scratch {
     /// A connection to another database.
     pub(crate) async fn connect_to(&self, dbname: &str) -> anyhow::Result<Client> {
         let mut pg = self.pg.clone();
-        pg.dbname(dbname);
+        pg.postgres_mut().dbname(dbname);
         connect(&pg).await
     }
 

@@ -1,20 +1,16 @@
 //! Why a relay stops, and the one-line error chain its logs print.
 
-use std::time::Duration;
+use crate::pg::ConnectError;
 
 /// Why the relay stopped.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RelayError {
-    /// PostgreSQL could not be reached within the connect timeout at startup.
-    #[error("connecting to postgres (gave up after {timeout:?})")]
-    Connect {
-        /// The connect timeout.
-        timeout: Duration,
-        /// The last connection error.
-        #[source]
-        source: tokio_postgres::Error,
-    },
+    /// PostgreSQL could not be reached within the connect timeout at
+    /// startup, or refused in a way retrying cannot fix
+    /// ([`ConnectError::is_permanent`]: a configuration error).
+    #[error(transparent)]
+    Connect(ConnectError),
     /// The outbox table is missing, outdated or too new.
     #[error("checking the outbox schema")]
     Schema(#[source] outbox::Error),
@@ -34,7 +30,7 @@ impl RelayError {
         match self {
             RelayError::Schema(e) => e.is_config(),
             RelayError::Ordering { .. } => true,
-            RelayError::Connect { .. } => false,
+            RelayError::Connect(e) => e.is_permanent(),
         }
     }
 }

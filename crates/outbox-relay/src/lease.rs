@@ -68,7 +68,7 @@ pub(crate) type Backends = Vec<(i32, DateTime<Utc>)>;
 /// Settings of the lease task.
 #[derive(Debug, Clone)]
 pub(crate) struct LeaseSettings {
-    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) pg: crate::pg::PgConfig,
     pub(crate) relay_id: Uuid,
     pub(crate) name: String,
     pub(crate) timeout: Duration,
@@ -333,7 +333,7 @@ mod tests {
 
     fn settings(timeout: Duration, poll: Duration) -> LeaseSettings {
         LeaseSettings {
-            pg: tokio_postgres::Config::new(),
+            pg: tokio_postgres::Config::new().into(),
             relay_id: Uuid::nil(),
             name: "test".to_owned(),
             timeout,

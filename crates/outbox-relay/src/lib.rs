@@ -16,7 +16,7 @@
 //! | [`backoff`] | retry delays and the dead-letter limit |
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
-//! | [`pg`] | from `DATABASE_URL` to a connection, for every crate |
+//! | [`pg`] | from `DATABASE_URL` to a connection, for every crate: TLS as libpq does it, startup retries |
 //! | `retention` | [`Retention`]: cleanup or partition maintenance on a schedule, one relay at a time |
 //!
 //! Each sink is a feature, all but `kafka` on by default (it builds

@@ -45,6 +45,7 @@ use crate::breaker::{Breaker, CircuitState, Probed};
 pub use crate::config::{OrderMode, RelayConfig};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
+use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Plan};
 use crate::sink::{Delivery, DeliveryError, Sink};
 use crate::source::poll::PollSource;
@@ -66,17 +67,19 @@ enum Step {
 /// The relay. Build with [`Relay::new`], run with [`Relay::run`].
 pub struct Relay {
     config: RelayConfig,
-    pg: tokio_postgres::Config,
+    pg: PgConfig,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
 }
 
 impl Relay {
-    /// A relay from `pg` to `sink`.
-    pub fn new(mut pg: tokio_postgres::Config, sink: Arc<dyn Sink>, config: RelayConfig) -> Self {
-        if pg.get_application_name().is_none() {
+    /// A relay from `pg` ([`crate::pg::parse_url`], or a
+    /// `tokio_postgres::Config`) to `sink`.
+    pub fn new(pg: impl Into<PgConfig>, sink: Arc<dyn Sink>, config: RelayConfig) -> Self {
+        let mut pg = pg.into();
+        if pg.postgres().get_application_name().is_none() {
             // So operators can tell relays apart in pg_stat_activity.
-            pg.application_name("outbox-relay");
+            pg.postgres_mut().application_name("outbox-relay");
         }
         Self {
             pg,

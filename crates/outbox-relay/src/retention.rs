@@ -41,7 +41,7 @@ enum RunError {
 impl Retention {
     /// Runs every `interval` until `cancel`, on a connection of its own
     /// per run. Never fails: errors are logged and retried next round.
-    pub async fn run(self, pg: tokio_postgres::Config, config: Config, cancel: CancellationToken) {
+    pub async fn run(self, pg: crate::pg::PgConfig, config: Config, cancel: CancellationToken) {
         let mut wait = FIRST_RUN.min(self.interval);
         loop {
             tokio::select! {
@@ -55,8 +55,8 @@ impl Retention {
         }
     }
 
-    async fn once(&self, pg: &tokio_postgres::Config, config: &Config) -> Result<(), RunError> {
-        let mut client = crate::pg::connect(pg).await.map_err(RunError::Connect)?;
+    async fn once(&self, pg: &crate::pg::PgConfig, config: &Config) -> Result<(), RunError> {
+        let mut client = crate::pg::connect_once(pg).await.map_err(RunError::Connect)?;
         if !outbox::retention::try_lock(&client, config).await? {
             info!("retention skipped: another relay is running it");
             return Ok(());

@@ -17,7 +17,7 @@ use futures::StreamExt;
 use outbox::Ident;
 use rand::Rng;
 use tokio::sync::mpsc;
-use tokio_postgres::{AsyncMessage, Client, Config};
+use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
 /// Why [`Wakeups::wait`] returned.
@@ -50,7 +50,7 @@ pub(crate) enum Purpose<'a> {
 /// Connects, starts the task that drives the connection, and sets the
 /// session up for its purpose.
 pub(crate) async fn connect(
-    pg: &Config,
+    pg: &crate::pg::PgConfig,
     purpose: Purpose<'_>,
 ) -> Result<(Client, Wakeups), tokio_postgres::Error> {
     let (client, mut connection) = crate::pg::open(pg).await?;

@@ -6,7 +6,7 @@
 //!
 //! | item | owns |
 //! |---|---|
-//! | [`Postgres`] | a PostgreSQL cluster: start, fresh databases, stop, crash, restart |
+//! | [`Postgres`], [`PgSettings`] | a PostgreSQL cluster: start (with TLS, a `pg_hba.conf` of its own), fresh databases, stop, crash, restart |
 //! | [`Redis`] | a redis-server without persistence: start, stop, restart |
 //! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
@@ -57,7 +57,7 @@ pub use error::Error;
 pub use kafka::Kafka;
 pub use nats::Nats;
 pub use notify::Notifications;
-pub use postgres::Postgres;
+pub use postgres::{PgSettings, Postgres};
 pub use rabbitmq::RabbitMq;
 pub use receiver::{Received, Receiver, Respond};
 pub use redis::Redis;

@@ -73,6 +73,13 @@ impl Postgres {
     /// use. If the port picked is taken before the server binds it, a new
     /// one is tried.
     pub async fn start() -> Result<Postgres, Error> {
+        Self::start_with(PgSettings::default()).await
+    }
+
+    /// Like [`start`](Self::start), with TLS, a `pg_hba.conf` or server
+    /// settings of its own (see [`PgSettings`]), written into the data
+    /// directory before the first start, so they survive restarts.
+    pub async fn start_with(settings: PgSettings) -> Result<Postgres, Error> {
         let bin = PgBin::get().await?;
         let run_as = RunAs::unprivileged()?;
         let base = support::base_dir();
@@ -89,6 +96,7 @@ impl Postgres {
         let started = Instant::now();
         let template = template(bin, run_as).await?;
         copy_dir(&template, &data, run_as).await?;
+        settings.write(&data, run_as)?;
         tracing::debug!(
             elapsed = ?started.elapsed(),
             template = %template.display(),
@@ -333,6 +341,118 @@ impl Postgres {
             " (data directory copied from the template {}; delete it if it is damaged)",
             self.template.display()
         )
+    }
+}
+
+/// What [`Postgres::start_with`] adds to a cluster.
+///
+/// ```no_run
+/// # async fn run(cert: String, key: String, ca: String) -> Result<(), outbox_testkit::Error> {
+/// use outbox_testkit::{PgSettings, Postgres};
+///
+/// let pg = Postgres::start_with(
+///     PgSettings::default()
+///         .tls(cert, key) // ssl=on with this certificate chain and key
+///         .client_ca(ca) // clients' certificates are checked against it
+///         .hba("hostssl all all 127.0.0.1/32 cert"),
+/// )
+/// .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct PgSettings {
+    tls: Option<(String, String)>,
+    client_ca: Option<String>,
+    hba: Option<String>,
+    settings: Vec<(String, String)>,
+}
+
+impl PgSettings {
+    /// Serves TLS (`ssl=on`) with this certificate (PEM, the server's
+    /// first, then any intermediates) and private key (PEM).
+    pub fn tls(mut self, cert_pem: impl Into<String>, key_pem: impl Into<String>) -> Self {
+        self.tls = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
+    /// Checks the certificates clients present against these roots (PEM;
+    /// `ssl_ca_file`), as `pg_hba.conf`'s `cert` method and `clientcert=`
+    /// need.
+    pub fn client_ca(mut self, ca_pem: impl Into<String>) -> Self {
+        self.client_ca = Some(ca_pem.into());
+        self
+    }
+
+    /// Replaces `pg_hba.conf` with these lines, after two of the testkit's
+    /// own, which it needs to see that the server is up and to create
+    /// databases: `local all all trust` and
+    /// `host postgres postgres 127.0.0.1/32 trust` (so the superuser
+    /// reaches the database `postgres` without TLS; every other database
+    /// and user get only what `lines` allow).
+    pub fn hba(mut self, lines: impl Into<String>) -> Self {
+        self.hba = Some(lines.into());
+        self
+    }
+
+    /// Sets a server parameter (`postgresql.auto.conf`), e.g.
+    /// `("ssl_min_protocol_version", "TLSv1.3")`.
+    pub fn set(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((name.into(), value.into()));
+        self
+    }
+
+    /// Writes the files and settings into a data directory not yet
+    /// started, owned by the server's user.
+    fn write(&self, data: &Path, run_as: RunAs) -> Result<(), Error> {
+        let mut settings = self.settings.clone();
+        let mut files: Vec<(&str, &str)> = Vec::new();
+        if let Some((cert, key)) = &self.tls {
+            files.push(("server.crt", cert));
+            files.push(("server.key", key));
+            settings.push(("ssl".into(), "on".into()));
+            settings.push(("ssl_cert_file".into(), "server.crt".into()));
+            settings.push(("ssl_key_file".into(), "server.key".into()));
+        }
+        if let Some(ca) = &self.client_ca {
+            files.push(("client_ca.crt", ca));
+            settings.push(("ssl_ca_file".into(), "client_ca.crt".into()));
+        }
+        let hba;
+        if let Some(lines) = &self.hba {
+            hba = format!(
+                "# outbox-testkit\nlocal all all trust\nhost postgres postgres 127.0.0.1/32 trust\n{lines}\n"
+            );
+            files.push(("pg_hba.conf", &hba));
+        }
+        if settings.is_empty() && files.is_empty() {
+            // Plain `start`: the template's files as they are.
+            return Ok(());
+        }
+        let conf: String = settings
+            .iter()
+            .map(|(name, value)| format!("{name} = '{}'\n", value.replace('\'', "''")))
+            .collect();
+        let auto_conf = data.join("postgresql.auto.conf");
+        let mut auto = std::fs::read_to_string(&auto_conf).unwrap_or_default();
+        auto.push_str(&conf);
+        files.push(("postgresql.auto.conf", &auto));
+        for (name, contents) in files {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let path = data.join(name);
+            let doing = format!("writing {}", path.display());
+            // The server refuses a key others can read; the rest need no more.
+            let _ = std::fs::remove_file(&path);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .and_then(|mut f| f.write_all(contents.as_bytes()))
+                .map_err(Error::io(doing))?;
+            run_as.own(&path)?;
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,8 @@
 //! that socket; a leading `@` names a Linux abstract socket. The relay and
 //! `outbox consume` send `READY=1`, `STATUS=…` and `STOPPING=1`; tests wait
 //! for these and for keys systemd ignores: `OUTBOX_FAILPOINT=<name> reached`
-//! / `over`, `OUTBOX_BATCH=committed`, `OUTBOX_MESSAGE=rejected`.
+//! / `over`, `OUTBOX_BATCH=committed`, `OUTBOX_MESSAGE=rejected`,
+//! `OUTBOX_CONNECT=retrying` (any command, `outbox_relay::pg`).
 //!
 //! The variable is read once, at the first send; unset, a send is one
 //! check of an `Option`. Sending never fails the caller. Every state is

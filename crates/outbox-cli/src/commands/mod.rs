@@ -12,6 +12,7 @@ mod relays;
 mod stats;
 
 use anyhow::Context;
+use outbox_relay::pg::PgConfig;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
@@ -48,23 +49,24 @@ pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
     Ok(outbox::Config::new(&g.schema, &g.table)?.with_channel(&g.channel)?)
 }
 
-/// `DATABASE_URL` parsed, with the connect timeout.
-pub(crate) fn pg_config(g: &Global) -> anyhow::Result<tokio_postgres::Config> {
+/// `DATABASE_URL` parsed (TLS parameters included), with the connect
+/// timeout.
+pub(crate) fn pg_config(g: &Global) -> anyhow::Result<PgConfig> {
     let url = g.database_url.as_deref().ok_or_else(|| {
         ConfigError("no database given: set DATABASE_URL or pass --database-url".to_owned())
     })?;
     parse_pg_url(url, g)
 }
 
-pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<tokio_postgres::Config> {
-    outbox_relay::pg::parse_url(url, g.connect_timeout).map_err(|e| ConfigError(e.to_string()).into())
+/// `url` parsed; a [`outbox_relay::pg::UrlError`] is exit code 2.
+pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<PgConfig> {
+    Ok(outbox_relay::pg::parse_url(url, g.connect_timeout)?)
 }
 
-/// One connection for a short command; its driver runs in a task.
-pub(crate) async fn connect(config: &tokio_postgres::Config) -> anyhow::Result<Client> {
-    outbox_relay::pg::connect(config)
-        .await
-        .context("connecting to postgres")
+/// One connection for a short command, retrying until `--connect-timeout`
+/// (a permanent failure, exit code 2, at once); its driver runs in a task.
+pub(crate) async fn connect(config: &PgConfig) -> anyhow::Result<Client> {
+    Ok(outbox_relay::pg::connect(config).await?)
 }
 
 /// A token cancelled by the first SIGINT or SIGTERM.

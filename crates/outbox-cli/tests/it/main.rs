@@ -22,4 +22,5 @@ mod retry;
 mod routing;
 mod scale;
 mod support;
+mod tls;
 mod webhooks;

@@ -245,7 +245,7 @@ impl Scratch {
     /// The bench's scratch: schema `outbox_bench` with a fresh outbox, its
     /// own NOTIFY channel and Redis stream, and a running Redis.
     pub(crate) async fn bench(
-        pg: tokio_postgres::Config,
+        pg: outbox_relay::pg::PgConfig,
         pg_url: String,
         redis_url: Option<String>,
     ) -> anyhow::Result<Self> {

@@ -94,7 +94,7 @@ pub(super) async fn run(db: &Database, spec: &str, sink: &str) -> anyhow::Result
         ConfigError("no database given: set DATABASE_URL or pass --database-url".to_owned())
     })?;
     let mut pg = parse_pg_url(url, db.connect_timeout)?;
-    pg.application_name(APP_NAME);
+    pg.postgres_mut().application_name(APP_NAME);
     let mut db = connect(&pg).await?;
     let insert = format!("INSERT INTO {SCHEMA}.orders (customer) VALUES ($1) RETURNING id");
     let tx = db.transaction().await?;

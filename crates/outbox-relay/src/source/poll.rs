@@ -39,6 +39,7 @@ use crate::config::{OrderMode, RelayConfig};
 use crate::counters::Counters;
 use crate::error::{RelayError, error_chain};
 use crate::lease::{LeaseSettings, Leases};
+use crate::pg::{PgConfig, Startup};
 use crate::plan::{Failures, Plan};
 use crate::wake::{self, Wake, Wakeups};
 
@@ -98,7 +99,7 @@ struct Pipeline {
 /// The polling source. Open with [`PollSource::open`].
 pub(crate) struct PollSource {
     config: RelayConfig,
-    pg: tokio_postgres::Config,
+    pg: PgConfig,
     sql: OutboxSql,
     counters: Arc<Counters>,
     /// None after a lost connection, until the next claim reconnects.
@@ -122,7 +123,7 @@ impl PollSource {
     /// at once) and starts the lease task. None if cancelled first.
     pub(crate) async fn open(
         config: RelayConfig,
-        pg: tokio_postgres::Config,
+        pg: PgConfig,
         counters: Arc<Counters>,
         cancel: &CancellationToken,
     ) -> Result<Option<Self>, RelayError> {
@@ -164,7 +165,7 @@ impl PollSource {
             return;
         }
         let mut pg = self.pg.clone();
-        pg.application_name("outbox-relay lease");
+        pg.postgres_mut().application_name("outbox-relay lease");
         let settings = LeaseSettings {
             pg,
             relay_id: Uuid::new_v4(),
@@ -433,31 +434,23 @@ impl PollSource {
         }
     }
 
-    /// Keeps trying until `connect_timeout`; a schema problem fails at once.
+    /// Keeps trying until `connect_timeout`, logging each attempt; a
+    /// schema problem or a permanent failure (`pg::classify`: wrong
+    /// password, no such database, a certificate refused) fails at once.
     async fn connect_at_startup(
         &mut self,
         cancel: &CancellationToken,
     ) -> Result<Option<Sessions>, RelayError> {
-        let deadline = Instant::now() + self.config.connect_timeout;
-        let mut delay = Duration::from_millis(100);
+        let mut startup = Startup::new(&self.pg, self.config.connect_timeout);
         loop {
-            match self.open_sessions().await {
+            let delay = match self.open_sessions().await {
                 Ok(ss) => return Ok(Some(ss)),
                 Err(SessionError::Schema(e)) => return Err(RelayError::Schema(e)),
-                Err(SessionError::Postgres(source)) => {
-                    if Instant::now() + delay >= deadline {
-                        return Err(RelayError::Connect {
-                            timeout: self.config.connect_timeout,
-                            source,
-                        });
-                    }
-                    debug!(error = %error_chain(&source), "postgres not reachable yet");
-                }
-            }
+                Err(SessionError::Postgres(e)) => startup.failed(e).map_err(RelayError::Connect)?,
+            };
             if wait_or_cancel(delay, cancel).await {
                 return Ok(None);
             }
-            delay = (delay * 2).min(Duration::from_secs(2));
         }
     }
 
