@@ -41,7 +41,10 @@ pub(crate) struct Global {
     /// NOTIFY channel of the insert trigger.
     #[arg(long, env = "OUTBOX_CHANNEL", default_value = "outbox_new", global = true)]
     pub(crate) channel: String,
-    /// Failed attempts after which a row is a dead letter.
+    /// Failed attempts after which the relay makes a row a dead letter
+    /// (recorded in the row, `dead_at`: other commands need not agree on
+    /// it). `migrate` marks rows with this many attempts as dead letters
+    /// when it first records them in the row.
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5,
           value_parser = clap::value_parser!(i32).range(1..), global = true)]
     pub(crate) max_attempts: i32,

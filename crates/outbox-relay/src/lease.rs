@@ -72,7 +72,6 @@ pub(crate) struct LeaseSettings {
     pub(crate) relay_id: Uuid,
     pub(crate) name: String,
     pub(crate) timeout: Duration,
-    pub(crate) max_attempts: i32,
     /// The relay's fallback poll. The tick reports due rows, so it is the
     /// poll: ticking at least this often lets the relay skip a claim
     /// transaction of its own per poll.
@@ -272,7 +271,6 @@ impl Ticker {
                     relay_id: self.relay_id,
                     name: &self.settings.name,
                     dead_after_secs: self.settings.dead_after().as_secs_f64(),
-                    max_attempts: self.settings.max_attempts,
                     backend_pids: &pids,
                     backend_starts: &starts,
                 },
@@ -337,7 +335,6 @@ mod tests {
             relay_id: Uuid::nil(),
             name: "test".to_owned(),
             timeout,
-            max_attempts: 5,
             poll,
         }
     }

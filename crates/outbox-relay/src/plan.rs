@@ -48,6 +48,8 @@ pub(crate) struct Failures {
     pub(crate) errors: Vec<String>,
     pub(crate) attempts: Vec<i32>,
     pub(crate) delay_ms: Vec<f64>,
+    /// Whether each row is now a dead letter.
+    pub(crate) dead_letter: Vec<bool>,
     /// The shortest retry delay among rows that are not dead letters.
     pub(crate) soonest: Option<Duration>,
     /// Rows that failed (held-back rows not included).
@@ -61,11 +63,12 @@ pub(crate) struct Failures {
 }
 
 impl Failures {
-    fn push(&mut self, id: i64, error: String, attempts: i32, delay: Duration) {
+    fn push(&mut self, id: i64, error: String, attempts: i32, delay: Duration, dead: bool) {
         self.ids.push(id);
         self.errors.push(error);
         self.attempts.push(attempts);
         self.delay_ms.push(delay.as_secs_f64() * 1000.0);
+        self.dead_letter.push(dead);
     }
 }
 
@@ -213,7 +216,8 @@ pub(crate) fn plan(
             .copied()
             .or_else(|| holds(carried, row))
             .map(|b| b.delay);
-        let (message, attempts, delay) = match outcome {
+        // A permanent failure is a dead letter whatever its attempts.
+        let (message, attempts, delay, permanent) = match outcome {
             Outcome::Sent(Ok(())) => {
                 plan.published += 1;
                 continue;
@@ -226,19 +230,20 @@ pub(crate) fn plan(
                     .delay(attempts)
                     .max(retry_after.unwrap_or_default())
                     .max(behind.unwrap_or_default());
-                (message, attempts, delay)
+                (message, attempts, delay, false)
             }
-            Outcome::Sent(Err(DeliveryError::Permanent { message })) => {
-                let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
-                (format!("permanent: {message}"), attempts, Duration::ZERO)
-            }
+            Outcome::Sent(Err(DeliveryError::Permanent { message })) => (
+                format!("permanent: {message}"),
+                row.attempts.saturating_add(1),
+                Duration::ZERO,
+                true,
+            ),
             Outcome::TooLarge { bytes, limit } => {
-                let attempts = row.attempts.saturating_add(1).max(backoff.max_attempts);
                 let message = format!(
                     "permanent: {sink}: event too large: its payload is {bytes} bytes, over the limit of {limit} \
                      (--max-event-bytes, or the sink's max payload); it was not sent"
                 );
-                (message, attempts, Duration::ZERO)
+                (message, row.attempts.saturating_add(1), Duration::ZERO, true)
             }
             // The sink, not the event, failed: no attempt is spent. The row
             // comes due again after one probe interval, so a route that is
@@ -254,6 +259,7 @@ pub(crate) fn plan(
                     format!("sink unavailable: {message}"),
                     row.attempts,
                     delay,
+                    false,
                 );
                 block(&mut blocked, k, row.id, delay);
                 continue;
@@ -265,21 +271,22 @@ pub(crate) fn plan(
                     _ => HELD_BACK.to_owned(),
                 };
                 let delay = behind.unwrap_or_default();
-                failures.push(row.id, message, row.attempts, delay);
+                failures.push(row.id, message, row.attempts, delay, false);
                 block(&mut blocked, k, row.id, delay);
                 continue;
             }
         };
         block(&mut blocked, k, row.id, delay);
         failures.failed += 1;
-        if backoff.is_dead(attempts) {
+        let dead = permanent || backoff.is_dead(attempts);
+        if dead {
             failures.dead += 1;
             tracing::warn!(id = row.id, event_id = %row.event_id, attempts, error = %message, "dead letter");
         } else {
             failures.soonest = Some(failures.soonest.map_or(delay, |s| s.min(delay)));
         }
         failures.first_error.get_or_insert_with(|| message.clone());
-        failures.push(row.id, message, attempts, delay);
+        failures.push(row.id, message, attempts, delay, dead);
     }
     plan.blocked = blocked
         .into_iter()
@@ -412,7 +419,8 @@ mod tests {
         assert_eq!(plan.published, 2);
         assert_eq!(plan.failures.ids, [2]);
         assert_eq!(plan.failures.dead, 1);
-        assert_eq!(plan.failures.attempts, [Backoff::default().max_attempts]);
+        assert_eq!(plan.failures.attempts, [1], "one attempt, and dead");
+        assert_eq!(plan.failures.dead_letter, [true]);
         assert!(
             plan.failures.errors[0].starts_with("permanent: redis: event too large"),
             "{}",

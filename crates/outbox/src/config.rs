@@ -21,6 +21,11 @@ pub struct Config {
     /// How [`migrate`](crate::migrate) creates the table (default plain).
     /// An existing table keeps its layout.
     pub layout: Layout,
+    /// The attempt limit rows were judged by before dead letters were
+    /// recorded in the row (default 5). Only [`migrate`](crate::migrate)
+    /// reads it, once: the migration that adds `dead_at` marks the
+    /// unpublished rows with this many attempts as dead letters.
+    pub dead_after_attempts: i32,
 }
 
 /// How the outbox table is laid out.
@@ -38,6 +43,10 @@ pub enum Layout {
 /// to share evenly, few enough that a relay's lease check stays cheap.
 pub const DEFAULT_PARTITIONS: u32 = 64;
 
+/// The relay's default attempt limit (`--max-attempts`), and what
+/// [`Config::dead_after_attempts`] defaults to.
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 5;
+
 /// The most partitions [`Config::with_partitions`] accepts.
 pub const MAX_PARTITIONS: u32 = 4096;
 
@@ -49,6 +58,7 @@ impl Default for Config {
             channel: Ident::new("--channel", "outbox_new").expect("valid literal"),
             partitions: DEFAULT_PARTITIONS,
             layout: Layout::Plain,
+            dead_after_attempts: DEFAULT_MAX_ATTEMPTS,
         }
     }
 }
@@ -86,6 +96,14 @@ impl Config {
         }
         self.partitions = n;
         Ok(self)
+    }
+
+    /// Marks unpublished rows with `n` attempts or more as dead letters
+    /// when the migration recording dead letters in the row runs (see
+    /// [`Config::dead_after_attempts`]).
+    pub fn with_dead_after_attempts(mut self, n: i32) -> Self {
+        self.dead_after_attempts = n;
+        self
     }
 
     /// `"schema"."table"`, for SQL text.

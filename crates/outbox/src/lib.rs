@@ -66,7 +66,7 @@ pub mod webhooks;
 pub mod worker;
 mod writer;
 
-pub use config::{Config, DEFAULT_PARTITIONS, InboxConfig, Layout, MAX_PARTITIONS};
+pub use config::{Config, DEFAULT_MAX_ATTEMPTS, DEFAULT_PARTITIONS, InboxConfig, Layout, MAX_PARTITIONS};
 pub use error::Error;
 pub use event::{Event, OutboxRow};
 pub use ident::Ident;

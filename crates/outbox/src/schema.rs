@@ -40,6 +40,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "relay_leases",
         template: include_str!("../migrations/outbox/0003_relay_leases.sql"),
     },
+    Migration {
+        version: 4,
+        name: "dead_at",
+        template: include_str!("../migrations/outbox/0004_dead_at.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -52,6 +57,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     },
     OUTBOX_MIGRATIONS[1],
     OUTBOX_MIGRATIONS[2],
+    OUTBOX_MIGRATIONS[3],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -61,7 +67,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 3;
+pub const OUTBOX_VERSION: i32 = 4;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 
@@ -102,6 +108,8 @@ impl Target {
                     "{unpublished_idx}",
                     t.suffixed("--table", "_unpublished_idx")?.quoted(),
                 ),
+                ("{dead_idx}", t.suffixed("--table", "_dead_idx")?.quoted()),
+                ("{max_attempts}", config.dead_after_attempts.to_string()),
                 (
                     "{pending_by_aggregate_idx}",
                     t.suffixed("--table", "_pending_by_aggregate_idx")?.quoted(),

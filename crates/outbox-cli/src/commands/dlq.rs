@@ -15,7 +15,7 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
     match command {
         DlqCommand::List { json, limit } => {
             let dead = sql
-                .dead_letters(&client, g.max_attempts, limit)
+                .dead_letters(&client, limit)
                 .await
                 .context("listing dead letters")?;
             if json {
@@ -45,12 +45,18 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        DlqCommand::Requeue(args) => requeue(&client, &sql, &config, g.max_attempts, args).await?,
+        DlqCommand::Requeue(args) => requeue(&client, &sql, &config, args).await?,
         DlqCommand::GiveUp { id } => {
             let n = sql
-                .give_up(&client, g.max_attempts, &id)
+                .give_up(&client, &id)
                 .await
                 .context("giving up on dead letters")?;
+            if n == 0 {
+                anyhow::bail!(
+                    "none of the ids {id:?} is a dead letter in {} that was not given up on already (see `outbox dlq list`)",
+                    config.display_name()
+                );
+            }
             if n > 0 {
                 // The aggregates' later events may be claimable now.
                 sql.notify(&client, config.channel.as_str())
@@ -67,12 +73,10 @@ async fn requeue(
     client: &tokio_postgres::Client,
     sql: &outbox::sql::OutboxSql,
     config: &outbox::Config,
-    max_attempts: i32,
     args: RequeueArgs,
 ) -> anyhow::Result<()> {
     // `--all` is the absence of filters; other selectors narrow it.
     let filter = DeadFilter {
-        max_attempts,
         ids: (!args.id.is_empty()).then_some(&args.id),
         aggregate_type: args.aggregate_type.as_deref(),
         error_contains: args.error_contains.as_deref(),
@@ -82,6 +86,7 @@ async fn requeue(
             .count_dead(client, &filter)
             .await
             .context("counting dead letters")?;
+        no_match(n == 0, &args, config)?;
         println!("would requeue {n} dead letters in {}", config.display_name());
         return Ok(());
     }
@@ -89,6 +94,7 @@ async fn requeue(
         .requeue_dead(client, &filter)
         .await
         .context("requeueing dead letters")?;
+    no_match(n == 0, &args, config)?;
     if n > 0 {
         // Requeued rows produce no INSERT, so wake the relays explicitly.
         sql.notify(client, config.channel.as_str())
@@ -96,5 +102,29 @@ async fn requeue(
             .context("notifying relays")?;
     }
     println!("requeued {n} dead letters in {}", config.display_name());
+    Ok(())
+}
+
+/// A selector (`--id`, `--aggregate-type`, `--error-contains`) that matched
+/// no dead letter is an error (exit 1), so a script notices a typo; `--all`
+/// with nothing dead is not.
+fn no_match(none: bool, args: &RequeueArgs, config: &outbox::Config) -> anyhow::Result<()> {
+    let mut selectors = Vec::new();
+    if !args.id.is_empty() {
+        selectors.push(format!("--id {:?}", args.id));
+    }
+    if let Some(t) = &args.aggregate_type {
+        selectors.push(format!("--aggregate-type {t:?}"));
+    }
+    if let Some(e) = &args.error_contains {
+        selectors.push(format!("--error-contains {e:?}"));
+    }
+    if none && !selectors.is_empty() {
+        anyhow::bail!(
+            "no dead letter in {} matches {} (see `outbox dlq list`)",
+            config.display_name(),
+            selectors.join(" ")
+        );
+    }
     Ok(())
 }

@@ -16,7 +16,9 @@ pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("migrating the inbox {}", config.display_name()))?
     } else {
-        let mut config = super::outbox_config(g)?.with_partitions(args.partitions)?;
+        let mut config = super::outbox_config(g)?
+            .with_partitions(args.partitions)?
+            .with_dead_after_attempts(g.max_attempts);
         if args.partition_by == Some(PartitionBy::Day) {
             config.layout = outbox::Layout::Daily;
         }

@@ -37,7 +37,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     let by_partition = sql
-        .partition_backlog(&client, g.max_attempts)
+        .partition_backlog(&client)
         .await
         .context("reading the partition backlog")?;
     let relays: Vec<LiveRelay> = sql

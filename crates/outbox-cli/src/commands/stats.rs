@@ -26,7 +26,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     let by_type = sql
-        .stats(&client, g.max_attempts)
+        .stats(&client)
         .await
         .context("reading outbox statistics")?;
     let oldest = by_type.iter().filter_map(|t| t.oldest_unpublished).min();

@@ -11,16 +11,17 @@ use outbox::Config;
 const ROW_COLUMNS: &str =
     "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
 
-/// `$1` max attempts, `$2` limit. The reference relay's claim: a batch of
-/// due rows, locked for the transaction, in id order.
+/// `$1` limit. The reference relay's claim: a batch of due rows that are
+/// not dead letters, locked for the transaction, in id order. It names
+/// `dead_at` so it walks the same partial index as the relay's claim.
 const SELECT_BATCH: &str = "SELECT {cols} FROM {t} \
-      WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
-      ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
+      WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
+      ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
 
 /// `$1` limit. Claim and mark in one statement with no sink in between:
 /// the floor any relay's claim and mark cost.
 const CLAIM_AND_MARK: &str = "UPDATE {t} SET published_at = clock_timestamp() WHERE id IN ( \
-        SELECT id FROM {t} WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() \
+        SELECT id FROM {t} WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)";
 
 /// `$1` id. One row at a time, as the reference relay marks. Primary key

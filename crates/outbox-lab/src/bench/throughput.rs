@@ -133,7 +133,7 @@ impl Scratch {
         let started = Instant::now();
         loop {
             let tx = client.transaction().await?;
-            let rows = tx.query(&claim, &[&i32::MAX, &limit]).await?;
+            let rows = tx.query(&claim, &[&limit]).await?;
             if rows.is_empty() {
                 break;
             }

@@ -330,7 +330,7 @@ impl AmqpSink {
             match tokio::time::timeout_at(confirm_deadline, confirm).await {
                 Ok(Ok(confirmation)) => Ok((route, confirmation)),
                 Ok(Err(e)) => Err(confirm_failed(&e, size)),
-                Err(_) => Err(DeliveryError::retryable(format!(
+                Err(_) => Err(DeliveryError::unavailable(format!(
                     "amqp: no publisher confirm within {:?}",
                     self.timeout
                 ))),
@@ -403,7 +403,25 @@ fn confirm_failed(e: &lapin::Error, size: usize) -> DeliveryError {
             "amqp: a message of {size} bytes is too large for the broker (its max_message_size): {text}"
         ));
     }
-    DeliveryError::retryable(format!("amqp: waiting for the publisher confirm: {text}"))
+    let message = format!("amqp: waiting for the publisher confirm: {text}");
+    if connection_lost(e) {
+        DeliveryError::unavailable(message)
+    } else {
+        DeliveryError::retryable(message)
+    }
+}
+
+/// Whether `e` is about the connection (the broker closed it, shutting down
+/// or refusing us; IO failed; heartbeats stopped) rather than one channel
+/// or message: the sink is unavailable.
+fn connection_lost(e: &lapin::Error) -> bool {
+    use lapin::ErrorKind as K;
+    use lapin::protocol::AMQPErrorKind;
+    match e.kind() {
+        K::ProtocolError(amqp) => matches!(amqp.kind(), AMQPErrorKind::Hard(_)),
+        K::IOError(_) | K::InvalidConnectionState(_) | K::MissingHeartbeatError => true,
+        _ => false,
+    }
 }
 
 fn collect_return(

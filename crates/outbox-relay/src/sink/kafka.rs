@@ -416,8 +416,14 @@ fn classify(error: &KafkaError, topic: &str, timeout: Duration) -> DeliveryError
         Some(C::MessageTimedOut) => DeliveryError::unavailable(format!(
             "kafka: no acknowledgement for topic {topic:?} within {timeout:?} (brokers down or unreachable?)"
         )),
+        // `Unknown` is the broker's UNKNOWN_SERVER_ERROR: a failure of the
+        // broker, not of the record (tansu answers it while shutting down).
         Some(
-            C::AllBrokersDown | C::BrokerTransportFailure | C::SaslAuthenticationFailed | C::Authentication,
+            C::AllBrokersDown
+            | C::BrokerTransportFailure
+            | C::SaslAuthenticationFailed
+            | C::Authentication
+            | C::Unknown,
         ) => DeliveryError::unavailable(format!("kafka: writing to topic {topic:?}: {error}")),
         Some(C::UnknownTopic | C::UnknownTopicOrPartition) => DeliveryError::retryable(format!(
             "kafka: topic {topic:?} does not exist; create it, e.g. \
@@ -588,11 +594,17 @@ mod tests {
             RDKafkaErrorCode::MessageTimedOut,
             RDKafkaErrorCode::AllBrokersDown,
             RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::Unknown,
+        ] {
+            assert!(classify(&production(code), "t", t).is_unavailable(), "{code:?}");
+        }
+        for code in [
             RDKafkaErrorCode::QueueFull,
             RDKafkaErrorCode::NotEnoughReplicas,
             RDKafkaErrorCode::UnknownTopicOrPartition,
         ] {
-            assert!(classify(&production(code), "t", t).is_retryable(), "{code:?}");
+            let error = classify(&production(code), "t", t);
+            assert!(error.is_retryable() && !error.is_unavailable(), "{code:?}");
         }
         let e = classify(&production(RDKafkaErrorCode::MessageTimedOut), "t", t).to_string();
         assert!(e.contains("kafka") && e.contains("no acknowledgement"), "{e}");

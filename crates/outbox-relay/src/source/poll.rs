@@ -171,7 +171,6 @@ impl PollSource {
             relay_id: Uuid::new_v4(),
             name: self.config.name.clone().unwrap_or_else(default_name),
             timeout: self.config.lease_timeout,
-            max_attempts: self.config.backoff.max_attempts,
             poll: self.config.poll_interval,
         };
         self.leases = Some(Leases::start(settings, &self.sql));
@@ -271,7 +270,6 @@ impl PollSource {
         let client = &s.client;
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
-            max_attempts: self.config.backoff.max_attempts,
             limit: i64::from(self.config.batch_size),
             scope: match &lease {
                 None => ClaimScope::All,
@@ -302,6 +300,7 @@ impl PollSource {
                             errors: &f.errors,
                             attempts: &f.attempts,
                             delay_ms: &f.delay_ms,
+                            dead: &f.dead_letter,
                         };
                         s.statements.mark_failed(client, &failed).await
                     }
@@ -420,8 +419,7 @@ impl PollSource {
     /// fallback poll. Run once per (re)connect: this relay tracks the retries
     /// it schedules itself.
     async fn learn_next_retry(&mut self, s: &Session) {
-        let max_attempts = self.config.backoff.max_attempts;
-        let due_in = s.statements.next_retry(&s.client, max_attempts).await;
+        let due_in = s.statements.next_retry(&s.client).await;
         match due_in {
             Ok(due_in) => {
                 if let Some(secs) = due_in.filter(|s| *s > 0.0) {

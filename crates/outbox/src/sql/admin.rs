@@ -19,7 +19,7 @@ pub struct TypeStats {
     pub aggregate_type: String,
     /// Rows waiting for delivery (not dead letters).
     pub unpublished: i64,
-    /// Rows past the attempt limit that nobody gave up on.
+    /// Dead letters (`dead_at` set) that nobody gave up on.
     pub dead_letters: i64,
     /// Dead letters given up on (`dlq give-up`).
     pub given_up: i64,
@@ -48,6 +48,9 @@ pub struct DeadLetter {
     pub last_error: Option<String>,
     /// When the writer inserted it.
     pub created_at: DateTime<Utc>,
+    /// When it became a dead letter (its last attempt, or a permanent
+    /// failure).
+    pub dead_at: Option<DateTime<Utc>>,
     /// Set by `dlq give-up`: kept for the record, no longer blocking.
     pub given_up_at: Option<DateTime<Utc>>,
 }
@@ -56,8 +59,6 @@ pub struct DeadLetter {
 /// narrows; none set means all of them.
 #[derive(Debug, Clone, Copy)]
 pub struct DeadFilter<'a> {
-    /// Dead-letter threshold.
-    pub max_attempts: i32,
     /// Only these row ids.
     pub ids: Option<&'a [i64]>,
     /// Only this aggregate type.
@@ -67,9 +68,8 @@ pub struct DeadFilter<'a> {
 }
 
 impl DeadFilter<'_> {
-    fn params(&self) -> [Param<'_>; 4] {
+    fn params(&self) -> [Param<'_>; 3] {
         [
-            &self.max_attempts,
             &self.ids,
             &self.aggregate_type,
             &self.error_contains,
@@ -105,12 +105,8 @@ pub struct PartitionRow {
 
 impl OutboxSql {
     /// Unpublished rows per aggregate type, types in order.
-    pub async fn stats(
-        &self,
-        client: &impl GenericClient,
-        max_attempts: i32,
-    ) -> Result<Vec<TypeStats>, Error> {
-        let rows = client.query(self.stats.as_str(), &[&max_attempts]).await?;
+    pub async fn stats(&self, client: &impl GenericClient) -> Result<Vec<TypeStats>, Error> {
+        let rows = client.query(self.stats.as_str(), &[]).await?;
         rows.iter()
             .map(|r| {
                 Ok(TypeStats {
@@ -126,29 +122,15 @@ impl OutboxSql {
     }
 
     /// Up to `limit` dead letters, oldest first.
-    pub async fn dead_letters(
-        &self,
-        client: &impl GenericClient,
-        max_attempts: i32,
-        limit: i64,
-    ) -> Result<Vec<DeadLetter>, Error> {
-        let rows = client
-            .query(self.list_dead.as_str(), &[&max_attempts, &limit])
-            .await?;
+    pub async fn dead_letters(&self, client: &impl GenericClient, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+        let rows = client.query(self.list_dead.as_str(), &[&limit]).await?;
         rows.iter().map(dead_letter).collect()
     }
 
     /// Gives up on the dead letters among `ids`: they stay for inspection
     /// but no longer hold their aggregate back. Returns rows changed.
-    pub async fn give_up(
-        &self,
-        client: &impl GenericClient,
-        max_attempts: i32,
-        ids: &[i64],
-    ) -> Result<u64, Error> {
-        client
-            .execute(self.give_up_dead.as_str(), &[&max_attempts, &ids])
-            .await
+    pub async fn give_up(&self, client: &impl GenericClient, ids: &[i64]) -> Result<u64, Error> {
+        client.execute(self.give_up_dead.as_str(), &[&ids]).await
     }
 
     /// How many dead letters `filter` matches.
@@ -195,15 +177,10 @@ impl OutboxSql {
             .collect()
     }
 
-    /// Every partition with its owner and backlog. Reads every unpublished row.
-    pub async fn partition_backlog(
-        &self,
-        client: &impl GenericClient,
-        max_attempts: i32,
-    ) -> Result<Vec<PartitionRow>, Error> {
-        let rows = client
-            .query(self.partition_backlog.as_str(), &[&max_attempts])
-            .await?;
+    /// Every partition with its owner and backlog. Reads every row waiting
+    /// for delivery.
+    pub async fn partition_backlog(&self, client: &impl GenericClient) -> Result<Vec<PartitionRow>, Error> {
+        let rows = client.query(self.partition_backlog.as_str(), &[]).await?;
         rows.iter()
             .map(|r| {
                 Ok(PartitionRow {
@@ -226,6 +203,7 @@ fn dead_letter(r: &Row) -> Result<DeadLetter, Error> {
         attempts: r.try_get(5)?,
         last_error: r.try_get(6)?,
         created_at: r.try_get(7)?,
-        given_up_at: r.try_get(8)?,
+        dead_at: r.try_get(8)?,
+        given_up_at: r.try_get(9)?,
     })
 }

@@ -38,8 +38,9 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
             WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
       ORDER BY e.ord";
 
-/// `$1` max attempts, `$2` batch size. Walks the partial index
-/// `<table>_unpublished_idx (id) WHERE published_at IS NULL` in id order,
+/// `$1` batch size. Walks the partial index
+/// `<table>_unpublished_idx (id) WHERE published_at IS NULL AND dead_at IS
+/// NULL` in id order,
 /// skips rows another relay holds, and marks what it locked published in the
 /// same statement. The mark is only a promise: the relay commits it after the
 /// sink acknowledged the rows and turns failed rows back into unpublished ones
@@ -49,18 +50,18 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
 /// `RETURNING` order is unspecified: the relay sorts by id.
 const CLAIM_BATCH: &str = "WITH claimed AS ( \
         SELECT id, created_at FROM {t} \
-         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
-         ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
 
-/// The logical partition of a row (`$5` partitions): a stable hash of its
+/// The logical partition of a row (`$4` partitions): a stable hash of its
 /// aggregate_id, the same expression the tick function uses.
-const PARTITION_OF: &str = "((hashtextextended({a}aggregate_id, 0) % $5::int8 + $5::int8) % $5::int8)::int4";
+const PARTITION_OF: &str = "((hashtextextended({a}aggregate_id, 0) % $4::int8 + $4::int8) % $4::int8)::int4";
 
-/// What a relay sharing the outbox adds to its claim: `$3` its id, `$4` the
-/// partitions it may claim, `$5` the partition count.
+/// What a relay sharing the outbox adds to its claim: `$2` its id, `$3` the
+/// partitions it may claim, `$4` the partition count.
 ///
 /// `lease` reads those lease rows `FOR SHARE`, counting the ones that still
 /// name this relay. Every change of owner is an UPDATE of a lease row, which
@@ -71,15 +72,15 @@ const PARTITION_OF: &str = "((hashtextextended({a}aggregate_id, 0) % $5::int8 + 
 /// claimed and the next tick corrects the relay's view. Rows are filtered by
 /// array membership, one hash per row.
 const LEASE_CTE: &str = "lease AS (SELECT count(*) AS held FROM ( \
-        SELECT 1 FROM {leases} AS l WHERE l.owner = $3 AND l.partition = ANY($4::int4[]) FOR SHARE) AS mine), ";
-const LEASE_GATE: &str = "AND (SELECT held FROM lease) = cardinality($4::int4[])";
+        SELECT 1 FROM {leases} AS l WHERE l.owner = $2 AND l.partition = ANY($3::int4[]) FOR SHARE) AS mine), ";
+const LEASE_GATE: &str = "AND (SELECT held FROM lease) = cardinality($3::int4[])";
 
 /// `CLAIM_BATCH` restricted to the partitions this relay holds.
 const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
         SELECT id, created_at FROM {t} \
-         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
-           AND {partition_of} = ANY($4::int4[]) \
-         ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
+           AND {partition_of} = ANY($3::int4[]) \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {ocols}";
@@ -91,9 +92,9 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
 /// batch-1 claim's WAL) and, while the relay's two batches overlap, a
 /// MultiXact.
 ///
-/// `peek` reads, without locking, the partitions of the first `2 × $2` due
-/// rows: at most `$2` of them are locked by this relay's other batch in
-/// flight, so the first `$2` unlocked rows are among them, and the claim
+/// `peek` reads, without locking, the partitions of the first `2 × $1` due
+/// rows: at most `$1` of them are locked by this relay's other batch in
+/// flight, so the first `$1` unlocked rows are among them, and the claim
 /// returns what `CLAIM_BATCH_LEASED` would. `lease` locks those lease rows
 /// that still name this relay, `FOR SHARE`, in an InitPlan the claim's
 /// filter evaluates before its first row lock: as before, every row is
@@ -102,17 +103,17 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
 const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
         SELECT DISTINCT {partition_of_d} AS partition FROM ( \
             SELECT aggregate_id FROM {t} \
-             WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
-               AND {partition_of} = ANY($4::int4[]) \
-             ORDER BY id LIMIT 2 * $2::int8) AS d), \
+             WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
+               AND {partition_of} = ANY($3::int4[]) \
+             ORDER BY id LIMIT 2 * $1::int8) AS d), \
      lease AS (SELECT coalesce(array_agg(mine.partition), '{}') AS held FROM ( \
         SELECT l.partition FROM {leases} AS l \
-         WHERE l.owner = $3 AND l.partition IN (SELECT partition FROM peek) FOR SHARE) AS mine), \
+         WHERE l.owner = $2 AND l.partition IN (SELECT partition FROM peek) FOR SHARE) AS mine), \
      claimed AS ( \
         SELECT id, created_at FROM {t} \
-         WHERE published_at IS NULL AND next_attempt_at <= clock_timestamp() AND attempts < $1 \
+         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
            AND {partition_of} = ANY((SELECT held FROM lease)::int4[]) \
-         ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {ocols}";
@@ -123,29 +124,31 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
 /// batch in flight (whose mark is not committed). So at most one event per
 /// aggregate per batch, and an aggregate stops at its first undelivered
 /// event. The `NOT EXISTS` is one probe of
-/// `<table>_pending_by_aggregate_idx`. Per-aggregate-type modes: `$6` the aggregate types whose mode is
-/// not the default, `$7` whether the default is strict. A row is held to
+/// `<table>_pending_by_aggregate_idx`. Per-aggregate-type modes: `$5` the
+/// aggregate types whose mode is not the default, `$6` whether the default
+/// is strict. A row is held to
 /// strict order when exactly one of "its type is listed" and "the default
 /// is strict" holds; the others skip the `NOT EXISTS` probe.
 const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} claimed AS ( \
         SELECT c.id, c.created_at FROM {t} AS c \
-         WHERE c.published_at IS NULL AND c.next_attempt_at <= clock_timestamp() AND c.attempts < $1 \
-           AND {partition_of_c} = ANY($4::int4[]) \
-           AND ((c.aggregate_type = ANY($6::text[])) = $7::bool OR NOT EXISTS (SELECT 1 FROM {t} AS e \
+         WHERE c.published_at IS NULL AND c.dead_at IS NULL AND c.next_attempt_at <= clock_timestamp() \
+           AND {partition_of_c} = ANY($3::int4[]) \
+           AND ((c.aggregate_type = ANY($5::text[])) = $6::bool OR NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL)) \
-         ORDER BY c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) \
+         ORDER BY c.id LIMIT $1 FOR UPDATE OF c SKIP LOCKED) \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {ocols}";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
-/// is dead, `$4` max attempts, `$5`/`$6` its batch connections' pids and
-/// start times. One relay tick (heartbeat and rebalance; see migration
-/// 0003): the partitions it holds, whether each is being released, whether
-/// any of them has a row due, and the partition count.
+/// is dead, `$4`/`$5` its batch connections' pids and start times. One
+/// relay tick (heartbeat and rebalance; see migrations 0003 and 0004): the
+/// partitions it holds, whether each is being released, whether any of them
+/// has a row due, and the partition count. The function's `max_attempts`
+/// argument is unused since dead letters are recorded in the row (0004).
 const RELAY_TICK: &str = "SELECT partition, releasing, due, partitions \
-       FROM {tick_fn}($1, $2, make_interval(secs => $3), $4, $5::int4[], $6::timestamptz[])";
+       FROM {tick_fn}($1, $2, make_interval(secs => $3), 0, $4::int4[], $5::timestamptz[])";
 
 /// `$1` relay id. A relay leaving: its partitions go to the others at
 /// their next tick, without waiting for the heartbeat to expire.
@@ -159,65 +162,68 @@ const RELAYS: &str = "SELECT r.relay_id, r.name, r.started_at, \
        FROM {relays} AS r LEFT JOIN {leases} AS l ON l.owner = r.relay_id \
       GROUP BY r.relay_id ORDER BY r.started_at, r.relay_id";
 
-/// `$1` max attempts. Every partition with its owner (NULL: none) and its
-/// pending rows (not published, not dead). Reads every unpublished row.
+/// Every partition with its owner (NULL: none) and its pending rows (not
+/// published, not dead), through the claim's partial index.
 const PARTITION_BACKLOG: &str = "WITH n AS (SELECT count(*)::int8 AS n FROM {leases}), \
      pending AS ( \
         SELECT ((hashtextextended(o.aggregate_id, 0) % n.n + n.n) % n.n)::int4 AS partition, count(*) AS rows \
-          FROM {t} AS o, n WHERE o.published_at IS NULL AND o.attempts < $1 GROUP BY 1) \
+          FROM {t} AS o, n WHERE o.published_at IS NULL AND o.dead_at IS NULL GROUP BY 1) \
      SELECT l.partition, l.owner, coalesce(p.rows, 0) AS rows \
        FROM {leases} AS l LEFT JOIN pending AS p ON p.partition = l.partition ORDER BY l.partition";
 
-/// `$1` max attempts, `$2` ids. Gives up on dead letters: they stay for
-/// inspection but no longer hold their aggregate back in strict mode.
+/// `$1` ids. Gives up on dead letters: they stay for inspection but no
+/// longer hold their aggregate back in strict mode.
 const GIVE_UP_DEAD: &str = "UPDATE {t} SET given_up_at = clock_timestamp() \
-      WHERE id = ANY($2::int8[]) AND published_at IS NULL AND attempts >= $1 AND given_up_at IS NULL";
+      WHERE id = ANY($1::int8[]) AND published_at IS NULL AND dead_at IS NOT NULL AND given_up_at IS NULL";
 
-/// `$1` max attempts. Seconds until the next row waiting for a retry comes due
-/// (NULL if none; negative if one is due now), so an
-/// idle relay sleeps until then instead of polling. Reads every unpublished
-/// row, so the relay runs it only after (re)connecting, not per poll.
+/// Seconds until the next row waiting for a retry comes due (NULL if none;
+/// negative if one is due now), so an idle relay sleeps until then instead
+/// of polling. Reads every row of the claim's partial index, so the relay
+/// runs it only after (re)connecting, not per poll.
 const NEXT_RETRY: &str = "SELECT extract(epoch FROM min(next_attempt_at) - clock_timestamp())::float8 FROM {t} \
-      WHERE published_at IS NULL AND attempts < $1";
+      WHERE published_at IS NULL AND dead_at IS NULL";
 
 /// Parallel arrays: id, last_error, new attempts, delay in milliseconds until
-/// the next attempt. One statement for every failed row of a batch, in the
-/// claim's transaction: it takes back the claim's mark (`published_at`). The
-/// clock is read once (the CTE) so rows given equal delays come due at the
-/// same instant and keep their id order.
+/// the next attempt, whether the row is now a dead letter. One statement for
+/// every failed row of a batch, in the claim's transaction: it takes back the
+/// claim's mark (`published_at`). The clock is read once (the CTE) so rows
+/// given equal delays come due at the same instant and keep their id order.
 const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
      UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
-            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', published_at = NULL \
-       FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[]) AS f(id, error, attempts, delay_ms) \
+            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', published_at = NULL, \
+            dead_at = CASE WHEN f.dead THEN now.at END \
+       FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[], $5::bool[]) \
+            AS f(id, error, attempts, delay_ms, dead) \
       WHERE o.id = f.id";
 
-/// `$1` max attempts. Unpublished rows per aggregate type: waiting for
-/// delivery, dead letters, given up, aggregates a dead letter blocks in
-/// strict mode, oldest waiting. Scans the partial index only.
+/// Unpublished rows per aggregate type: waiting for delivery, dead letters,
+/// given up, aggregates a dead letter blocks in strict mode, oldest waiting.
+/// Scans the unpublished rows only.
 const STATS: &str = "SELECT aggregate_type, \
-            count(*) FILTER (WHERE attempts < $1) AS unpublished, \
-            count(*) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS dead_letters, \
+            count(*) FILTER (WHERE dead_at IS NULL) AS unpublished, \
+            count(*) FILTER (WHERE dead_at IS NOT NULL AND given_up_at IS NULL) AS dead_letters, \
             count(*) FILTER (WHERE given_up_at IS NOT NULL) AS given_up, \
-            count(DISTINCT aggregate_id) FILTER (WHERE attempts >= $1 AND given_up_at IS NULL) AS blocked_aggregates, \
-            min(created_at) FILTER (WHERE attempts < $1) AS oldest_unpublished \
+            count(DISTINCT aggregate_id) FILTER (WHERE dead_at IS NOT NULL AND given_up_at IS NULL) AS blocked_aggregates, \
+            min(created_at) FILTER (WHERE dead_at IS NULL) AS oldest_unpublished \
        FROM {t} WHERE published_at IS NULL GROUP BY aggregate_type ORDER BY aggregate_type";
 
-/// `$1` max attempts, `$2` limit. Dead letters oldest first.
-const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, given_up_at \
-       FROM {t} WHERE published_at IS NULL AND attempts >= $1 ORDER BY id LIMIT $2";
+/// `$1` limit. Dead letters oldest first, through `<table>_dead_idx`.
+const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, \
+            dead_at, given_up_at \
+       FROM {t} WHERE published_at IS NULL AND dead_at IS NOT NULL ORDER BY id LIMIT $1";
 
-/// The dead-letter filter shared by requeue and its dry run: `$1` max
-/// attempts, `$2` ids or NULL, `$3` aggregate type or NULL, `$4` text the
-/// last error contains, or NULL.
-const DEAD_FILTER: &str = "published_at IS NULL AND attempts >= $1 \
-        AND ($2::int8[] IS NULL OR id = ANY($2::int8[])) \
-        AND ($3::text IS NULL OR aggregate_type = $3::text) \
-        AND ($4::text IS NULL OR strpos(last_error, $4::text) > 0)";
+/// The dead-letter filter shared by requeue and its dry run: `$1` ids or
+/// NULL, `$2` aggregate type or NULL, `$3` text the last error contains, or
+/// NULL.
+const DEAD_FILTER: &str = "published_at IS NULL AND dead_at IS NOT NULL \
+        AND ($1::int8[] IS NULL OR id = ANY($1::int8[])) \
+        AND ($2::text IS NULL OR aggregate_type = $2::text) \
+        AND ($3::text IS NULL OR strpos(last_error, $3::text) > 0)";
 
 /// Puts matching dead letters (given up on or not) back in line;
 /// `last_error` stays for the record.
 const REQUEUE_DEAD: &str =
-    "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp(), given_up_at = NULL WHERE {dead}";
+    "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL, given_up_at = NULL WHERE {dead}";
 
 /// What [`REQUEUE_DEAD`] would touch.
 const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";

@@ -21,9 +21,7 @@ type Param<'p> = &'p (dyn ToSql + Sync);
 /// What one claim asks for.
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimParams<'a> {
-    /// Rows with this many attempts are dead letters, never claimed.
-    pub max_attempts: i32,
-    /// The batch size.
+    /// The batch size (dead letters are never claimed: `dead_at` is set).
     pub limit: i64,
     /// Which rows this relay may claim.
     pub scope: ClaimScope<'a>,
@@ -73,6 +71,8 @@ pub struct MarkFailedParams<'a> {
     pub attempts: &'a [i32],
     /// Milliseconds until each row's next attempt.
     pub delay_ms: &'a [f64],
+    /// Whether each row is now a dead letter (`dead_at` is set).
+    pub dead: &'a [bool],
 }
 
 /// One relay heartbeat.
@@ -84,8 +84,6 @@ pub struct TickParams<'a> {
     pub name: &'a str,
     /// Seconds of silence after which a relay counts as dead.
     pub dead_after_secs: f64,
-    /// Dead-letter threshold, for `due`.
-    pub max_attempts: i32,
     /// Its batch connections' backend pids...
     pub backend_pids: &'a [i32],
     /// ...and their start times (a pid alone may be reused).
@@ -185,11 +183,10 @@ impl TickStatement {
     /// partitions it holds, whether each is being released, whether any of
     /// them has a row due, and the partition count.
     pub async fn run(&self, client: &Client, p: &TickParams<'_>) -> Result<Vec<TickRow>, Error> {
-        let params: [Param<'_>; 6] = [
+        let params: [Param<'_>; 5] = [
             &p.relay_id,
             &p.name,
             &p.dead_after_secs,
-            &p.max_attempts,
             &p.backend_pids,
             &p.backend_starts,
         ];
@@ -224,7 +221,7 @@ impl Shape {
 
 /// Which claim `p` needs and its parameters, in `$n` order.
 fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
-    let mut params: Vec<Param<'a>> = vec![&p.max_attempts, &p.limit];
+    let mut params: Vec<Param<'a>> = vec![&p.limit];
     let shape = match &p.scope {
         ClaimScope::All => Shape::All,
         ClaimScope::Partitions(l) => {
@@ -266,15 +263,15 @@ impl RelayStatements {
     /// Turns failed rows of the claim back into unpublished ones with their
     /// retry time. Returns rows updated.
     pub async fn mark_failed(&self, client: &Client, p: &MarkFailedParams<'_>) -> Result<u64, Error> {
-        let params: [Param<'_>; 4] = [&p.ids, &p.errors, &p.attempts, &p.delay_ms];
+        let params: [Param<'_>; 5] = [&p.ids, &p.errors, &p.attempts, &p.delay_ms, &p.dead];
         client.execute(&self.mark_failed, &params).await
     }
 
     /// Seconds until the next row waiting for a retry comes due: `None` if
     /// none waits, negative if one is due now.
-    pub async fn next_retry(&self, client: &Client, max_attempts: i32) -> Result<Option<f64>, Error> {
+    pub async fn next_retry(&self, client: &Client) -> Result<Option<f64>, Error> {
         client
-            .query_one(&self.next_retry, &[&max_attempts])
+            .query_one(&self.next_retry, &[])
             .await?
             .try_get(0)
     }

@@ -47,7 +47,6 @@ async fn setup() -> (Db, i32) {
 
 async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i32]) -> Vec<String> {
     let p = ClaimParams {
-        max_attempts: 5,
         limit,
         scope: ClaimScope::Partitions(Partitions {
             relay_id: ME,

@@ -299,7 +299,6 @@ async fn claim_uses_the_partial_index() {
     });
     for (scope, limit) in [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)] {
         let claim = outbox::sql::ClaimParams {
-            max_attempts: 5,
             limit,
             scope,
         };
