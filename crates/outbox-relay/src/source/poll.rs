@@ -433,7 +433,7 @@ impl PollSource {
     }
 
     /// Keeps trying until `connect_timeout`, logging each attempt; a
-    /// schema problem or a permanent failure (`pg::classify`: wrong
+    /// schema problem or a permanent failure (`pg::startup::classify`: wrong
     /// password, no such database, a certificate refused) fails at once.
     async fn connect_at_startup(
         &mut self,
