@@ -15,8 +15,10 @@ use crate::logging::LogFormat;
 /// inspect and requeue dead letters.
 ///
 /// Exit codes: 0 success (including a drain after SIGINT/SIGTERM); 1 runtime
-/// failure (e.g. PostgreSQL unreachable); 2 usage or configuration error (bad
-/// flag, URL, identifier or duration; schema not migrated or too new).
+/// failure (e.g. PostgreSQL unreachable; `relay --drain` made a dead letter or
+/// met an unavailable sink; a `dlq` selector matched nothing); 2 usage or
+/// configuration error (bad flag, URL, identifier or duration; schema not
+/// migrated or too new).
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, max_term_width = 100)]
 pub(crate) struct Cli {

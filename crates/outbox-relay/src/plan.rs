@@ -101,7 +101,7 @@ pub(crate) fn screen(rows: &[OutboxRow], blocked: &Blocked, max_event_bytes: u64
             if holds(blocked, row).is_some() {
                 return Some((i, Outcome::HeldBack));
             }
-            let bytes = payload_bytes(&row.payload);
+            let bytes = outbox::payload_bytes(&row.payload);
             (bytes > max_event_bytes).then_some((
                 i,
                 Outcome::TooLarge {
@@ -147,24 +147,6 @@ impl Screen {
             })
             .collect()
     }
-}
-
-/// The size of a payload as JSON text, counted without building it.
-pub(crate) fn payload_bytes(payload: &serde_json::Value) -> u64 {
-    struct Count(u64);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len() as u64;
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing to a counter cannot fail, and a `Value` always serializes.
-    let _ = serde_json::to_writer(&mut count, payload);
-    count.0
 }
 
 /// What became of one row of a batch: the sink's answer, or kept back by
@@ -401,7 +383,7 @@ mod tests {
     fn a_payload_over_the_limit_never_reaches_the_sink_and_is_dead_at_once() {
         let mut big = row(2, "b");
         big.payload = json!({"blob": "x".repeat(100)});
-        let bytes = payload_bytes(&big.payload);
+        let bytes = outbox::payload_bytes(&big.payload);
         assert_eq!(bytes, big.payload.to_string().len() as u64);
         let rows = [row(1, "a"), big, row(3, "c")];
         let screened = screen(&rows, &Blocked::new(), bytes - 1);

@@ -76,6 +76,30 @@ impl Event {
         self
     }
 
+    /// Refuses an event whose payload (as JSON text) is over `max_bytes`,
+    /// the relay's `--max-event-bytes` (1 MiB by default): the relay would
+    /// make it a dead letter without sending it, so a writer that checks
+    /// first can refuse it while the caller can still react.
+    ///
+    /// ```
+    /// use outbox::Event;
+    /// use serde_json::json;
+    ///
+    /// let event = Event::new("orders", "42", "OrderCreated", json!({"note": "x".repeat(100)}));
+    /// assert!(event.check_size(1024 * 1024).is_ok());
+    /// let err = event.check_size(64).unwrap_err();
+    /// assert!(err.to_string().contains("payload is 113 bytes, over the limit of 64"), "{err}");
+    /// ```
+    pub fn check_size(&self, max_bytes: u64) -> Result<(), Error> {
+        let bytes = payload_bytes(&self.payload);
+        if bytes > max_bytes {
+            return Err(Error::InvalidEvent(format!(
+                "its payload is {bytes} bytes, over the limit of {max_bytes} (the relay's --max-event-bytes)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses events that no sink could route: sinks name streams, subjects
     /// and topics after `aggregate_type`, and order by `aggregate_id`.
     pub(crate) fn validate(&self) -> Result<(), Error> {
@@ -93,6 +117,26 @@ impl Event {
         }
         Ok(())
     }
+}
+
+/// The size of a payload as compact JSON text, the measure of the relay's
+/// `--max-event-bytes` and of [`Event::check_size`]; counted without
+/// building the text.
+pub fn payload_bytes(payload: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter cannot fail, and a `Value` always serializes.
+    let _ = serde_json::to_writer(&mut count, payload);
+    count.0
 }
 
 /// An unpublished row as the relay claims it.

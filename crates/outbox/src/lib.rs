@@ -68,7 +68,7 @@ mod writer;
 
 pub use config::{Config, DEFAULT_MAX_ATTEMPTS, DEFAULT_PARTITIONS, InboxConfig, Layout, MAX_PARTITIONS};
 pub use error::Error;
-pub use event::{Event, OutboxRow};
+pub use event::{Event, OutboxRow, payload_bytes};
 pub use ident::Ident;
 pub use inbox::{Inbox, Processed, Record};
 pub use schema::{INBOX_VERSION, MigrationReport, OUTBOX_VERSION};

@@ -108,6 +108,9 @@ impl Target {
                     "{unpublished_idx}",
                     t.suffixed("--table", "_unpublished_idx")?.quoted(),
                 ),
+                // Qualifies what DROP INDEX names; CREATE INDEX puts an
+                // index in its table's schema.
+                ("{schema}", s.clone()),
                 ("{dead_idx}", t.suffixed("--table", "_dead_idx")?.quoted()),
                 ("{max_attempts}", config.dead_after_attempts.to_string()),
                 (

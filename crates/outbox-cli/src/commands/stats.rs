@@ -25,10 +25,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     let client = super::connect(&super::pg_config(g)?).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
-    let by_type = sql
-        .stats(&client)
-        .await
-        .context("reading outbox statistics")?;
+    let by_type = sql.stats(&client).await.context("reading outbox statistics")?;
     let oldest = by_type.iter().filter_map(|t| t.oldest_unpublished).min();
     let stats = Stats {
         table: config.display_name(),

@@ -85,7 +85,10 @@ async fn nats_without_a_stream_waits_without_spending_attempts_until_one_is_crea
     .await;
     stop_relay(relay).await;
     assert_eq!(stored(&nats).await, 1);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE attempts > 0").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE attempts > 0").await,
+        0
+    );
 }
 
 #[tokio::test]

@@ -37,8 +37,8 @@ async fn past_day(client: &Client, day: NaiveDate, published: i64, pending: i64,
              SELECT 'orders', 'old-' || g, 'E', '{{}}', '{day} 12:00+00', '{day} 12:01+00' FROM generate_series(1, {published}) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at)
              SELECT 'orders', 'pending-' || g, 'E', '{{}}', '{day} 12:00+00' FROM generate_series(1, {pending}) g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts, last_error)
-             SELECT 'orders', 'dead-' || g, 'E', '{{}}', '{day} 12:00+00', 5, 'HTTP 422' FROM generate_series(1, {dead}) g;",
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts, last_error, dead_at)
+             SELECT 'orders', 'dead-' || g, 'E', '{{}}', '{day} 12:00+00', 5, 'HTTP 422', '{day} 12:01+00' FROM generate_series(1, {dead}) g;",
             name = day_name(day)
         ))
         .await
@@ -211,8 +211,8 @@ async fn the_relay_runs_retention_on_either_layout() {
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, published_at)
              SELECT 'orders', g::text, 'E', '{}', now() - interval '3 days', now() - interval '3 days'
                FROM generate_series(1, 30) g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts)
-             SELECT 'orders', 'dead', 'E', '{}', now() - interval '3 days', 5;",
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts, dead_at)
+             SELECT 'orders', 'dead', 'E', '{}', now() - interval '3 days', 5, now() - interval '3 days';",
         )
         .await
         .unwrap();

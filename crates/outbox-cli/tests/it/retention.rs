@@ -17,8 +17,8 @@ async fn cleanup_deletes_only_old_published_rows_in_batches() {
              SELECT 'orders', g::text, 'E', '{}', now() - interval '1 hour' FROM generate_series(1, 300) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at)
              SELECT 'orders', g::text, 'E', '{}', now() - interval '30 days' FROM generate_series(1, 200) g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts, last_error)
-             SELECT 'orders', g::text, 'E', '{}', now() - interval '30 days', 5, 'boom'
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts, last_error, dead_at)
+             SELECT 'orders', g::text, 'E', '{}', now() - interval '30 days', 5, 'boom', now() - interval '30 days'
                FROM generate_series(1, 50) g;",
         )
         .await

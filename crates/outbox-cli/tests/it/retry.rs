@@ -68,8 +68,11 @@ async fn receiver_failing_three_times_is_retried_with_backoff() {
     assert_eq!(attempts, [3, 0], "held-back rows do not spend attempts");
 }
 
+/// Dead letters are recorded in the row (`dead_at`): rows dead at 3
+/// attempts stay dead for a relay started with the default 5, and `dlq` and
+/// `stats` see them with no `--max-attempts` of their own.
 #[tokio::test]
-async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
+async fn dead_letters_stay_dead_whatever_the_next_relay_s_limit_and_requeue_delivers() {
     let mut db = Db::start().await;
     let receiver = Receiver::start(Respond::Status(503)).await.unwrap();
     db.insert_events(3, 1).await;
@@ -81,39 +84,42 @@ async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
     )
     .await;
     wait_until("3 dead letters", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND attempts >= 3")
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_at IS NOT NULL")
             .await
             == 3
     })
     .await;
+    stop_relay(relay).await;
     assert_eq!(receiver.count(), 9, "3 attempts each, then no more");
 
+    // A relay with the default limit (5) finds nothing due: the rows are
+    // dead by their own record, not by its limit.
+    receiver.set_respond(Respond::Ok);
     let url = db.url.clone();
     let env = [("DATABASE_URL", url.as_str())];
-    let list = run_cli(&["dlq", "list", "--json", "--max-attempts", "3"], &env).await;
+    let drain = run_cli(&["relay", "--sink", &receiver.url(), "--drain"], &env).await;
+    assert_eq!(drain.status.code(), Some(0), "{}", text(&drain.stderr));
+    assert_eq!(receiver.count(), 9, "no dead letter retried");
+
+    let list = run_cli(&["dlq", "list", "--json"], &env).await;
     assert_eq!(list.status.code(), Some(0), "{}", text(&list.stderr));
     let dead: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
     assert_eq!(dead.len(), 3);
     assert!(
-        dead.iter()
-            .all(|d| d["attempts"] == 3 && d["last_error"] == "HTTP 503 Service Unavailable"),
+        dead.iter().all(|d| d["attempts"] == 3
+            && d["dead_at"].is_string()
+            && d["last_error"] == "HTTP 503 Service Unavailable"),
         "{dead:?}"
     );
 
-    let stats = run_cli(&["stats", "--json", "--max-attempts", "3"], &env).await;
+    let stats = run_cli(&["stats", "--json"], &env).await;
     let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
     assert_eq!(
         (stats["dead_letters"].as_i64(), stats["unpublished"].as_i64()),
         (Some(3), Some(0))
     );
 
-    // Dead letters stay dead while nothing is done about them.
-    receiver.set_respond(Respond::Ok);
-    let dry = run_cli(
-        &["dlq", "requeue", "--all", "--dry-run", "--max-attempts", "3"],
-        &env,
-    )
-    .await;
+    let dry = run_cli(&["dlq", "requeue", "--all", "--dry-run"], &env).await;
     assert!(
         text(&dry.stdout).contains("would requeue 3"),
         "{}",
@@ -121,15 +127,37 @@ async fn always_failing_receiver_dead_letters_then_dlq_retry_delivers() {
     );
     assert_eq!(receiver.count(), 9);
 
-    let retry = run_cli(&["dlq", "requeue", "--all", "--max-attempts", "3"], &env).await;
+    let requeue = run_cli(&["dlq", "requeue", "--all"], &env).await;
     assert!(
-        text(&retry.stdout).contains("requeued 3"),
+        text(&requeue.stdout).contains("requeued 3"),
         "{}",
-        text(&retry.stdout)
+        text(&requeue.stdout)
     );
-    db.wait_drained("requeued events delivered").await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL OR attempts > 0")
+            .await,
+        0,
+        "requeue clears dead_at and the attempts"
+    );
+    let drain = run_cli(&["relay", "--sink", &receiver.url(), "--drain"], &env).await;
+    assert_eq!(drain.status.code(), Some(0), "{}", text(&drain.stderr));
+    assert_eq!(db.unpublished().await, 0);
     assert_eq!(receiver.count(), 12);
-    stop_relay(relay).await;
+}
+
+/// `relay --drain` that made dead letters exits 1 and says so, so a cron
+/// job notices.
+#[tokio::test]
+async fn a_drain_that_makes_dead_letters_exits_1() {
+    let mut db = Db::start().await;
+    let receiver = Receiver::start(Respond::Status(422)).await.unwrap();
+    db.insert_events(2, 1).await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let drain = run_cli(&["relay", "--sink", &receiver.url(), "--drain"], &env).await;
+    let stderr = text(&drain.stderr);
+    assert_eq!(drain.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("the drain made 2 dead letter(s)"), "{stderr}");
+    assert_eq!(receiver.count(), 2);
 }
 
 #[tokio::test]
@@ -150,7 +178,9 @@ async fn permanent_refusal_dead_letters_at_once_and_retry_filters_select() {
     tx.commit().await.unwrap();
     let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
     wait_until("both dead", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE attempts >= 5").await == 2
+        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")
+            .await
+            == 2
     })
     .await;
     assert_eq!(receiver.count(), 2, "a 4xx is not retried");
@@ -164,13 +194,22 @@ async fn permanent_refusal_dead_letters_at_once_and_retry_filters_select() {
 
     receiver.set_respond(Respond::Ok);
     let env = [("DATABASE_URL", db.url.as_str())];
-    // `retry`: the old name of `requeue`, kept as a hidden alias.
-    let none = run_cli(&["dlq", "retry", "--error-contains", "HTTP 500"], &env).await;
-    assert!(
-        text(&none.stdout).contains("requeued 0"),
-        "{}",
-        text(&none.stdout)
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE attempts = 1").await,
+        2,
+        "a permanent failure costs one attempt"
     );
+    // `retry`: the old name of `requeue`, kept as a hidden alias. A selector
+    // that matches nothing says so and exits 1.
+    let none = run_cli(&["dlq", "retry", "--error-contains", "HTTP 500"], &env).await;
+    assert_eq!(none.status.code(), Some(1));
+    assert!(
+        text(&none.stderr).contains("no dead letter in public.outbox matches --error-contains \"HTTP 500\""),
+        "{}",
+        text(&none.stderr)
+    );
+    let none = run_cli(&["dlq", "give-up", "--id", "999"], &env).await;
+    assert_eq!(none.status.code(), Some(1), "{}", text(&none.stderr));
     let one = run_cli(&["dlq", "requeue", "--aggregate-type", "payments"], &env).await;
     assert!(text(&one.stdout).contains("requeued 1"), "{}", text(&one.stdout));
     wait_until("the payments event delivered", LONG, || async {

@@ -76,7 +76,10 @@ async fn routing_one_sink_down_delays_only_its_own_rows() {
             .await,
         10
     );
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE attempts > 0").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE attempts > 0").await,
+        0
+    );
     assert_eq!(receiver.count(), 20, "the HTTP sink got the invoices only");
 
     redis.restart().await.unwrap();

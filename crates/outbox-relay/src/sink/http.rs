@@ -148,14 +148,11 @@ impl HttpSink {
             Err(e) if e.is_builder() => {
                 return Err(DeliveryError::permanent(format!("building the request: {e}")));
             }
-            // Refused, reset, DNS, TLS or no answer: the receiver, not this
-            // event, is the problem. reqwest's top-level message is often
-            // just "error sending request"; the cause (connection refused,
-            // timed out) is what an operator needs.
-            Err(e) if e.is_connect() || e.is_timeout() => {
-                return Err(DeliveryError::unavailable(error_chain(&e)));
-            }
-            Err(e) => return Err(DeliveryError::retryable(error_chain(&e))),
+            // No status at all (refused, reset, closed mid-request, DNS,
+            // TLS, a timeout): the receiver, not this event, is the problem.
+            // reqwest's top-level message is often just "error sending
+            // request"; the cause is what an operator needs.
+            Err(e) => return Err(DeliveryError::unavailable(error_chain(&e))),
         };
         let status = response.status();
         if status.is_success() {

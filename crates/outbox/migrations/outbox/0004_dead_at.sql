@@ -14,7 +14,7 @@ UPDATE {table} SET dead_at = clock_timestamp()
  WHERE published_at IS NULL AND attempts >= {max_attempts};
 
 -- The claim's index leaves dead letters out, as the claim does.
-DROP INDEX {unpublished_idx};
+DROP INDEX {schema}.{unpublished_idx};
 CREATE INDEX {unpublished_idx} ON {table} (id) WHERE published_at IS NULL AND dead_at IS NULL;
 
 -- `dlq list` and `stats` find the dead letters without reading the backlog.

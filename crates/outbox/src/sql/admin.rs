@@ -69,11 +69,7 @@ pub struct DeadFilter<'a> {
 
 impl DeadFilter<'_> {
     fn params(&self) -> [Param<'_>; 3] {
-        [
-            &self.ids,
-            &self.aggregate_type,
-            &self.error_contains,
-        ]
+        [&self.ids, &self.aggregate_type, &self.error_contains]
     }
 }
 
@@ -122,7 +118,11 @@ impl OutboxSql {
     }
 
     /// Up to `limit` dead letters, oldest first.
-    pub async fn dead_letters(&self, client: &impl GenericClient, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+    pub async fn dead_letters(
+        &self,
+        client: &impl GenericClient,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>, Error> {
         let rows = client.query(self.list_dead.as_str(), &[&limit]).await?;
         rows.iter().map(dead_letter).collect()
     }

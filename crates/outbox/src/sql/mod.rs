@@ -222,8 +222,7 @@ const DEAD_FILTER: &str = "published_at IS NULL AND dead_at IS NOT NULL \
 
 /// Puts matching dead letters (given up on or not) back in line;
 /// `last_error` stays for the record.
-const REQUEUE_DEAD: &str =
-    "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL, given_up_at = NULL WHERE {dead}";
+const REQUEUE_DEAD: &str = "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL, given_up_at = NULL WHERE {dead}";
 
 /// What [`REQUEUE_DEAD`] would touch.
 const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";

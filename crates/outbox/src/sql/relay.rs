@@ -270,10 +270,7 @@ impl RelayStatements {
     /// Seconds until the next row waiting for a retry comes due: `None` if
     /// none waits, negative if one is due now.
     pub async fn next_retry(&self, client: &Client) -> Result<Option<f64>, Error> {
-        client
-            .query_one(&self.next_retry, &[])
-            .await?
-            .try_get(0)
+        client.query_one(&self.next_retry, &[]).await?.try_get(0)
     }
 }
 

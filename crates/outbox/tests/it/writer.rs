@@ -267,6 +267,46 @@ async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
     assert!(outbox::check(&db.client, &config).await.unwrap_err().is_config());
 }
 
+/// Migration 0004 on an outbox of version 3 with old dead letters (rows
+/// whose attempts reached the old limit): it marks them `dead_at` by
+/// `Config::dead_after_attempts`, and leaves the others claimable.
+#[tokio::test]
+async fn the_dead_at_migration_marks_old_dead_letters() {
+    let mut db = Db::start().await;
+    // Back to version 3: what 0004 added, undone.
+    db.client
+        .batch_execute(
+            "DROP INDEX outbox_dead_idx; DROP INDEX outbox_unpublished_idx;
+             ALTER TABLE outbox DROP COLUMN dead_at;
+             CREATE INDEX outbox_unpublished_idx ON outbox (id) WHERE published_at IS NULL;
+             DELETE FROM outbox_migrations WHERE version = 4;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts)
+             SELECT 'orders', g::text, 'E', '{}', g FROM generate_series(0, 6) g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, published_at)
+             VALUES ('orders', 'sent', 'E', '{}', 5, now());",
+        )
+        .await
+        .unwrap();
+    let config = Config::default().with_dead_after_attempts(4);
+    let report = outbox::migrate(&mut db.client, &config).await.unwrap();
+    assert_eq!(report.applied, [(4, "dead_at")]);
+    let dead: Vec<i32> = db
+        .client
+        .query(
+            "SELECT attempts FROM outbox WHERE dead_at IS NOT NULL ORDER BY attempts",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(dead, [4, 5, 6], "unpublished rows with 4 attempts or more");
+    let sql = outbox::sql::OutboxSql::new(&config);
+    let stats = sql.stats(&db.client).await.unwrap();
+    assert_eq!((stats[0].unpublished, stats[0].dead_letters), (4, 3));
+}
+
 #[tokio::test]
 async fn claim_uses_the_partial_index() {
     let db = Db::start().await;
@@ -298,10 +338,7 @@ async fn claim_uses_the_partial_index() {
         strict: None,
     });
     for (scope, limit) in [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)] {
-        let claim = outbox::sql::ClaimParams {
-            limit,
-            scope,
-        };
+        let claim = outbox::sql::ClaimParams { limit, scope };
         let plan = sql.explain_claim(&db.client, &claim, false).await.unwrap();
         let nodes = plan_nodes(&plan[0]["Plan"]);
         assert!(
