@@ -38,6 +38,8 @@ pub struct Nats {
     server: Option<Spawned>,
     /// `max_payload` in bytes, when not the server's default (1 MiB).
     max_payload: Option<usize>,
+    /// The one user and password clients must give, if any.
+    auth: Option<(String, String)>,
     // Declared last: fields drop in order, so the directory goes after the
     // server was killed.
     dir: TempDir,
@@ -57,7 +59,18 @@ impl Nats {
         Nats::start_with(Some(bytes)).await
     }
 
+    /// [`start`](Self::start) with one user: clients must give `user` and
+    /// `password` (`nats://user:password@…`); others are refused with
+    /// `Authorization Violation`.
+    pub async fn start_with_user(user: &str, password: &str) -> Result<Nats, Error> {
+        Nats::start_inner(None, Some((user.to_owned(), password.to_owned()))).await
+    }
+
     async fn start_with(max_payload: Option<usize>) -> Result<Nats, Error> {
+        Nats::start_inner(max_payload, None).await
+    }
+
+    async fn start_inner(max_payload: Option<usize>, auth: Option<(String, String)>) -> Result<Nats, Error> {
         let exe = find_exe().ok_or(Error::NatsNotInstalled)?;
         let base = support::base_dir();
         let dir = tempfile::Builder::new()
@@ -73,6 +86,7 @@ impl Nats {
             log: dir.path().join("nats.log"),
             server: None,
             max_payload,
+            auth,
             dir,
         };
         if let Some(bytes) = max_payload {
@@ -120,6 +134,9 @@ impl Nats {
         let mut cmd = tokio::process::Command::new(&self.exe);
         if self.max_payload.is_some() {
             cmd.arg("-c").arg(self.dir.path().join("nats.conf"));
+        }
+        if let Some((user, password)) = &self.auth {
+            cmd.arg("--user").arg(user).arg("--pass").arg(password);
         }
         cmd.args(["-js", "-a", "127.0.0.1", "-p"])
             .arg(self.port.to_string())

@@ -15,6 +15,7 @@ mod kafka;
 mod lab;
 mod nats;
 mod ordering;
+mod outage;
 mod partitions;
 mod relay;
 mod retention;
