@@ -29,8 +29,15 @@
 //! locks `FOR SHARE` for the batch, so no other relay can take them over
 //! until the batch committed or rolled back. [`OrderMode::None`] skips the
 //! leases and just skips rows another relay holds. A row failing
-//! `max_attempts` times is a dead letter: the claim no longer sees it until
+//! `max_attempts` times, or refused permanently, is a dead letter (its
+//! `dead_at` is set in the same commit): the claim no longer sees it until
 //! `outbox dlq requeue` requeues it.
+//!
+//! A sink that is unavailable (see `breaker`) is not an event failure: the
+//! rows it answered so are given back with their attempts unchanged, and
+//! while its breaker is open the relay commits what it settled, claims
+//! nothing and probes the sink. The argument above is untouched: those rows
+//! were never marked, so they are simply claimed again later.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -133,27 +140,8 @@ impl Relay {
             match self.cycle(&mut source, &mut blocked, &mut breaker, &cancel).await {
                 Ok(Step::Continue) => {}
                 Ok(Step::Unavailable) => {
-                    // Claim nothing while the sink is down: commit the
-                    // outcomes (no attempt spent) and give back the batch
-                    // claimed ahead, so no transaction stays open.
                     blocked.clear();
-                    if let Err(error) = source.hold().await {
-                        if !source.recover(error, &cancel).await {
-                            break;
-                        }
-                        continue;
-                    }
-                    if self.config.drain {
-                        let cause = breaker.cause().unwrap_or("a route's sink is unavailable");
-                        warn!(
-                            sink = self.sink.name(),
-                            error = cause,
-                            "relay drain stopped: the sink is unavailable, due rows are left undelivered"
-                        );
-                        let _ = self
-                            .counters
-                            .sink_unavailable
-                            .set(format!("{}: {cause}", self.sink.name()));
+                    if !self.pause(&mut source, &breaker, &cancel).await {
                         break;
                     }
                 }
@@ -180,6 +168,31 @@ impl Relay {
         source.finish().await;
         info!("relay stopped");
         Ok(())
+    }
+
+    /// After a batch the sink was unavailable for: claims nothing more
+    /// while it is down. Commits the outcomes (no attempt spent) and gives
+    /// back the batch claimed ahead, so no transaction stays open; the loop
+    /// then waits on the breaker. False when the relay should stop: a drain
+    /// cannot wait, and records why it stopped.
+    async fn pause(&self, source: &mut impl Source, breaker: &Breaker, cancel: &CancellationToken) -> bool {
+        if let Err(error) = source.hold().await {
+            return source.recover(error, cancel).await;
+        }
+        if !self.config.drain {
+            return true;
+        }
+        let cause = breaker.cause().unwrap_or("a route's sink is unavailable");
+        warn!(
+            sink = self.sink.name(),
+            error = cause,
+            "relay drain stopped: the sink is unavailable, due rows are left undelivered"
+        );
+        let _ = self
+            .counters
+            .sink_unavailable
+            .set(format!("{}: {cause}", self.sink.name()));
+        false
     }
 
     /// One batch, top to bottom. `blocked` carries the aggregates the last
