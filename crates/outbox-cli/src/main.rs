@@ -23,7 +23,8 @@ fn main() -> ExitCode {
         // unroutable one; the row's last_error already says so.
         _ => "info,tokio_postgres=warn,lapin=error",
     };
-    logging::init(cli.global.log_format, default_filter);
+    let log_format = cli.global.log_format;
+    logging::init(log_format, default_filter);
     // The relay is one flow of awaits over three sockets: on one thread it
     // pays no cross-thread wake-ups (futex calls) per round trip, which
     // measured about half its CPU time at batch size 1. The short commands
@@ -34,10 +35,13 @@ fn main() -> ExitCode {
     };
     let runtime = match builder.enable_all().build() {
         Ok(r) => r,
-        Err(e) => return exit::report(&anyhow::Error::new(e).context("starting the tokio runtime")),
+        Err(e) => {
+            let e = anyhow::Error::new(e).context("starting the tokio runtime");
+            return exit::report(&e, log_format);
+        }
     };
     match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => exit::report(&e),
+        Err(e) => exit::report(&e, log_format),
     }
 }

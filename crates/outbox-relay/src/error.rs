@@ -1,5 +1,7 @@
 //! Why a relay stops, and the one-line error chain its logs print.
 
+use tokio_postgres::error::DbError;
+
 use crate::pg::ConnectError;
 
 /// Why the relay stopped.
@@ -36,13 +38,39 @@ impl RelayError {
 }
 
 /// The error and its sources on one line, for logs and `last_error`.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
+///
+/// A `tokio_postgres::Error` the server answered displays only `db error`,
+/// also behind `#[error(transparent)]`; the server's words replace it
+/// ([`db_message`]) and end the line.
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = String::new();
+    let mut link = Some(e);
+    while let Some(e) = link {
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        let text = e.to_string();
+        if let Some(db) = e.source().and_then(|s| s.downcast_ref::<DbError>()) {
+            if text != "db error" {
+                message.push_str(&text);
+                message.push_str(": ");
+            }
+            message.push_str(&db_message(db));
+            break;
+        }
+        message.push_str(&text);
+        link = e.source();
     }
     message
+}
+
+/// What the server said: `FATAL: terminating connection due to
+/// administrator command (SQLSTATE 57P01)`.
+fn db_message(db: &DbError) -> String {
+    format!(
+        "{}: {} (SQLSTATE {})",
+        db.severity(),
+        db.message(),
+        db.code().code()
+    )
 }

@@ -66,7 +66,7 @@ impl Failpoint {
                 }
                 tracing::warn!(
                     rows,
-                    ?d,
+                    seconds = d.as_secs_f64(),
                     "failpoint sleep-after-deliver reached; sleeping before marking"
                 );
                 outbox::notify::send("OUTBOX_FAILPOINT=sleep-after-deliver reached");

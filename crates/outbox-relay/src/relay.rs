@@ -117,7 +117,8 @@ impl Relay {
             notify = self.config.notify,
             ordering = %self.config.ordering,
             ordering_for = %self.config.ordering_for_display(),
-            relay_id = %source.relay_id().map(|id| id.to_string()).unwrap_or_default(),
+            // A bare UUID, and no field at all under `--ordering none`.
+            relay_id = source.relay_id().map(tracing::field::display),
             "relay ready"
         );
         outbox::notify::send("READY=1\nSTATUS=relay ready");

@@ -68,7 +68,7 @@ pub(crate) async fn connect(
                 }
                 Ok(_) => {}
                 Err(error) => {
-                    tracing::warn!(%error, "postgres connection closed");
+                    tracing::warn!(error = %crate::error::error_chain(&error), "postgres connection closed");
                     break;
                 }
             }

@@ -13,6 +13,7 @@ mod formats;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod lab;
+mod logs;
 mod nats;
 mod ordering;
 mod outage;

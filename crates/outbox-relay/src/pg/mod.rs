@@ -371,7 +371,7 @@ pub async fn connect_once(config: &PgConfig) -> Result<Client, tokio_postgres::E
     let (client, connection) = open(&config).await?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
-            tracing::warn!(%error, "postgres connection closed");
+            tracing::warn!(error = %error_chain(&error), "postgres connection closed");
         }
     });
     Ok(client)

@@ -133,20 +133,6 @@ fn classify_code(code: &SqlState) -> Failure {
     }
 }
 
-/// The server's words if it answered (`FATAL: database "x" does not exist
-/// (SQLSTATE 3D000)`), else the error chain.
-fn server_message(error: &tokio_postgres::Error) -> String {
-    match error.as_db_error() {
-        Some(db) => format!(
-            "{}: {} (SQLSTATE {})",
-            db.severity(),
-            db.message(),
-            db.code().code()
-        ),
-        None => error_chain(error),
-    }
-}
-
 /// Startup's retry rules, shared by [`connect`](super::connect) and the
 /// relay's sessions: 100 ms doubling to 2 s, jittered, until the connect
 /// timeout; a permanent failure ends it at once.
@@ -194,8 +180,10 @@ impl Startup {
         warn!(
             target_db = %self.target,
             attempt = self.attempts,
-            retry_in = ?delay,
-            error = %server_message(&error),
+            // Whole milliseconds: readable in a line, a number in JSON (a
+            // u128 would be a string there).
+            retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            error = %error_chain(&error),
             "postgres not reachable yet; retrying"
         );
         outbox::notify::send("OUTBOX_CONNECT=retrying");

@@ -349,7 +349,7 @@ impl PollSource {
             claimed = d.claimed,
             delivered = d.published,
             failed = d.failures.ids.len(),
-            elapsed = ?d.started.elapsed(),
+            seconds = d.started.elapsed().as_secs_f64(),
             "batch committed"
         );
         // Once: a datagram per batch would cost a syscall per batch here
@@ -464,7 +464,11 @@ impl PollSource {
                     outbox::notify::send("STATUS=reconnected");
                     return Some(ss);
                 }
-                Err(error) => warn!(error = %error, retry_in = ?delay, "reconnecting to postgres"),
+                Err(error) => warn!(
+                    error = %error_chain(&error),
+                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                    "reconnecting to postgres"
+                ),
             }
             if wait_or_cancel(delay, cancel).await {
                 return None;
