@@ -9,6 +9,7 @@ mod cli;
 mod conformance;
 mod consume;
 mod crash;
+mod deploy;
 mod formats;
 #[cfg(feature = "kafka")]
 mod kafka;
