@@ -2,7 +2,8 @@
 //!
 //! Durations take humantime syntax (`200ms`, `5m`, `1h 30m`). Each flag reads
 //! the environment variable named beside it, so a relay can be configured
-//! entirely from its environment.
+//! entirely from its environment; the relay's are keys of its `--config`
+//! file too, under both (`crate::config`).
 
 use std::time::Duration;
 

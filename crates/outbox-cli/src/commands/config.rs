@@ -7,6 +7,8 @@
 //! (`relay::prepare`) without connecting anywhere: a file `outbox relay`
 //! refuses, this refuses with the same error.
 
+use std::io::Write;
+
 use serde_json::{Map, Value, json};
 
 use super::relay::{self, POLL_WITHOUT_NOTIFY};
@@ -43,30 +45,44 @@ pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
     let (g, relay_args, file) = layered.into_relay();
     relay::prepare(&g, relay_args, file)?;
 
-    if json {
-        let rows = |rows: &[Row]| -> Value {
-            Value::Object(
-                rows.iter()
-                    .map(|r| (r.key.clone(), json!({"value": r.value, "source": r.source})))
-                    .collect::<Map<_, _>>(),
-            )
-        };
-        let out = json!({
-            "config": config.as_ref().map(|(path, source)| json!({"value": path, "source": source.to_string()})),
-            "settings": rows(&settings),
-            "tables": Value::Object(tables.iter().map(|(name, t)| (name.clone(), rows(t))).collect()),
-            "ordering": rows(&ordering),
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+    let out = if json {
+        as_json(config.as_ref(), &settings, &tables, &ordering)?
+    } else {
+        as_text(config.as_ref(), &settings, &tables, &ordering)
+    };
+    // `outbox config show | head` closes the pipe early: not an error.
+    match std::io::stdout().lock().write_all(out.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
     }
-    let width = settings
-        .iter()
-        .chain(tables.iter().flat_map(|(_, t)| t))
-        .chain(&ordering)
-        .map(|r| r.key.len())
-        .max()
-        .unwrap_or(0);
+}
+
+type Tables = [(String, Vec<Row>)];
+
+fn as_json(
+    config: Option<&(String, Source)>,
+    settings: &[Row],
+    tables: &Tables,
+    ordering: &[Row],
+) -> anyhow::Result<String> {
+    let rows = |rows: &[Row]| -> Value {
+        Value::Object(
+            rows.iter()
+                .map(|r| (r.key.clone(), json!({"value": r.value, "source": r.source})))
+                .collect::<Map<_, _>>(),
+        )
+    };
+    let out = json!({
+        "config": config.map(|(path, source)| json!({"value": path, "source": source.to_string()})),
+        "settings": rows(settings),
+        "tables": Value::Object(tables.iter().map(|(name, t)| (name.clone(), rows(t))).collect()),
+        "ordering": rows(ordering),
+    });
+    Ok(serde_json::to_string_pretty(&out)? + "\n")
+}
+
+/// Three columns: key, value (lists comma-separated, `–` for none), source.
+fn as_text(config: Option<&(String, Source)>, settings: &[Row], tables: &Tables, ordering: &[Row]) -> String {
     let text = |v: &Value| match v {
         Value::Null => "–".to_owned(),
         Value::String(s) => s.clone(),
@@ -78,34 +94,45 @@ pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
             .join(","),
         other => other.to_string(),
     };
-    let values = settings
-        .iter()
-        .chain(tables.iter().flat_map(|(_, t)| t))
-        .chain(&ordering)
+    let all = || {
+        settings
+            .iter()
+            .chain(tables.iter().flat_map(|(_, t)| t))
+            .chain(ordering)
+    };
+    let keys = all().map(|r| r.key.chars().count()).max().unwrap_or(0);
+    let values = all()
         .map(|r| text(&r.value).chars().count())
         .max()
         .unwrap_or(0)
         .min(60);
-    let print = |rows: &[Row]| {
+    let mut out = match config {
+        Some((path, source)) => format!("config: {path} ({source})\n"),
+        None => "config: none (no --config or OUTBOX_CONFIG)\n".to_owned(),
+    };
+    let mut section = |name: Option<&str>, rows: &[Row]| {
+        out.push('\n');
+        if let Some(name) = name {
+            out.push_str(name);
+            out.push('\n');
+        }
         for r in rows {
-            println!("{:width$}  {:values$}  {}", r.key, text(&r.value), r.source);
+            out.push_str(&format!(
+                "{:keys$}  {:values$}  {}\n",
+                r.key,
+                text(&r.value),
+                r.source
+            ));
         }
     };
-    match &config {
-        Some((path, source)) => println!("config: {path} ({source})"),
-        None => println!("config: none (no --config or OUTBOX_CONFIG)"),
-    }
-    println!();
-    print(&settings);
-    for (name, rows) in &tables {
-        println!("\n{name}");
-        print(rows);
+    section(None, settings);
+    for (name, rows) in tables {
+        section(Some(name), rows);
     }
     if !ordering.is_empty() {
-        println!("\n[ordering]");
-        print(&ordering);
+        section(Some("[ordering]"), ordering);
     }
-    Ok(())
+    out
 }
 
 /// Every top-level setting.

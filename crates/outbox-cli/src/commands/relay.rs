@@ -19,7 +19,9 @@ pub(crate) const POLL_WITHOUT_NOTIFY: Duration = Duration::from_secs(1);
 /// What the relay runs with, checked: `outbox config show` checks the same.
 pub(crate) struct Prepared {
     config: RelayConfig,
-    sink: Box<dyn outbox_relay::Sink>,
+    /// None when no sink was given: `outbox config show` says so, the relay
+    /// refuses to start.
+    sink: Option<Box<dyn outbox_relay::Sink>>,
     retention: Option<outbox_relay::Retention>,
 }
 
@@ -32,6 +34,13 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         sink,
         retention,
     } = prepare(&g, args, file)?;
+    let sink = sink.ok_or_else(|| {
+        ConfigError(
+            "no sink: give --sink or OUTBOX_SINK, or in --config a top-level sink = \"…\" or a \
+             [default] table"
+                .to_owned(),
+        )
+    })?;
     let cancel = super::shutdown_token()?;
     let retention = retention
         .map(|schedule| tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone())));
@@ -69,17 +78,10 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         ordering_for.retain(|(t, _)| *t != aggregate_type);
         ordering_for.push((aggregate_type, mode));
     }
-    let sink: Box<dyn outbox_relay::Sink> = match &args.sink {
-        _ if file.routes() => Box::new(file.router(args.sink.as_deref(), &options)?),
-        Some(url) => outbox_relay::sink::from_url(url, &options)?,
-        None => {
-            return Err(ConfigError(
-                "no sink: give --sink or OUTBOX_SINK, or in --config a top-level sink = \"…\" or a \
-                 [default] table"
-                    .to_owned(),
-            )
-            .into());
-        }
+    let sink: Option<Box<dyn outbox_relay::Sink>> = match &args.sink {
+        _ if file.routes() => Some(Box::new(file.router(args.sink.as_deref(), &options)?)),
+        Some(url) => Some(outbox_relay::sink::from_url(url, &options)?),
+        None => None,
     };
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {
         Ok(v) if !v.is_empty() => Some(v.parse::<Failpoint>().map_err(ConfigError)?),

@@ -231,3 +231,38 @@ async fn config_show_redacts_secrets_and_names_every_source() {
     assert_eq!(json["ordering"]["orders"]["source"], format!("file {path}:11"));
     let _ = std::fs::remove_file(path);
 }
+
+/// The full example of docs/configuration.md is a valid file, and every
+/// key in it takes effect from the file.
+#[tokio::test]
+async fn the_documented_example_is_a_valid_file() {
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration.md"
+    ))
+    .expect("docs/configuration.md");
+    let section = doc
+        .split("## The configuration file")
+        .nth(1)
+        .expect("the section");
+    let example = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("a toml example");
+    let path = config_file(example);
+    let json = show(&["--config", &path], &[]).await;
+    let top_level: Vec<&str> = example
+        .lines()
+        .take_while(|l| !l.starts_with('['))
+        .filter_map(|l| l.split_once(" = ").map(|(k, _)| k.trim()))
+        .collect();
+    assert!(top_level.len() > 20, "{top_level:?}");
+    for key in top_level {
+        let source = json["settings"][key]["source"].as_str().unwrap_or_default();
+        assert!(source.starts_with("file "), "{key}: {source}");
+    }
+    assert_eq!(json["tables"]["[routes.orders]"]["format"]["value"], "native");
+    assert_eq!(json["settings"]["ordering_for"]["value"][0], "orders=strict");
+    let _ = std::fs::remove_file(path);
+}
