@@ -2,7 +2,8 @@
 //!
 //! Durations take humantime syntax (`200ms`, `5m`, `1h 30m`). Each flag reads
 //! the environment variable named beside it, so a relay can be configured
-//! entirely from its environment.
+//! entirely from its environment; the relay's are keys of its `--config`
+//! file too, under both (`crate::config`).
 
 use std::time::Duration;
 
@@ -107,6 +108,27 @@ pub(crate) enum Command {
     /// order violation where the mode promises order) or an experiment
     /// could not run; 2 an unknown experiment. Timings are never judged.
     Lab(outbox_lab::lab::LabArgs),
+    /// The relay's settings as flags, environment and --config combine.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ConfigCommand {
+    /// Print every effective relay setting, and each sink table's, with
+    /// where it came from (flag, env, file:line, default); secrets
+    /// redacted. Takes the relay's flags: `outbox relay ARGS` and
+    /// `outbox config show ARGS` see the same settings.
+    Show(ShowArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ShowArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) relay: RelayArgs,
 }
 
 #[derive(Debug, Args)]
@@ -131,13 +153,16 @@ pub(crate) struct MigrateArgs {
 pub(crate) struct RelayArgs {
     /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…,
     /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…,
-    /// kafka://host:port[,host:port…]
-    #[arg(long, env = "OUTBOX_SINK", required_unless_present = "config")]
+    /// kafka://host:port[,host:port…]. Required, here or in --config.
+    #[arg(long, env = "OUTBOX_SINK")]
     pub(crate) sink: Option<String>,
-    /// TOML file routing aggregate types to sinks ([default] and
-    /// [routes.<aggregate_type>] tables with `sink` and any per-sink flag's
-    /// key, e.g. `format`, `nats_subject`); keys it leaves out take the flags'
-    /// values. Takes precedence over --sink.
+    /// TOML file of relay settings: any flag of this command (and --schema,
+    /// --table, --channel, --max-attempts, --connect-timeout,
+    /// --database-url) as a key of the same name with underscores
+    /// (`batch_size = 50`), under flags and environment variables; and
+    /// optionally sink tables routing aggregate types ([default],
+    /// [routes.<aggregate_type>], whose own keys win for their route).
+    /// `outbox config show` prints the result.
     #[arg(long, env = "OUTBOX_CONFIG")]
     pub(crate) config: Option<std::path::PathBuf>,
     /// Rows claimed and delivered per transaction.

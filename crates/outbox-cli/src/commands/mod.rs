@@ -2,6 +2,7 @@
 //! flags into validated configs and a PostgreSQL connection.
 
 mod cleanup;
+mod config;
 mod consume;
 mod demo;
 mod dlq;
@@ -16,14 +17,17 @@ use outbox_relay::pg::PgConfig;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Cli, Command, Global};
+use crate::cli::{Cli, Command, ConfigCommand, Global};
+use crate::config::Layered;
 use crate::exit::ConfigError;
 
 pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
     let g = &cli.global;
     match cli.command {
+        // Both layer --config under the command line: they parse it again.
+        Command::Relay(_) => relay::run(Layered::parse(std::env::args_os())?).await,
+        Command::Config(ConfigCommand::Show(_)) => config::show(Layered::parse(std::env::args_os())?),
         Command::Migrate(args) => migrate::run(g, args).await,
-        Command::Relay(args) => relay::run(g, args).await,
         Command::Stats(args) => stats::run(g, args).await,
         Command::Relays(args) => relays::run(g, args).await,
         Command::Cleanup(args) => cleanup::run(g, args).await,

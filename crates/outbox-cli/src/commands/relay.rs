@@ -9,16 +9,60 @@ use anyhow::Context;
 use outbox_relay::{Backoff, Counters, Failpoint, Relay, RelayConfig};
 
 use crate::cli::{Global, RelayArgs};
-use crate::config::RelayFile;
+use crate::config::{ConfigFile, Layered};
 use crate::exit::ConfigError;
 
 /// With no NOTIFY the poll interval is the delivery latency, so the default
 /// is shorter than the fallback poll's.
-const POLL_WITHOUT_NOTIFY: Duration = Duration::from_secs(1);
+pub(crate) const POLL_WITHOUT_NOTIFY: Duration = Duration::from_secs(1);
 
-pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
+/// What the relay runs with, checked: `outbox config show` checks the same.
+pub(crate) struct Prepared {
+    config: RelayConfig,
+    /// None when no sink was given: `outbox config show` says so, the relay
+    /// refuses to start.
+    sink: Option<Box<dyn outbox_relay::Sink>>,
+    retention: Option<outbox_relay::Retention>,
+}
+
+/// Runs the relay with the settings of flags, environment and `--config`.
+pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
+    let (g, args, file) = layered.into_relay();
+    let pg = super::pg_config(&g)?;
+    let Prepared {
+        config,
+        sink,
+        retention,
+    } = prepare(&g, args, file)?;
+    let sink = sink.ok_or_else(|| {
+        ConfigError(
+            "no sink: give --sink or OUTBOX_SINK, or in --config a top-level sink = \"…\" or a \
+             [default] table"
+                .to_owned(),
+        )
+    })?;
+    let cancel = super::shutdown_token()?;
+    let retention = retention
+        .map(|schedule| tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone())));
+    let drain = config.drain;
+    let relay = Relay::new(pg, Arc::from(sink), config);
+    let counters = relay.counters();
+    let result = relay.run(cancel.clone()).await.context("running the relay");
+    cancel.cancel();
+    if let Some(task) = retention {
+        let _ = task.await;
+    }
+    result?;
+    if drain {
+        drain_verdict(&counters)?;
+    }
+    Ok(())
+}
+
+/// The relay's config and sink from its settings; every check but
+/// PostgreSQL's.
+pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> anyhow::Result<Prepared> {
     let outbox = super::outbox_config(g)?;
-    let pg = super::pg_config(g)?;
     if args.backoff_max < args.backoff_base {
         return Err(ConfigError(format!(
             "--backoff-max ({:?}) is shorter than --backoff-base ({:?})",
@@ -28,19 +72,16 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
     }
     let options = (*args.sink_options).options(|| format!("/outbox/{}.{}", g.schema, g.table));
     let mut ordering_for = args.ordering_for;
-    let sink: Box<dyn outbox_relay::Sink> = match (&args.config, &args.sink) {
-        (Some(path), _) => {
-            let file = RelayFile::read(path)?;
-            // The file's [ordering] table wins over --ordering-for.
-            for (aggregate_type, mode) in file.ordering()? {
-                ordering_for.retain(|(t, _)| *t != aggregate_type);
-                ordering_for.push((aggregate_type, mode));
-            }
-            Box::new(file.router(&options)?)
-        }
-        (None, Some(url)) => outbox_relay::sink::from_url(url, &options)?,
-        // clap requires one of them.
-        (None, None) => return Err(ConfigError("give --sink or --config".to_owned()).into()),
+    let file = file.map(ConfigFile::into_body).unwrap_or_default();
+    // The file's [ordering] table wins over ordering_for.
+    for (aggregate_type, mode) in file.ordering()? {
+        ordering_for.retain(|(t, _)| *t != aggregate_type);
+        ordering_for.push((aggregate_type, mode));
+    }
+    let sink: Option<Box<dyn outbox_relay::Sink>> = match &args.sink {
+        _ if file.routes() => Some(Box::new(file.router(args.sink.as_deref(), &options)?)),
+        Some(url) => Some(outbox_relay::sink::from_url(url, &options)?),
+        None => None,
     };
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {
         Ok(v) if !v.is_empty() => Some(v.parse::<Failpoint>().map_err(ConfigError)?),
@@ -69,27 +110,15 @@ pub(crate) async fn run(g: &Global, args: RelayArgs) -> anyhow::Result<()> {
         max_event_bytes: args.max_event_bytes,
         failpoint,
     };
-    let cancel = super::shutdown_token()?;
-    let retention = args.retention.map(|keep| {
-        let schedule = outbox_relay::Retention {
-            keep,
-            interval: args.retention_interval,
-        };
-        tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone()))
+    let retention = args.retention.map(|keep| outbox_relay::Retention {
+        keep,
+        interval: args.retention_interval,
     });
-    let drain = config.drain;
-    let relay = Relay::new(pg, Arc::from(sink), config);
-    let counters = relay.counters();
-    let result = relay.run(cancel.clone()).await.context("running the relay");
-    cancel.cancel();
-    if let Some(task) = retention {
-        let _ = task.await;
-    }
-    result?;
-    if drain {
-        drain_verdict(&counters)?;
-    }
-    Ok(())
+    Ok(Prepared {
+        config,
+        sink,
+        retention,
+    })
 }
 
 /// A drain that left due rows behind or made dead letters fails (exit 1),

@@ -229,7 +229,8 @@ async fn bench_quick_reports_exact_counts() {
 
 /// The configuration reference cannot drift from the option declarations:
 /// every flag and environment variable `outbox relay --help` prints, and
-/// every routes-file key the sinks declare, is in `docs/configuration.md`.
+/// every sink-table key the sinks declare and every top-level key of the
+/// configuration file, is in `docs/configuration.md`.
 #[tokio::test]
 async fn the_configuration_reference_lists_every_relay_flag_variable_and_key() {
     let doc = std::fs::read_to_string(concat!(
@@ -264,6 +265,18 @@ async fn the_configuration_reference_lists_every_relay_flag_variable_and_key() {
     }
     let keys = serde_json::to_value(outbox_relay::PerSinkOptions::default()).unwrap();
     for key in keys.as_object().expect("a table of keys").keys() {
+        if !doc.contains(&format!("`{key}`")) {
+            missing.push(key.clone());
+        }
+    }
+    // Every top-level key of the configuration file, as `config show`
+    // lists them.
+    let show = run_cli(&["config", "show", "--json"], &[]).await;
+    assert_eq!(show.status.code(), Some(0), "{}", text(&show.stderr));
+    let show: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    let settings = show["settings"].as_object().expect("settings");
+    assert!(settings.len() > 30, "{settings:?}");
+    for key in settings.keys() {
         if !doc.contains(&format!("`{key}`")) {
             missing.push(key.clone());
         }

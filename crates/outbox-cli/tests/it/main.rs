@@ -6,6 +6,7 @@
 
 mod amqp;
 mod cli;
+mod config;
 mod conformance;
 mod consume;
 mod crash;

@@ -1,0 +1,339 @@
+//! `outbox config show`: every effective relay setting, where it came from
+//! (`flag`, `env OUTBOX_X`, `file outbox.toml:12`, `default`), and each
+//! sink table's; secrets redacted.
+//!
+//! It takes the relay's flags and layers `--config` the same way
+//! (`crate::config::Layered`), then runs the relay's own checks
+//! (`relay::prepare`) without connecting anywhere: a file `outbox relay`
+//! refuses, this refuses with the same error.
+
+use std::io::Write;
+
+use serde_json::{Map, Value, json};
+
+use super::relay::{self, POLL_WITHOUT_NOTIFY};
+use crate::cli::{Command, ConfigCommand};
+use crate::config::{Layered, Source, setting_keys, table_keys};
+
+/// What stands in for a secret.
+const HIDDEN: &str = "***";
+
+/// One line of the output.
+struct Row {
+    key: String,
+    /// A string, a list (repeatable flags) or null (unset).
+    value: Value,
+    source: String,
+}
+
+pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
+    let Command::Config(ConfigCommand::Show(args)) = &layered.cli.command else {
+        unreachable!("dispatched for `outbox config show`")
+    };
+    let json = args.json;
+    let settings = settings(&layered);
+    let tables = tables(&layered);
+    let ordering = ordering(&layered);
+    let config = layered
+        .file
+        .as_ref()
+        .map(|_| (layered.raw("config").join(""), layered.source("config")));
+    if let Some(url) = &layered.cli.global.database_url {
+        super::parse_pg_url(url, &layered.cli.global)?;
+    }
+    // The relay's own checks, sinks built but not connected.
+    let (g, relay_args, file) = layered.into_relay();
+    relay::prepare(&g, relay_args, file)?;
+
+    let out = if json {
+        as_json(config.as_ref(), &settings, &tables, &ordering)?
+    } else {
+        as_text(config.as_ref(), &settings, &tables, &ordering)
+    };
+    // `outbox config show | head` closes the pipe early: not an error.
+    match std::io::stdout().lock().write_all(out.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+type Tables = [(String, Vec<Row>)];
+
+fn as_json(
+    config: Option<&(String, Source)>,
+    settings: &[Row],
+    tables: &Tables,
+    ordering: &[Row],
+) -> anyhow::Result<String> {
+    let rows = |rows: &[Row]| -> Value {
+        Value::Object(
+            rows.iter()
+                .map(|r| (r.key.clone(), json!({"value": r.value, "source": r.source})))
+                .collect::<Map<_, _>>(),
+        )
+    };
+    let out = json!({
+        "config": config.map(|(path, source)| json!({"value": path, "source": source.to_string()})),
+        "settings": rows(settings),
+        "tables": Value::Object(tables.iter().map(|(name, t)| (name.clone(), rows(t))).collect()),
+        "ordering": rows(ordering),
+    });
+    Ok(serde_json::to_string_pretty(&out)? + "\n")
+}
+
+/// Three columns: key, value (lists comma-separated, `–` for none), source.
+fn as_text(config: Option<&(String, Source)>, settings: &[Row], tables: &Tables, ordering: &[Row]) -> String {
+    let text = |v: &Value| match v {
+        Value::Null => "–".to_owned(),
+        Value::String(s) => s.clone(),
+        Value::Array(items) if items.is_empty() => "–".to_owned(),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join(","),
+        other => other.to_string(),
+    };
+    let all = || {
+        settings
+            .iter()
+            .chain(tables.iter().flat_map(|(_, t)| t))
+            .chain(ordering)
+    };
+    let keys = all().map(|r| r.key.chars().count()).max().unwrap_or(0);
+    let values = all()
+        .map(|r| text(&r.value).chars().count())
+        .max()
+        .unwrap_or(0)
+        .min(60);
+    let mut out = match config {
+        Some((path, source)) => format!("config: {path} ({source})\n"),
+        None => "config: none (no --config or OUTBOX_CONFIG)\n".to_owned(),
+    };
+    let mut section = |name: Option<&str>, rows: &[Row]| {
+        out.push('\n');
+        if let Some(name) = name {
+            out.push_str(name);
+            out.push('\n');
+        }
+        for r in rows {
+            out.push_str(&format!(
+                "{:keys$}  {:values$}  {}\n",
+                r.key,
+                text(&r.value),
+                r.source
+            ));
+        }
+    };
+    section(None, settings);
+    for (name, rows) in tables {
+        section(Some(name), rows);
+    }
+    if !ordering.is_empty() {
+        section(Some("[ordering]"), ordering);
+    }
+    out
+}
+
+/// Every top-level setting.
+fn settings(layered: &Layered) -> Vec<Row> {
+    setting_keys()
+        .iter()
+        .map(|&key| Row {
+            key: key.to_owned(),
+            value: value(layered, key),
+            source: layered.source(key).to_string(),
+        })
+        .collect()
+}
+
+/// `key`'s effective value, redacted; for a setting with no value, what the
+/// relay makes of its absence.
+fn value(layered: &Layered, key: &str) -> Value {
+    let raw: Vec<String> = layered.raw(key).iter().map(|v| redact(key, v)).collect();
+    if layered.is_list(key) {
+        return raw.into();
+    }
+    if let Some(v) = raw.into_iter().next() {
+        return v.into();
+    }
+    let g = &layered.cli.global;
+    match key {
+        "poll_interval" if layered.raw("no_notify") == ["true"] => {
+            humantime::format_duration(POLL_WITHOUT_NOTIFY).to_string().into()
+        }
+        "poll_interval" => humantime::format_duration(outbox_relay::RelayConfig::default().poll_interval)
+            .to_string()
+            .into(),
+        "cloudevents_source" => format!("/outbox/{}.{}", g.schema, g.table).into(),
+        _ => Value::Null,
+    }
+}
+
+/// Each sink table: every sink key, the table's own or the top-level one.
+fn tables(layered: &Layered) -> Vec<(String, Vec<Row>)> {
+    let Some(file) = &layered.file else {
+        return Vec::new();
+    };
+    file.body()
+        .tables()
+        .into_iter()
+        .map(|(name, own)| {
+            let rows = table_keys()
+                .iter()
+                .map(|&key| match own.iter().find(|(k, ..)| *k == key) {
+                    Some((_, values, span)) => {
+                        let mut values: Vec<String> = values.iter().map(|v| redact(key, v)).collect();
+                        Row {
+                            key: key.to_owned(),
+                            value: if layered.is_list(key) {
+                                values.into()
+                            } else {
+                                values.pop().into()
+                            },
+                            source: Source::File(file.at(span)).to_string(),
+                        }
+                    }
+                    None => Row {
+                        key: key.to_owned(),
+                        value: value(layered, key),
+                        source: layered.source(key).to_string(),
+                    },
+                })
+                .collect();
+            (name, rows)
+        })
+        .collect()
+}
+
+/// The `[ordering]` table's entries.
+fn ordering(layered: &Layered) -> Vec<Row> {
+    let Some(file) = &layered.file else {
+        return Vec::new();
+    };
+    file.body()
+        .ordering_entries()
+        .map(|(aggregate_type, mode, span)| Row {
+            key: aggregate_type.to_owned(),
+            value: mode.into(),
+            source: Source::File(file.at(&span)).to_string(),
+        })
+        .collect()
+}
+
+/// `value` of `key` with its secrets replaced by `***`.
+fn redact(key: &str, value: &str) -> String {
+    match key {
+        "database_url" => redact_database_url(value),
+        "sink" => redact_url(value),
+        "http_secret" => HIDDEN.to_owned(),
+        "kafka_options" => match value.split_once('=') {
+            Some((property, _)) if secret_name(property) => format!("{property}={HIDDEN}"),
+            _ => value.to_owned(),
+        },
+        _ => value.to_owned(),
+    }
+}
+
+/// Whether a parameter or property of this name holds a secret
+/// (`password`, `sasl.password`, `ssl.key.password`, `sasl.oauthbearer.client.secret`).
+fn secret_name(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["password", "secret", "jaas"].iter().any(|w| name.contains(w))
+}
+
+/// A URL with its password, and any query parameter named like a secret,
+/// replaced.
+fn redact_url(value: &str) -> String {
+    let Ok(mut url) = url::Url::parse(value) else {
+        return unparsed(value);
+    };
+    if url.password().is_some() {
+        // Only fails for URLs that cannot have credentials at all.
+        let _ = url.set_password(Some(HIDDEN));
+    }
+    if url.query_pairs().any(|(k, _)| secret_name(&k)) {
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if secret_name(&k) { HIDDEN.into() } else { v };
+                (k.into_owned(), v.into_owned())
+            })
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    url.to_string().replace("%2A%2A%2A", HIDDEN)
+}
+
+/// A PostgreSQL URL or `key=value` string without its password.
+fn redact_database_url(value: &str) -> String {
+    if value.starts_with("postgres://") || value.starts_with("postgresql://") {
+        return redact_url(value);
+    }
+    let words: Vec<&str> = value.split_whitespace().collect();
+    // `password=x` alone is replaced; anything subtler (quotes, spaces
+    // around `=`) is not shown at all rather than half shown.
+    let simple = !value.contains(['\'', '\\'])
+        && words
+            .iter()
+            .all(|w| w.contains('=') && !w.starts_with('=') && !w.ends_with('='));
+    if !secret_name(value) {
+        return value.to_owned();
+    }
+    if !simple {
+        return unparsed(value);
+    }
+    words
+        .iter()
+        .map(|w| match w.split_once('=') {
+            Some((k, _)) if secret_name(k) => format!("{k}={HIDDEN}"),
+            _ => (*w).to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A value that may hold a secret where it cannot be found.
+fn unparsed(value: &str) -> String {
+    if value.contains('@') || secret_name(value) {
+        format!("<{} characters, not shown>", value.chars().count())
+    } else {
+        value.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_redacted() {
+        assert_eq!(
+            redact("sink", "amqp://user:pw@rabbit:5672/%2f"),
+            "amqp://user:***@rabbit:5672/%2f"
+        );
+        assert_eq!(
+            redact("sink", "redis://127.0.0.1:6379/0"),
+            "redis://127.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact("sink", "https://h/x?token=1&client_secret=s"),
+            "https://h/x?token=1&client_secret=***"
+        );
+        assert_eq!(
+            redact("database_url", "postgres://u:secret@h:5432/db?sslmode=require"),
+            "postgres://u:***@h:5432/db?sslmode=require"
+        );
+        assert_eq!(
+            redact("database_url", "host=h user=u password=secret dbname=d"),
+            "host=h user=u password=*** dbname=d"
+        );
+        assert_eq!(
+            redact("database_url", "host=h password='a b'"),
+            "<21 characters, not shown>"
+        );
+        assert_eq!(redact("http_secret", "whsec_c2VjcmV0"), "***");
+        assert_eq!(redact("kafka_options", "sasl.password=p"), "sasl.password=***");
+        assert_eq!(redact("kafka_options", "linger.ms=5"), "linger.ms=5");
+    }
+}
