@@ -224,7 +224,7 @@ fn ordering(layered: &Layered) -> Vec<Row> {
 /// `value` of `key` with its secrets replaced by `***`.
 fn redact(key: &str, value: &str) -> String {
     match key {
-        "database_url" => redact_database_url(value),
+        "database_url" => outbox_relay::pg::redact(value),
         "sink" => redact_url(value),
         "http_secret" => HIDDEN.to_owned(),
         "kafka_options" => match value.split_once('=') {
@@ -263,34 +263,6 @@ fn redact_url(value: &str) -> String {
         url.query_pairs_mut().clear().extend_pairs(pairs);
     }
     url.to_string().replace("%2A%2A%2A", HIDDEN)
-}
-
-/// A PostgreSQL URL or `key=value` string without its password.
-fn redact_database_url(value: &str) -> String {
-    if value.starts_with("postgres://") || value.starts_with("postgresql://") {
-        return redact_url(value);
-    }
-    let words: Vec<&str> = value.split_whitespace().collect();
-    // `password=x` alone is replaced; anything subtler (quotes, spaces
-    // around `=`) is not shown at all rather than half shown.
-    let simple = !value.contains(['\'', '\\'])
-        && words
-            .iter()
-            .all(|w| w.contains('=') && !w.starts_with('=') && !w.ends_with('='));
-    if !secret_name(value) {
-        return value.to_owned();
-    }
-    if !simple {
-        return unparsed(value);
-    }
-    words
-        .iter()
-        .map(|w| match w.split_once('=') {
-            Some((k, _)) if secret_name(k) => format!("{k}={HIDDEN}"),
-            _ => (*w).to_owned(),
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// A value that may hold a secret where it cannot be found.

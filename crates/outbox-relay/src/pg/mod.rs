@@ -59,10 +59,11 @@ mod params;
 mod startup;
 mod tls;
 
+pub use params::redact;
 pub use startup::ConnectError;
 pub(crate) use startup::Startup;
 
-use params::{redact, split_tls_params};
+use params::split_tls_params;
 use tls::{ring, unchecked_config};
 
 /// The stream of every connection [`open`] makes: TLS or not, one type.

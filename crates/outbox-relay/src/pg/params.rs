@@ -206,8 +206,9 @@ fn quote(value: &str) -> String {
     out
 }
 
-/// The URL or `key=value` string without its password, for messages.
-pub(super) fn redact(url: &str) -> String {
+/// A `DATABASE_URL` (URL or `key=value` string) without its password, for
+/// messages and `outbox config show`.
+pub fn redact(url: &str) -> String {
     const HIDDEN: &str = "***";
     if let Some(body) = ["postgres://", "postgresql://"]
         .iter()
