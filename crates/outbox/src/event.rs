@@ -88,7 +88,7 @@ impl Event {
     /// let event = Event::new("orders", "42", "OrderCreated", json!({"note": "x".repeat(100)}));
     /// assert!(event.check_size(1024 * 1024).is_ok());
     /// let err = event.check_size(64).unwrap_err();
-    /// assert!(err.to_string().contains("payload is 113 bytes, over the limit of 64"), "{err}");
+    /// assert!(err.to_string().contains("payload is 111 bytes, over the limit of 64"), "{err}");
     /// ```
     pub fn check_size(&self, max_bytes: u64) -> Result<(), Error> {
         let bytes = payload_bytes(&self.payload);
