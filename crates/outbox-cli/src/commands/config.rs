@@ -296,13 +296,15 @@ mod tests {
             redact("database_url", "postgres://u:secret@h:5432/db?sslmode=require"),
             "postgres://u:***@h:5432/db?sslmode=require"
         );
+        // The relay's own redaction (`outbox_relay::pg::redact`), which
+        // quotes what it keeps.
         assert_eq!(
             redact("database_url", "host=h user=u password=secret dbname=d"),
-            "host=h user=u password=*** dbname=d"
+            "host='h' user='u' password=*** dbname='d'"
         );
         assert_eq!(
             redact("database_url", "host=h password='a b'"),
-            "<21 characters, not shown>"
+            "host='h' password=***"
         );
         assert_eq!(redact("http_secret", "whsec_c2VjcmV0"), "***");
         assert_eq!(redact("kafka_options", "sasl.password=p"), "sasl.password=***");
