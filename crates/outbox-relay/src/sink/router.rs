@@ -61,21 +61,29 @@ impl Route {
 
     /// Probes the sink with backoff until it answers, then half-opens the
     /// route; the next part sent to it decides. Runs as a task, one per
-    /// opening.
-    async fn probe_until_available(self: Arc<Self>) {
-        loop {
-            let wait = self.breaker().next_probe();
-            tokio::time::sleep(wait).await;
-            let probe = self.sink.probe().await;
-            let mut breaker = self.breaker();
-            match probe {
-                Ok(()) => {
-                    breaker.half_open();
+    /// opening, holding the route weakly: it ends with the router.
+    fn spawn_prober(self: &Arc<Self>) {
+        let route = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(wait) = route.upgrade().map(|r| r.breaker().next_probe()) else {
                     return;
+                };
+                tokio::time::sleep(wait).await;
+                let Some(r) = route.upgrade() else {
+                    return;
+                };
+                let probe = r.sink.probe().await;
+                let mut breaker = r.breaker();
+                match probe {
+                    Ok(()) => {
+                        breaker.half_open();
+                        return;
+                    }
+                    Err(error) => breaker.open(&error.to_string()),
                 }
-                Err(error) => breaker.open(&error.to_string()),
             }
-        }
+        });
     }
 
     /// Delivers `rows`, or answers them unavailable while the route is open.
@@ -93,7 +101,7 @@ impl Route {
             breaker.record(&answers) && was != CircuitState::Open
         };
         if opened {
-            tokio::spawn(Arc::clone(self).probe_until_available());
+            self.spawn_prober();
         }
         answers
     }
@@ -171,7 +179,7 @@ impl Router {
                     let opened = breaker.state() != CircuitState::Open;
                     breaker.open(&error.to_string());
                     if opened {
-                        tokio::spawn(Arc::clone(route).probe_until_available());
+                        route.spawn_prober();
                     }
                 }
             }
@@ -206,6 +214,8 @@ impl Sink for Router {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use chrono::Utc;
     use serde_json::json;
     use uuid::Uuid;
@@ -301,5 +311,21 @@ mod tests {
             [1],
             "called once; then answered by its breaker"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_answers_lets_the_route_be_tried_again() {
+        let mut down = Fake::new("redis", false);
+        down.unavailable = true;
+        let seen = Arc::clone(&down.seen);
+        let router = Router::new(Fake::new("http", false)).route("orders", down);
+        let batch = [row(1, "orders")];
+        router.deliver(&batch).await;
+        router.deliver(&batch).await;
+        assert_eq!(*seen.lock().unwrap(), [1], "open: not called");
+        // The prober's first probe is due after 100 ms; the fake answers it.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        router.deliver(&batch).await;
+        assert_eq!(*seen.lock().unwrap(), [1, 1], "half-open: tried again");
     }
 }
