@@ -1,0 +1,331 @@
+//! From the file's sink tables to the relay's [`Router`]: each table's
+//! keys over the flags' [`SinkOptions`], then its sink.
+//!
+//! Owns merging a table over the flags (a key the table leaves out takes
+//! the flag's value; a table of properties goes over the flags' key by
+//! key) and naming the table at fault in every error. Parsing the URL and
+//! building the sink is `outbox_relay::sink`'s; reading the tables is
+//! `file.rs`'s.
+
+use std::time::Duration;
+
+use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
+use outbox_relay::sink::router::Router;
+use outbox_relay::sink::{self, Sink};
+use outbox_relay::{PerSinkOptions, SinkOptions};
+use serde::Deserialize;
+
+use super::file::{RelayFile, SinkTable};
+use crate::exit::ConfigError;
+
+impl RelayFile {
+    /// The router the file describes. `sink` (the effective `--sink`) is
+    /// the default route when there is no `[default]`; `flags` are the
+    /// options of keys a table leaves out.
+    pub(crate) fn router(self, sink: Option<&str>, flags: &SinkOptions) -> anyhow::Result<Router> {
+        let default = match (self.default, sink) {
+            (Some(table), _) => table.build("[default]", flags)?,
+            (None, Some(url)) => sink::from_url(url, flags)?,
+            (None, None) => {
+                return Err(ConfigError(
+                    "--config: no [default] table and no sink: events of an aggregate type no route \
+                     names would have nowhere to go; add [default] with sink = \"…\", or a top-level \
+                     sink = \"…\""
+                        .to_owned(),
+                )
+                .into());
+            }
+        };
+        let mut router = Router::new(default);
+        for (aggregate_type, table) in self.routes {
+            let sink = table.build(&format!("[routes.{aggregate_type}]"), flags)?;
+            router = router.route(aggregate_type, sink);
+        }
+        Ok(router)
+    }
+}
+
+impl SinkTable {
+    /// The options this table's sink is built with: its keys over `flags`.
+    fn options(&self, name: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
+        let bad = |key: &str, e: &dyn std::fmt::Display| ConfigError(format!("--config {name} {key}: {e}"));
+        let (format, mode, source) = flags.formatter.parts();
+        let format = match &self.format {
+            Some(f) => f.parse::<Format>().map_err(|e| bad("format", &e))?,
+            None => format,
+        };
+        let mode = match &self.cloudevents_mode {
+            Some(m) => m
+                .parse::<CloudEventsMode>()
+                .map_err(|e| bad("cloudevents_mode", &e))?,
+            None => mode,
+        };
+        let timeout = match &self.http_timeout {
+            Some(t) => humantime::parse_duration(t).map_err(|e| bad("http_timeout", &e))?,
+            None => flags.timeout,
+        };
+        if timeout == Duration::ZERO {
+            return Err(bad("http_timeout", &"must be greater than zero"));
+        }
+        // The table's keys over the flags' values; a table value (the
+        // librdkafka properties) goes over the flags' key by key, and
+        // librdkafka keeps the last value of a key: the table's win.
+        let mut per_sink = serde_json::to_value(&flags.per_sink).map_err(|e| bad("options", &e))?;
+        if let serde_json::Value::Object(merged) = &mut per_sink {
+            for (key, value) in &self.per_sink {
+                match (merged.get_mut(key), value) {
+                    (Some(serde_json::Value::Object(under)), serde_json::Value::Object(over)) => {
+                        under.extend(over.clone());
+                    }
+                    _ => {
+                        merged.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        // Each value was checked against its declaration when the file was read.
+        let per_sink = PerSinkOptions::deserialize(per_sink).map_err(|e| bad("options", &e))?;
+        Ok(SinkOptions {
+            timeout,
+            formatter: Formatter::new(
+                format,
+                mode,
+                self.cloudevents_source
+                    .clone()
+                    .unwrap_or_else(|| source.to_owned()),
+            ),
+            per_sink,
+        })
+    }
+
+    fn build(self, name: &str, flags: &SinkOptions) -> anyhow::Result<Box<dyn Sink>> {
+        let options = self.options(name, flags)?;
+        // SinkError is a configuration error (exit 2) already; the context
+        // says which table it came from.
+        let sink = sink::from_url(&self.sink, &options)
+            .map_err(|e| anyhow::Error::new(e).context(format!("--config {name}")))?;
+        Ok(sink)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_relay::OrderMode;
+
+    use super::*;
+
+    fn parse(text: &str) -> Result<RelayFile, toml::de::Error> {
+        toml::from_str(text)
+    }
+
+    /// Every sink option: its flag, environment variable and routes-file
+    /// line, each giving the same value.
+    fn every_option() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
+        let mut all = vec![
+            (
+                "--stream-prefix",
+                "OUTBOX_STREAM_PREFIX",
+                "p",
+                "stream_prefix = \"p\"",
+            ),
+            (
+                "--nats-subject",
+                "OUTBOX_NATS_SUBJECT",
+                "s.{event_type}",
+                "nats_subject = \"s.{event_type}\"",
+            ),
+            (
+                "--amqp-exchange",
+                "OUTBOX_AMQP_EXCHANGE",
+                "x",
+                "amqp_exchange = \"x\"",
+            ),
+            (
+                "--amqp-routing-key",
+                "OUTBOX_AMQP_ROUTING_KEY",
+                "k",
+                "amqp_routing_key = \"k\"",
+            ),
+            (
+                "--http-secret",
+                "OUTBOX_HTTP_SECRET",
+                "whsec_c2VjcmV0",
+                "http_secret = \"whsec_c2VjcmV0\"",
+            ),
+            (
+                "--http-concurrency",
+                "OUTBOX_HTTP_CONCURRENCY",
+                "3",
+                "http_concurrency = 3",
+            ),
+        ];
+        if cfg!(feature = "kafka") {
+            all.extend([
+                ("--kafka-topic", "OUTBOX_KAFKA_TOPIC", "t", "kafka_topic = \"t\""),
+                (
+                    "--kafka-option",
+                    "OUTBOX_KAFKA_OPTIONS",
+                    "linger.ms=5",
+                    "kafka_options = { \"linger.ms\" = \"5\" }",
+                ),
+            ]);
+        }
+        all
+    }
+
+    /// The sinks' own options `outbox relay --sink redis://x <flags>` gets.
+    fn from_flags(flags: &[&str]) -> PerSinkOptions {
+        let args = ["outbox", "relay", "--sink", "redis://x"].iter().chain(flags);
+        match <crate::cli::Cli as clap::Parser>::try_parse_from(args)
+            .unwrap()
+            .command
+        {
+            crate::cli::Command::Relay(relay) => relay.sink_options.per_sink,
+            _ => unreachable!(),
+        }
+    }
+
+    /// The sinks' own options of a `[default]` table, over `flags`.
+    fn from_file(lines: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
+        let file = parse(&format!("[default]\nsink = \"redis://x\"\n{lines}")).unwrap();
+        file.default.unwrap().options("[default]", flags)
+    }
+
+    /// Where the child process started by `one_declaration_is_flag_environment_and_key`
+    /// prints what it parsed.
+    const CHILD_SAYS: &str = "parsed from the environment: ";
+
+    #[test]
+    fn one_declaration_is_flag_environment_and_key() {
+        let options = every_option();
+        let flags: Vec<&str> = options
+            .iter()
+            .flat_map(|(flag, _, value, _)| [*flag, *value])
+            .collect();
+        let from_flags = from_flags(&flags);
+        assert_ne!(from_flags, PerSinkOptions::default());
+
+        let lines: String = options.iter().map(|(.., line)| format!("{line}\n")).collect();
+        let from_file = from_file(&lines, &SinkOptions::default()).unwrap().per_sink;
+        assert_eq!(from_file, from_flags);
+
+        // The environment is read in a child process: this one's cannot be
+        // changed safely while other tests run.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "config::router::tests::child_parses_the_environment",
+                "--exact",
+                "--nocapture",
+            ])
+            .env("OUTBOX_TEST_CHILD", "1")
+            .envs(options.iter().map(|(_, env, value, _)| (env, value)))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(CHILD_SAYS))
+            .unwrap_or_else(|| panic!("the child did not run: {stdout}"));
+        let from_env: PerSinkOptions = serde_json::from_str(json).unwrap();
+        assert_eq!(from_env, from_flags);
+    }
+
+    #[test]
+    fn child_parses_the_environment() {
+        if std::env::var_os("OUTBOX_TEST_CHILD").is_none() {
+            return;
+        }
+        println!("{CHILD_SAYS}{}", serde_json::to_string(&from_flags(&[])).unwrap());
+    }
+
+    #[test]
+    fn a_key_left_out_takes_the_flag() {
+        let mut flags = SinkOptions {
+            per_sink: from_flags(&["--nats-subject", "from.flag", "--stream-prefix", "flag"]),
+            ..SinkOptions::default()
+        };
+        if cfg!(feature = "kafka") {
+            flags.per_sink = from_flags(&[
+                "--nats-subject",
+                "from.flag",
+                "--stream-prefix",
+                "flag",
+                "--kafka-option",
+                "linger.ms=1",
+                "--kafka-option",
+                "acks=all",
+            ]);
+        }
+        let file =
+            "stream_prefix = \"file\"\nkafka_options = { \"linger.ms\" = \"2\", \"batch.size\" = \"9\" }\n";
+        let file = if cfg!(feature = "kafka") {
+            file
+        } else {
+            "stream_prefix = \"file\"\n"
+        };
+        let options = from_file(file, &flags).unwrap().per_sink;
+        assert_eq!(options.redis.stream_prefix, "file");
+        assert_eq!(options.nats.subject, "from.flag");
+        #[cfg(feature = "kafka")]
+        assert_eq!(
+            options.kafka.options,
+            [("acks", "all"), ("batch.size", "9"), ("linger.ms", "2")]
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        );
+    }
+
+    #[test]
+    fn names_the_table_at_fault() {
+        let flags = SinkOptions::default();
+        let file = parse(
+            "[default]\nsink = \"redis://x\"\n[routes.orders]\nsink = \"nats://x:4222\"\nnats_subject = \"a.{nope}\"\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", file.router(None, &flags).err().unwrap());
+        assert!(e.contains("[routes.orders]") && e.contains("{nope}"), "{e}");
+        let file = parse("[routes.orders]\nsink = \"redis://x\"\n").unwrap();
+        let e = file.router(None, &flags).err().unwrap().to_string();
+        assert!(e.contains("[default]"), "{e}");
+        let file = parse("[default]\nsink = \"redis://x\"\n[ordering]\norders = \"none\"\n").unwrap();
+        let e = file.ordering().unwrap_err().to_string();
+        assert!(e.contains("orders") && e.contains("none"), "{e}");
+        let file = parse("[default]\nsink = \"redis://x\"\n[ordering]\norders = \"strict\"\n").unwrap();
+        assert_eq!(
+            file.ordering().unwrap(),
+            [("orders".to_owned(), OrderMode::Strict)]
+        );
+        // Without the kafka feature these keys, like the scheme, are unknown.
+        if cfg!(feature = "kafka") {
+            let file = parse(
+                "[default]\nsink = \"redis://x\"\n[routes.orders]\nsink = \"kafka://k:9092\"\nkafka_topic = \"a b\"\n",
+            )
+            .unwrap();
+            let e = format!("{:#}", file.router(None, &flags).err().unwrap());
+            assert!(
+                e.contains("[routes.orders]") && e.contains("--kafka-topic"),
+                "{e}"
+            );
+            let file = parse(
+                "[default]\nsink = \"kafka://k:9092\"\nkafka_options = { \"linger.ms\" = \"5\", acks = \"1\" }\n",
+            )
+            .unwrap();
+            let e = format!("{:#}", file.router(None, &flags).err().unwrap());
+            assert!(
+                e.contains("[default]") && e.contains("--kafka-option") && e.contains("acks"),
+                "{e}"
+            );
+        }
+        // Routes without [default]: the top-level (or --sink) sink is the default.
+        let file = parse("sink = \"redis://x\"\n[routes.orders]\nsink = \"redis://y\"\n").unwrap();
+        assert!(file.routes());
+        file.router(Some("redis://x"), &flags).unwrap();
+        let file = parse("[default]\nsink = \"redis://x\"\nformat = \"avro\"\n").unwrap();
+        let e = file.router(None, &flags).err().unwrap().to_string();
+        assert!(e.contains("format") && e.contains("avro"), "{e}");
+    }
+}
