@@ -10,6 +10,12 @@
 //! the sink is still unavailable. Each change of state is logged once, with
 //! the cause; a probe failing for the same cause as the last one is not.
 //!
+//! A sink that answers its probe and then fails every batch as unavailable,
+//! [`STRIKES`] times in a row, is not simply down: most likely one event at
+//! the head of the queue breaks the connection (a receiver that crashes on
+//! its payload). That batch's answers then count as attempts, so such an
+//! event becomes a dead letter instead of being retried for ever.
+//!
 //! Two users: the relay holds one for its sink and, while it is open,
 //! claims nothing (`relay.rs`); the [`Router`] holds one per route and,
 //! while a route's is open, answers its rows unavailable without calling
@@ -31,6 +37,10 @@ const FIRST_PROBE: Duration = Duration::from_millis(100);
 /// The longest probe interval: delivery resumes at most this long after
 /// the sink is back (plus the probe's own round trip).
 pub(crate) const MAX_PROBE: Duration = Duration::from_secs(1);
+
+/// Batches failed as unavailable right after a successful probe, in a row,
+/// before their answers count as attempts.
+pub(crate) const STRIKES: u32 = 3;
 
 /// A breaker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +76,10 @@ pub(crate) struct Breaker {
     down: Option<(Instant, String)>,
     /// The next probe interval.
     interval: Duration,
+    /// Batches in a row found unavailable while half-open.
+    strikes: u32,
+    /// Whether strikes count (see [`Breaker::without_strikes`]).
+    striking: bool,
 }
 
 /// How [`Breaker::wait`] ended.
@@ -105,7 +119,18 @@ impl Breaker {
             state: CircuitState::Closed,
             down: None,
             interval: FIRST_PROBE,
+            strikes: 0,
+            striking: true,
         }
+    }
+
+    /// A breaker that never turns unavailable answers into attempts: for a
+    /// sink whose routes keep breakers of their own (the [`Router`]), whose
+    /// unavailable answers may be a route's breaker speaking rather than a
+    /// failed call; each route's breaker counts its own strikes.
+    pub(crate) fn without_strikes(mut self) -> Self {
+        self.striking = false;
+        self
     }
 
     pub(crate) fn state(&self) -> CircuitState {
@@ -118,10 +143,33 @@ impl Breaker {
     }
 
     /// Records a batch's answers; true if the breaker is open after them.
-    pub(crate) fn record(&mut self, answers: &[Delivery]) -> bool {
-        match unavailable(answers) {
+    /// After [`STRIKES`] half-open batches in a row that were all
+    /// unavailable, turns their unavailable answers into retryable failures
+    /// (an attempt each).
+    pub(crate) fn record(&mut self, answers: &mut [Delivery]) -> bool {
+        match unavailable(answers).map(str::to_owned) {
             Some(cause) => {
-                self.open(cause);
+                if self.striking && self.state == CircuitState::HalfOpen {
+                    self.strikes += 1;
+                }
+                if self.strikes >= STRIKES {
+                    warn!(
+                        sink = self.sink,
+                        route = self.route.as_deref(),
+                        error = %cause,
+                        strikes = self.strikes,
+                        "the sink answers its probe but fails every batch; counting this batch's failures as attempts"
+                    );
+                    self.strikes = 0;
+                    for answer in answers.iter_mut() {
+                        if let Err(DeliveryError::Unavailable { message }) = answer {
+                            *answer = Err(DeliveryError::retryable(format!(
+                                "{message} (the sink answers its probe but failed {STRIKES} batches in a row)"
+                            )));
+                        }
+                    }
+                }
+                self.open(&cause);
                 true
             }
             None => {
@@ -179,6 +227,7 @@ impl Breaker {
     /// A delivery went through: closed again.
     fn close(&mut self) {
         self.state = CircuitState::Closed;
+        self.strikes = 0;
         if let Some((since, _)) = self.down.take() {
             info!(
                 sink = self.sink,
@@ -231,16 +280,16 @@ mod tests {
     #[test]
     fn a_batch_all_unavailable_opens_and_a_delivery_closes() {
         let mut b = Breaker::new("redis", None);
-        assert!(!b.record(&[Ok(()), down()]), "a mixed batch does not open it");
+        assert!(!b.record(&mut [Ok(()), down()]), "a mixed batch does not open it");
         assert_eq!(b.state(), CircuitState::Closed);
-        assert!(b.record(&[down(), down()]));
+        assert!(b.record(&mut [down(), down()]));
         assert_eq!(b.state(), CircuitState::Open);
         assert_eq!(b.cause(), Some("connection refused"));
         b.half_open();
         assert_eq!(b.state(), CircuitState::HalfOpen);
-        assert!(b.record(&[down()]), "half-open, unavailable again: open");
+        assert!(b.record(&mut [down()]), "half-open, unavailable again: open");
         b.half_open();
-        assert!(!b.record(&[Ok(())]));
+        assert!(!b.record(&mut [Ok(())]));
         assert_eq!(b.state(), CircuitState::Closed);
         assert_eq!(b.cause(), None);
     }
@@ -251,10 +300,13 @@ mod tests {
         let not_sent = Err(DeliveryError::NotSent {
             message: "behind".into(),
         });
-        assert!(b.record(&[down(), not_sent.clone()]));
+        assert!(b.record(&mut [down(), not_sent.clone()]));
         let mut b = Breaker::new("http", None);
-        assert!(!b.record(&[not_sent]), "nothing unavailable: nothing to open for");
-        assert!(!b.record(&[Err(DeliveryError::permanent("413"))]));
+        assert!(
+            !b.record(&mut [not_sent]),
+            "nothing unavailable: nothing to open for"
+        );
+        assert!(!b.record(&mut [Err(DeliveryError::permanent("413"))]));
         assert_eq!(b.state(), CircuitState::Closed);
     }
 
@@ -265,7 +317,7 @@ mod tests {
         let waits: Vec<_> = (0..6).map(|_| b.next_probe()).collect();
         assert_eq!(waits, [100, 200, 400, 800, 1000, 1000].map(Duration::from_millis));
         b.half_open();
-        b.record(&[Ok(())]);
+        b.record(&mut [Ok(())]);
         b.open("no responders");
         assert_eq!(b.next_probe(), FIRST_PROBE);
     }
@@ -311,5 +363,51 @@ mod tests {
         );
         assert_eq!(started.elapsed(), Duration::from_millis(100 + 200 + 400 + 800));
         assert_eq!(b.state(), CircuitState::HalfOpen);
+    }
+
+    #[test]
+    fn a_sink_that_answers_probes_but_fails_every_batch_costs_attempts_after_three() {
+        let mut b = Breaker::new("http", None);
+        assert!(b.record(&mut [down()]));
+        for strike in 1..STRIKES {
+            b.half_open();
+            let mut answers = [down()];
+            assert!(b.record(&mut answers));
+            assert!(
+                answers[0].as_ref().is_err_and(DeliveryError::is_unavailable),
+                "strike {strike}"
+            );
+        }
+        b.half_open();
+        let mut answers = [
+            down(),
+            Err(DeliveryError::NotSent {
+                message: "behind".into(),
+            }),
+        ];
+        assert!(b.record(&mut answers), "still open");
+        assert!(
+            matches!(&answers[0], Err(DeliveryError::Retryable { message, .. }) if message.contains("failed 3 batches in a row")),
+            "{answers:?}"
+        );
+        assert!(
+            matches!(answers[1], Err(DeliveryError::NotSent { .. })),
+            "rows not sent stay so"
+        );
+        // Without strikes (a router's own breaker speaks for its routes).
+        let mut b = Breaker::new("router", None).without_strikes();
+        for _ in 0..=STRIKES {
+            b.half_open();
+            let mut answers = [down()];
+            assert!(b.record(&mut answers));
+            assert!(answers[0].as_ref().is_err_and(DeliveryError::is_unavailable));
+        }
+        // A plain outage (probes failing, never half-open) never strikes.
+        let mut b = Breaker::new("redis", None);
+        for _ in 0..10 {
+            let mut answers = [down()];
+            assert!(b.record(&mut answers));
+            assert!(answers[0].as_ref().is_err_and(DeliveryError::is_unavailable));
+        }
     }
 }

@@ -125,6 +125,9 @@ impl Relay {
         let started = Instant::now();
         let mut blocked = Blocked::default();
         let mut breaker = Breaker::new(self.sink.name(), None);
+        if self.sink.has_route_breakers() {
+            breaker = breaker.without_strikes();
+        }
         // The relay starts whether or not the sink is up, and says which.
         match self.sink.probe().await {
             Ok(()) => info!(sink = self.sink.name(), "sink reachable"),
@@ -231,9 +234,9 @@ impl Relay {
         let screened = plan::screen(&batch.rows, blocked, self.max_event_bytes());
         let sendable = screened.sendable(&batch.rows);
         let to_send = sendable.as_deref().unwrap_or(&batch.rows);
-        let (sent, overlapped) =
+        let (mut sent, overlapped) =
             tokio::join!(self.deliver(to_send, source.lapse()), source.overlap(batch.full),);
-        let open = breaker.record(&sent);
+        let open = breaker.record(&mut sent);
         let answers = screened.merge(batch.rows.len(), sent);
         if let Some(failpoint) = self.config.failpoint {
             failpoint.park(batch.rows.len()).await;

@@ -102,6 +102,9 @@ struct Shared {
     retry_after: Mutex<Option<u64>>,
     /// Bodies longer than this get 413 (recorded).
     max_body: Mutex<Option<usize>>,
+    /// Bodies containing this text get no answer: the connection is
+    /// dropped (not recorded), as by a receiver that crashes on them.
+    poison: Mutex<Option<String>>,
     /// How many requests are in `log`; waiters watch it.
     count: watch::Sender<usize>,
 }
@@ -127,6 +130,7 @@ impl Receiver {
             script: Mutex::new(Script { respond, answered: 0 }),
             retry_after: Mutex::new(None),
             max_body: Mutex::new(None),
+            poison: Mutex::new(None),
             count: watch::Sender::new(0),
         });
         let mut receiver = Receiver {
@@ -202,6 +206,13 @@ impl Receiver {
         *lock(&self.state.max_body) = bytes;
     }
 
+    /// Drops the connection, with no answer, of every POST whose body
+    /// contains `text` from now on (`None` stops it): a receiver that
+    /// crashes on one event. Those requests are not recorded.
+    pub fn set_poison(&self, text: Option<&str>) {
+        *lock(&self.state.poison) = text.map(str::to_owned);
+    }
+
     /// `http://127.0.0.1:<port>/events` (any path is accepted).
     pub fn url(&self) -> String {
         format!("http://{}/events", self.addr)
@@ -275,6 +286,15 @@ async fn record(
 ) -> Response {
     if method != Method::POST {
         return StatusCode::METHOD_NOT_ALLOWED.into_response();
+    }
+    let poisoned = lock(&state.poison)
+        .as_deref()
+        .is_some_and(|text| body.windows(text.len().max(1)).any(|w| w == text.as_bytes()));
+    if poisoned {
+        // Unwinding out of the handler ends the connection's task, so the
+        // client sees the connection closed before any answer. Not a panic:
+        // nothing is printed.
+        std::panic::resume_unwind(Box::new("testkit receiver: poisoned request"));
     }
     let at = Instant::now();
     let too_large = lock(&state.max_body).is_some_and(|max| body.len() > max);

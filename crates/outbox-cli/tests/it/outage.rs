@@ -5,10 +5,10 @@
 //! restarted: the conformance suite's `broker_down`.)
 
 use outbox::Event;
-use outbox_testkit::{Nats, Redis};
+use outbox_testkit::{Nats, Receiver, Redis, Respond};
 use serde_json::json;
 
-use crate::support::{Db, LONG, read_stream, run_cli, start_relay, stop_relay, text};
+use crate::support::{Db, LONG, read_stream, run_cli, start_relay, stop_relay, text, wait_until};
 
 /// The relay with a sink whose credentials are refused: as a service it
 /// starts, reports the sink unavailable with the broker's words and claims
@@ -97,4 +97,52 @@ async fn an_event_over_max_event_bytes_is_a_dead_letter_and_its_neighbours_are_d
         ),
         "{error}"
     );
+}
+
+/// A receiver that drops the connection on one event (it crashes on that
+/// payload) while delivering the others: that event looks like an outage
+/// each time, but the receiver answers its probe, so after three batches
+/// in a row the failures count as attempts and the event becomes a dead
+/// letter instead of being retried for ever. Its neighbours are delivered.
+#[tokio::test]
+async fn an_event_that_breaks_the_connection_every_time_becomes_a_dead_letter() {
+    let db = Db::start().await;
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    receiver.set_poison(Some("poison"));
+    let events = [
+        Event::new("orders", "1", "OrderPlaced", json!({"n": 1})),
+        Event::new("orders", "2", "OrderPlaced", json!({"note": "poison"})),
+        Event::new("orders", "3", "OrderPlaced", json!({"n": 3})),
+    ];
+    outbox::enqueue_all(&db.client, &events).await.unwrap();
+    let relay = start_relay(&db.url, &receiver.url(), &["--backoff-base", "50ms"], &[]).await;
+    wait_until("the poisoned event dead", LONG, || async {
+        db.count("SELECT count(*) FROM outbox WHERE aggregate_id = '2' AND dead_at IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    stop_relay(relay).await;
+    let row = db
+        .client
+        .query_one(
+            "SELECT attempts, last_error FROM outbox WHERE aggregate_id = '2'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (attempts, error): (i32, String) = (row.get(0), row.get(1));
+    assert_eq!(attempts, 5, "the default limit, one attempt per three strikes");
+    assert!(error.contains("failed 3 batches in a row"), "{error}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await,
+        2
+    );
+    let ids: Vec<String> = receiver
+        .received()
+        .iter()
+        .map(|r| r.body["aggregate_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), 2, "the neighbours, once each: {ids:?}");
 }

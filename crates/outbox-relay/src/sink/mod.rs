@@ -132,6 +132,14 @@ pub trait Sink: Send + Sync {
     fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         Box::pin(async { Ok(()) })
     }
+    /// Whether the sink keeps a circuit breaker per route (the router): its
+    /// unavailable answers may come from a route's breaker rather than a
+    /// failed call, so the relay's own breaker does not count them as
+    /// strikes (see `breaker`).
+    fn has_route_breakers(&self) -> bool {
+        false
+    }
+
     /// The largest event (payload bytes) the sink accepts, where the sink
     /// can tell (NATS `max_payload`, a Kafka producer's
     /// `message.max.bytes`), once it connected. The relay lowers

@@ -94,11 +94,11 @@ impl Route {
                 .map(|_| Err(DeliveryError::unavailable(cause.clone())))
                 .collect();
         }
-        let answers = self.sink.deliver(rows).await;
+        let mut answers = self.sink.deliver(rows).await;
         let opened = {
             let mut breaker = self.breaker();
             let was = breaker.state();
-            breaker.record(&answers) && was != CircuitState::Open
+            breaker.record(&mut answers) && was != CircuitState::Open
         };
         if opened {
             self.spawn_prober();
@@ -209,6 +209,10 @@ impl Sink for Router {
 
     fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         self.probe_all().boxed()
+    }
+
+    fn has_route_breakers(&self) -> bool {
+        true
     }
 }
 
