@@ -1,8 +1,8 @@
 //! The CLI's contract: exit codes and messages for bad input, migrate, demo.
 
-use outbox_testkit::{Postgres, free_port};
+use outbox_testkit::Postgres;
 
-use crate::support::{Db, run_cli, text};
+use crate::support::{Db, run_cli, text, unreachable_postgres};
 
 /// Runs `args` and asserts exit code 2 with `needle` in the message.
 pub async fn expect_config_error(args: &[&str], envs: &[(&str, &str)], needle: &str) {
@@ -102,7 +102,7 @@ async fn schema_not_migrated_or_too_new_exits_2() {
 
 #[tokio::test]
 async fn unreachable_postgres_exits_1_after_the_connect_timeout() {
-    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let url = unreachable_postgres();
     let out = run_cli(
         &[
             "relay",

@@ -144,8 +144,9 @@ where
     }
 }
 
-/// Stops a relay with SIGTERM and asserts the documented exit code 0.
-pub async fn stop_relay(mut relay: Spawned) {
+/// Stops a relay with SIGTERM and asserts the documented exit code 0 and
+/// one `relay stopped`; returns everything the relay printed.
+pub async fn stop_relay(mut relay: Spawned) -> Vec<String> {
     relay.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = relay.wait(LONG).await.unwrap();
     assert_eq!(
@@ -155,6 +156,15 @@ pub async fn stop_relay(mut relay: Spawned) {
         relay.lines()
     );
     assert_eq!(relay.count_lines("relay stopped"), 1);
+    relay.lines()
+}
+
+/// A connection string nothing answers on (a free port).
+pub fn unreachable_postgres() -> String {
+    format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        outbox_testkit::free_port()
+    )
 }
 
 /// One entry of an `outbox.event.*` stream.
