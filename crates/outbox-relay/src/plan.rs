@@ -63,6 +63,11 @@ pub(crate) struct Failures {
 }
 
 impl Failures {
+    /// A row comes due again after `delay`: the relay wakes for the soonest.
+    fn due_in(&mut self, delay: Duration) {
+        self.soonest = Some(self.soonest.map_or(delay, |s| s.min(delay)));
+    }
+
     fn push(&mut self, id: i64, error: String, attempts: i32, delay: Duration, dead: bool) {
         self.ids.push(id);
         self.errors.push(error);
@@ -235,7 +240,7 @@ pub(crate) fn plan(
             Outcome::Sent(Err(DeliveryError::Unavailable { message })) => {
                 let delay = UNAVAILABLE_RETRY.max(behind.unwrap_or_default());
                 failures.unavailable += 1;
-                failures.soonest = Some(failures.soonest.map_or(delay, |s| s.min(delay)));
+                failures.due_in(delay);
                 failures.push(
                     row.id,
                     format!("sink unavailable: {message}"),
@@ -265,7 +270,7 @@ pub(crate) fn plan(
             failures.dead += 1;
             tracing::warn!(id = row.id, event_id = %row.event_id, attempts, error = %message, "dead letter");
         } else {
-            failures.soonest = Some(failures.soonest.map_or(delay, |s| s.min(delay)));
+            failures.due_in(delay);
         }
         failures.first_error.get_or_insert_with(|| message.clone());
         failures.push(row.id, message, attempts, delay, dead);

@@ -57,12 +57,10 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                     config.display_name()
                 );
             }
-            if n > 0 {
-                // The aggregates' later events may be claimable now.
-                sql.notify(&client, config.channel.as_str())
-                    .await
-                    .context("notifying relays")?;
-            }
+            // The aggregates' later events may be claimable now.
+            sql.notify(&client, config.channel.as_str())
+                .await
+                .context("notifying relays")?;
             println!("gave up on {n} dead letters in {}", config.display_name());
         }
     }
