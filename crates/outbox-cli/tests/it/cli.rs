@@ -2,7 +2,7 @@
 
 use outbox_testkit::Postgres;
 
-use crate::support::{Db, run_cli, text, unreachable_postgres};
+use crate::support::{Db, relay_without_postgres, run_cli, text};
 
 /// Runs `args` and asserts exit code 2 with `needle` in the message.
 pub async fn expect_config_error(args: &[&str], envs: &[(&str, &str)], needle: &str) {
@@ -102,18 +102,7 @@ async fn schema_not_migrated_or_too_new_exits_2() {
 
 #[tokio::test]
 async fn unreachable_postgres_exits_1_after_the_connect_timeout() {
-    let url = unreachable_postgres();
-    let out = run_cli(
-        &[
-            "relay",
-            "--sink",
-            "redis://127.0.0.1:1",
-            "--connect-timeout",
-            "1s",
-        ],
-        &[("DATABASE_URL", &url)],
-    )
-    .await;
+    let out = relay_without_postgres(&[], &[]).await;
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("connecting to postgres"), "{stderr}");

@@ -7,7 +7,9 @@
 use outbox_testkit::Redis;
 use serde_json::Value;
 
-use crate::support::{Db, LONG, run_cli, start_relay, stop_relay, text, unreachable_postgres};
+use crate::support::{
+    Db, LONG, relay_without_postgres, run_cli, start_relay, stop_relay, text, unreachable_postgres,
+};
 
 /// Parses every line as one JSON object, failing on any that is not.
 fn parse_lines(lines: &[String]) -> Vec<Value> {
@@ -102,19 +104,7 @@ async fn a_fatal_error_is_one_json_line_with_the_same_exit_code() {
     );
 
     // Runtime failures keep exit 1; the retries before it are JSON too.
-    let out = run_cli(
-        &[
-            "relay",
-            "--sink",
-            "redis://127.0.0.1:1",
-            "--connect-timeout",
-            "1s",
-            "--log-format",
-            "json",
-        ],
-        &env,
-    )
-    .await;
+    let out = relay_without_postgres(&["--log-format", "json"], &[]).await;
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let lines: Vec<String> = stderr.lines().map(String::from).collect();
@@ -137,20 +127,9 @@ async fn a_fatal_error_is_one_json_line_with_the_same_exit_code() {
 
 #[tokio::test]
 async fn human_logs_into_a_pipe_have_no_colour() {
-    let url = unreachable_postgres();
     // NO_COLOR would hide the fault: the child's stderr is a pipe, and that
     // alone must turn colour off.
-    let out = run_cli(
-        &[
-            "relay",
-            "--sink",
-            "redis://127.0.0.1:1",
-            "--connect-timeout",
-            "1s",
-        ],
-        &[("DATABASE_URL", url.as_str()), ("NO_COLOR", "")],
-    )
-    .await;
+    let out = relay_without_postgres(&[], &[("NO_COLOR", "")]).await;
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(

@@ -167,6 +167,23 @@ pub fn unreachable_postgres() -> String {
     )
 }
 
+/// `outbox relay <extra>` against a PostgreSQL nothing answers on, giving
+/// up after 1 s: the startup retries, then exit 1.
+pub async fn relay_without_postgres(extra: &[&str], envs: &[(&str, &str)]) -> Output {
+    let url = unreachable_postgres();
+    let mut args = vec![
+        "relay",
+        "--sink",
+        "redis://127.0.0.1:1",
+        "--connect-timeout",
+        "1s",
+    ];
+    args.extend_from_slice(extra);
+    let mut env = vec![("DATABASE_URL", url.as_str())];
+    env.extend_from_slice(envs);
+    run_cli(&args, &env).await
+}
+
 /// One entry of an `outbox.event.*` stream.
 #[derive(Debug, Clone)]
 pub struct StreamEvent {
