@@ -89,6 +89,18 @@ async fn tls_cluster(ca: &Ca, settings: PgSettings) -> Postgres {
         .expect("start postgres with ssl=on")
 }
 
+/// A TLS cluster whose `pg_hba.conf` takes only a client certificate from
+/// `ca` (`hostssl … cert`), and the name of a fresh database on it.
+async fn cert_only_cluster(ca: &Ca) -> (Postgres, String) {
+    let settings = PgSettings::default()
+        .client_ca(ca.issuer.pem())
+        .hba("hostssl all all 127.0.0.1/32 cert");
+    let pg = tls_cluster(ca, settings).await;
+    let db_url = pg.fresh_database().await.unwrap();
+    let db = db_url.rsplit('/').next().unwrap().to_owned();
+    (pg, db)
+}
+
 /// `postgres://postgres@{host}:{port}/{db}?{params}`.
 fn url(pg: &Postgres, host: &str, db: &str, params: &str) -> String {
     format!("postgres://postgres@{host}:{}/{db}?{params}", pg.port())
@@ -209,15 +221,7 @@ async fn tls_sslmodes_check_what_libpq_checks() {
 #[tokio::test]
 async fn tls_client_certificate_only_hba_wants_the_right_certificate() {
     let ca = Ca::new("outbox test CA");
-    let pg = tls_cluster(
-        &ca,
-        PgSettings::default()
-            .client_ca(ca.issuer.pem())
-            .hba("hostssl all all 127.0.0.1/32 cert"),
-    )
-    .await;
-    let db_url = pg.fresh_database().await.unwrap();
-    let db = db_url.rsplit('/').next().unwrap().to_owned();
+    let (pg, db) = cert_only_cluster(&ca).await;
     let root = ca.root();
     let me = ca.client("postgres");
     let with_cert = format!(
@@ -260,15 +264,7 @@ async fn tls_client_certificate_only_hba_wants_the_right_certificate() {
 #[tokio::test]
 async fn tls_relay_delivers_end_to_end() {
     let ca = Ca::new("outbox test CA");
-    let pg = tls_cluster(
-        &ca,
-        PgSettings::default()
-            .client_ca(ca.issuer.pem())
-            .hba("hostssl all all 127.0.0.1/32 cert"),
-    )
-    .await;
-    let db_url = pg.fresh_database().await.unwrap();
-    let db = db_url.rsplit('/').next().unwrap().to_owned();
+    let (pg, db) = cert_only_cluster(&ca).await;
     let me = ca.client("postgres");
     // The database accepts nothing but TLS with our certificate, so every
     // connection below (migrate, the relay's three sessions) used it.
