@@ -25,6 +25,12 @@ impl Db {
     pub async fn count(&self, sql: &str) -> i64 {
         self.client.query_one(sql, &[]).await.expect(sql).get(0)
     }
+
+    /// The first column of every row `sql` returns.
+    pub async fn column<T: for<'a> tokio_postgres::types::FromSql<'a>>(&self, sql: &str) -> Vec<T> {
+        let rows = self.client.query(sql, &[]).await.expect(sql);
+        rows.iter().map(|r| r.get(0)).collect()
+    }
 }
 
 pub async fn connect(url: &str) -> Client {

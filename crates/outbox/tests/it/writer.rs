@@ -108,16 +108,8 @@ async fn enqueue_writes_every_column_and_enqueue_all_keeps_order() {
     );
 
     let stored: Vec<Uuid> = db
-        .client
-        .query(
-            "SELECT event_id FROM outbox WHERE aggregate_id = '8' ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .column("SELECT event_id FROM outbox WHERE aggregate_id = '8' ORDER BY id")
+        .await;
     assert_eq!(stored, ids, "enqueue_all keeps the caller's order");
 }
 
@@ -291,16 +283,8 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
     let report = outbox::migrate(&mut db.client, &config).await.unwrap();
     assert_eq!(report.applied, [(4, "dead_at")]);
     let dead: Vec<i32> = db
-        .client
-        .query(
-            "SELECT attempts FROM outbox WHERE dead_at IS NOT NULL ORDER BY attempts",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .column("SELECT attempts FROM outbox WHERE dead_at IS NOT NULL ORDER BY attempts")
+        .await;
     assert_eq!(dead, [4, 5, 6], "unpublished rows with 4 attempts or more");
     let sql = outbox::sql::OutboxSql::new(&config);
     let stats = sql.stats(&db.client).await.unwrap();
