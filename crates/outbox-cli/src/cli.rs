@@ -186,6 +186,11 @@ pub(crate) struct RelayArgs {
     /// Bytes, or with a unit: 512KiB, 1MiB, 1MB.
     #[arg(long, env = "OUTBOX_MAX_EVENT_BYTES", default_value = "1MiB", value_parser = byte_size)]
     pub(crate) max_event_bytes: u64,
+    /// The payload bytes one batch may hold: a claim takes rows in id order
+    /// while their payloads fit, and always the first, so the relay's
+    /// memory is bounded by this or by one event. Bytes, or with a unit.
+    #[arg(long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "16MiB", value_parser = byte_size)]
+    pub(crate) batch_max_bytes: u64,
     /// Per-aggregate ordering: `partition` (one relay per partition of
     /// aggregates, id order while nothing fails), `strict` (never past an
     /// undelivered earlier event of the aggregate) or `none` (any relay, any

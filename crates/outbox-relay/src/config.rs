@@ -47,6 +47,10 @@ pub struct RelayConfig {
     /// [`DEFAULT_MAX_EVENT_BYTES`]); a larger one is a dead letter at once,
     /// never sent. Lowered to the sink's own limit where the sink knows it.
     pub max_event_bytes: u64,
+    /// The payload bytes one claim may take (default
+    /// [`DEFAULT_BATCH_MAX_BYTES`]): rows in id order while they fit, and
+    /// always the first, so memory stays bounded by this or one event.
+    pub batch_max_bytes: u64,
     /// A test-only pause point.
     pub failpoint: Option<Failpoint>,
 }
@@ -54,6 +58,9 @@ pub struct RelayConfig {
 /// `--max-event-bytes`' default: 1 MiB, NATS's default `max_payload` and
 /// Kafka's default `message.max.bytes`.
 pub(crate) const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
+
+/// `--batch-max-bytes`' default: 16 MiB, a hundred events of 160 kB.
+pub(crate) const DEFAULT_BATCH_MAX_BYTES: u64 = 16 * 1024 * 1024;
 
 impl Default for RelayConfig {
     fn default() -> Self {
@@ -70,6 +77,7 @@ impl Default for RelayConfig {
             lease_timeout: Duration::from_secs(10),
             name: None,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            batch_max_bytes: DEFAULT_BATCH_MAX_BYTES,
             failpoint: None,
         }
     }

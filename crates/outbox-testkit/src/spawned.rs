@@ -219,6 +219,21 @@ impl Spawned {
         self.pid
     }
 
+    /// The child's peak resident set so far (`VmHWM`), in bytes; None once
+    /// it has exited.
+    pub fn peak_rss(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
+        let kb = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        Some(kb * 1024)
+    }
+
     /// Waits for the first line, already seen or future, containing
     /// `needle`, and returns it. Fails early if the child closed its output
     /// without printing it.

@@ -108,6 +108,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         lease_timeout: args.lease_timeout,
         name: args.relay_name,
         max_event_bytes: args.max_event_bytes,
+        batch_max_bytes: args.batch_max_bytes,
         failpoint,
     };
     let retention = args.retention.map(|keep| outbox_relay::Retention {

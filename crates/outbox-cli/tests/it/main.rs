@@ -16,6 +16,7 @@ mod formats;
 mod kafka;
 mod lab;
 mod logs;
+mod memory;
 mod nats;
 mod ordering;
 mod outage;

@@ -95,7 +95,7 @@ impl Scratch {
         let started = Instant::now();
         let mut peak = None;
         let drained = loop {
-            peak = peak_rss(relay.pid()).or(peak);
+            peak = relay.peak_rss().or(peak);
             if let Some(line) = relay.lines().into_iter().find(|l| l.contains("relay drained")) {
                 break line;
             }
@@ -153,18 +153,4 @@ impl Scratch {
         }
         Ok(started.elapsed().as_secs_f64())
     }
-}
-
-/// `VmHWM` (peak resident set) of a process, in bytes.
-fn peak_rss(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse::<u64>()
-        .ok()?;
-    Some(kb * 1024)
 }

@@ -164,8 +164,10 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
 
 /// Our claim (a batch of 100), run and rolled back.
 async fn explain_ours(lab: &mut Scratch) -> anyhow::Result<Explained> {
+    let defaults = outbox_relay::RelayConfig::default();
     let claim = outbox::sql::ClaimParams {
-        limit: 100,
+        limit: i64::from(defaults.batch_size),
+        max_bytes: i64::try_from(defaults.batch_max_bytes)?,
         scope: outbox::sql::ClaimScope::All,
     };
     let tx = lab.db.transaction().await?;

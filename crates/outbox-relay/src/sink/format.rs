@@ -43,7 +43,10 @@ use std::str::FromStr;
 
 use chrono::SecondsFormat;
 use outbox::OutboxRow;
-use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use serde_json::Value;
 
 /// `--format`: the envelope around each event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -223,7 +226,7 @@ impl Formatter {
             }
             Format::CloudEvents => match self.mode {
                 CloudEventsMode::Structured => Message {
-                    body: self.cloud_event(row).to_string().into_bytes(),
+                    body: to_json(&self.cloud_event(row)).into_bytes(),
                     content_type: Some(CLOUDEVENTS_JSON),
                     headers: row_headers(row, &[]),
                 },
@@ -268,7 +271,7 @@ impl Formatter {
             ],
             Format::CloudEvents => match self.mode {
                 CloudEventsMode::Structured => {
-                    vec![("cloudevent".into(), self.cloud_event(row).to_string())]
+                    vec![("cloudevent".into(), to_json(&self.cloud_event(row)))]
                 }
                 CloudEventsMode::Binary => {
                     let mut f: Vec<(String, String)> = self
@@ -309,15 +312,17 @@ impl Formatter {
         a
     }
 
-    /// The structured-mode JSON document.
-    fn cloud_event(&self, row: &OutboxRow) -> Value {
-        let mut doc: Map<String, Value> = self
+    /// The structured-mode JSON document, keys in order as a JSON object
+    /// sorts them. It borrows the payload: a copy would double the memory
+    /// a large event takes.
+    fn cloud_event<'r>(&self, row: &'r OutboxRow) -> BTreeMap<&'static str, Attribute<'r>> {
+        let mut doc: BTreeMap<&'static str, Attribute<'r>> = self
             .attributes(row)
             .into_iter()
-            .map(|(k, v)| (k.to_owned(), Value::String(v)))
+            .map(|(k, v)| (k, Attribute::Text(v)))
             .collect();
-        doc.insert("data".to_owned(), row.payload.clone());
-        Value::Object(doc)
+        doc.insert("data", Attribute::Json(&row.payload));
+        doc
     }
 }
 
@@ -333,37 +338,63 @@ fn native(row: &OutboxRow, protocol: Protocol) -> Message {
         // The HTTP body carries the headers; the brokers carry them as
         // message headers instead.
         Protocol::Http => Message {
-            body: json!({
-                "event_id": row.event_id,
-                "aggregate_type": row.aggregate_type,
-                "aggregate_id": row.aggregate_id,
-                "event_type": row.event_type,
-                "payload": row.payload,
-                "headers": row.headers,
-                "outbox_id": row.id,
-                "created_at": row.created_at,
-            })
-            .to_string()
-            .into_bytes(),
+            body: to_json(&NativeEnvelope::of(row, Some(&row.headers))).into_bytes(),
             content_type: Some(JSON),
             headers: Vec::new(),
         },
         Protocol::Nats | Protocol::Amqp | Protocol::Kafka => Message {
-            body: json!({
-                "event_id": row.event_id,
-                "aggregate_type": row.aggregate_type,
-                "aggregate_id": row.aggregate_id,
-                "event_type": row.event_type,
-                "payload": row.payload,
-                "created_at": row.created_at,
-                "outbox_id": row.id,
-            })
-            .to_string()
-            .into_bytes(),
+            body: to_json(&NativeEnvelope::of(row, None)).into_bytes(),
             content_type: (protocol == Protocol::Amqp).then_some(JSON),
             headers: row_headers(row, &[]),
         },
     }
+}
+
+/// The native envelope, borrowing the row. Fields in alphabetical order:
+/// the bytes of the `json!` object it replaces, whose keys a JSON object
+/// sorts, without copying the payload into it first.
+#[derive(Serialize)]
+struct NativeEnvelope<'r> {
+    aggregate_id: &'r str,
+    aggregate_type: &'r str,
+    created_at: &'r chrono::DateTime<chrono::Utc>,
+    event_id: &'r uuid::Uuid,
+    event_type: &'r str,
+    /// HTTP only: brokers carry the headers as message headers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    headers: Option<&'r Value>,
+    outbox_id: i64,
+    payload: &'r Value,
+}
+
+impl<'r> NativeEnvelope<'r> {
+    fn of(row: &'r OutboxRow, headers: Option<&'r Value>) -> Self {
+        Self {
+            aggregate_id: &row.aggregate_id,
+            aggregate_type: &row.aggregate_type,
+            created_at: &row.created_at,
+            event_id: &row.event_id,
+            event_type: &row.event_type,
+            headers,
+            outbox_id: row.id,
+            payload: &row.payload,
+        }
+    }
+}
+
+/// A CloudEvents attribute: text, or `data`, the payload borrowed.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Attribute<'r> {
+    Text(String),
+    Json(&'r Value),
+}
+
+/// `value` as JSON text.
+fn to_json(value: &impl Serialize) -> String {
+    // Serializing these types cannot fail: their keys are strings and a
+    // `Value` always serializes.
+    serde_json::to_string(value).unwrap_or_default()
 }
 
 /// The row's `headers` as (name, value) pairs, minus `reserved` names the
@@ -388,6 +419,7 @@ fn row_headers(row: &OutboxRow, reserved: &[&str]) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use chrono::{DateTime, Utc};
+    use serde_json::json;
     use uuid::Uuid;
 
     use super::*;

@@ -25,9 +25,8 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use outbox::OutboxRow;
 use outbox::sql::{
-    ClaimParams, ClaimScope, MarkFailedParams, OutboxSql, Partitions, RelayStatements, Strict,
+    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, OutboxSql, Partitions, RelayStatements, Strict,
 };
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -59,7 +58,7 @@ type Sessions = [Session; 2];
 /// A batch claimed during the last delivery, not yet handed out.
 struct Claimed {
     conn: usize,
-    rows: Vec<OutboxRow>,
+    rows: ClaimedRows,
     /// The lease epoch it was claimed in (0 without leases).
     epoch: u64,
 }
@@ -92,7 +91,8 @@ struct Pipeline {
     /// Delivered and planned; committed by the next round trip on its
     /// connection.
     settled: Option<Settled>,
-    /// The last claim was not full: wait for a wake-up before the next.
+    /// The last claim was neither full nor cut by the byte bound: wait for
+    /// a wake-up before the next.
     idle: bool,
 }
 
@@ -266,11 +266,12 @@ impl PollSource {
         s: &Session,
         settled: Option<Settled>,
         claim: bool,
-    ) -> Result<(Option<Settled>, Option<Vec<OutboxRow>>), tokio_postgres::Error> {
+    ) -> Result<(Option<Settled>, Option<ClaimedRows>), tokio_postgres::Error> {
         let client = &s.client;
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
             limit: i64::from(self.config.batch_size),
+            max_bytes: i64::try_from(self.config.batch_max_bytes).unwrap_or(i64::MAX),
             scope: match &lease {
                 None => ClaimScope::All,
                 Some((relay_id, view)) => ClaimScope::Partitions(Partitions {
@@ -478,9 +479,13 @@ impl PollSource {
     }
 
     /// Hands a claimed batch to the relay.
-    fn hand_out(&mut self, conn: usize, rows: Vec<OutboxRow>, epoch: u64, overlapped: bool) -> Claim {
+    fn hand_out(&mut self, conn: usize, claimed: ClaimedRows, epoch: u64, overlapped: bool) -> Claim {
+        let ClaimedRows { rows, cut } = claimed;
+        // A cut batch is not `full`: nothing is claimed while it is at the
+        // sink (its connection holds locks on rows past the cut), but the
+        // next claim follows its commit at once.
         let full = rows.len() == self.config.batch_size as usize;
-        self.pipeline.idle = !full && !self.config.drain;
+        self.pipeline.idle = !full && !cut && !self.config.drain;
         self.pipeline.at_sink = Some(AtSink {
             conn,
             epoch,
@@ -516,7 +521,7 @@ impl Source for PollSource {
         let (_, rows) = self.round_trip(&ss[0], None, true).await?;
         let claimed = rows.is_some();
         let rows = rows.unwrap_or_default();
-        if rows.is_empty() {
+        if rows.rows.is_empty() {
             if claimed {
                 ss[0].client.batch_execute("COMMIT").await?;
             }
@@ -574,7 +579,7 @@ impl Source for PollSource {
         let (done, next) = self.round_trip(&ss[other], settled, chain).await?;
         self.account(done);
         self.pipeline.prefetched = match next {
-            Some(rows) if rows.is_empty() => {
+            Some(rows) if rows.rows.is_empty() => {
                 let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
                 ss[other].client.batch_execute("COMMIT").await?;
                 None
@@ -667,8 +672,6 @@ fn default_name() -> String {
     format!("{host}:{}", std::process::id())
 }
 
-/// Decodes claimed rows in id order, which is delivery order: the claim's
-/// `RETURNING` does not promise one.
 /// Opening a session fails either on the connection or on the schema check.
 #[derive(Debug, thiserror::Error)]
 enum SessionError {

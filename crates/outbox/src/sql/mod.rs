@@ -18,7 +18,7 @@ mod relay;
 pub use admin::{DeadFilter, DeadLetter, PartitionRow, RelayRow, TypeStats};
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
-    ClaimParams, ClaimScope, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams, TickRow,
+    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams, TickRow,
     TickStatement, backend_identity, setup_batch_session,
 };
 
@@ -38,23 +38,51 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
             WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
       ORDER BY e.ord";
 
-/// `$1` batch size. Walks the partial index
+/// `$1` batch size, `$2` batch bytes (see `CUT`). Walks the partial index
 /// `<table>_unpublished_idx (id) WHERE published_at IS NULL AND dead_at IS
-/// NULL` in id order,
-/// skips rows another relay holds, and marks what it locked published in the
-/// same statement. The mark is only a promise: the relay commits it after the
+/// NULL` in id order, skips rows another relay holds, and marks what it
+/// claimed published in the same statement. The mark is only a promise: the relay commits it after the
 /// sink acknowledged the rows and turns failed rows back into unpublished ones
 /// before that (`MARK_FAILED`), so a crash at any point rolls the mark back
 /// with the locks. One statement instead of a locking SELECT plus an UPDATE
 /// saves a round trip and a second pass over every row of a good batch.
 /// `RETURNING` order is unspecified: the relay sorts by id.
-const CLAIM_BATCH: &str = "WITH claimed AS ( \
-        SELECT id, created_at FROM {t} \
+const CLAIM_BATCH: &str = "WITH locked AS ( \
+        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
-     RETURNING {ocols}";
+     RETURNING {ocols}, claimed.locked_rows";
+
+/// The byte bound of every claim (`{budget}`: `--batch-max-bytes`): of the
+/// rows `locked` took, in id order, the longest prefix whose payloads fit,
+/// and always the first, so an event larger than the bound still goes
+/// alone.
+///
+/// A payload's bytes are its stored size when it is stored uncompressed (in
+/// line or in TOAST: no read), and its size as text when compressed, which
+/// decompresses it. Only candidates are decompressed: a row whose
+/// predecessors' stored sizes already exceed the bound is past the cut
+/// whatever its own size (a compressed payload is larger than stored), so
+/// a backlog of large compressible events costs one decompression per
+/// claimed row, not one per locked row.
+///
+/// `locked_rows` counts what was locked: when it is more than the rows returned,
+/// the batch was cut, and the rows past the cut stay locked (not marked)
+/// until this transaction ends. The relay then claims nothing else before
+/// it commits, or a batch claimed meanwhile would pass them and break
+/// partition order.
+const CUT: &str = "claimed AS ( \
+        SELECT id, created_at, locked_rows FROM ( \
+            SELECT id, created_at, locked_rows, bytes, \
+                   sum(bytes) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) AS upto FROM ( \
+                SELECT id, created_at, count(*) OVER () AS locked_rows, \
+                       CASE WHEN sum(stored) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) - stored > {budget} \
+                              OR pg_column_compression(payload) IS NULL THEN stored \
+                            ELSE octet_length(payload::text) END AS bytes \
+                  FROM locked) AS sized) AS w \
+         WHERE upto <= {budget} OR upto = bytes)";
 
 /// The logical partition of a row (`$4` partitions): a stable hash of its
 /// aggregate_id, the same expression the tick function uses.
@@ -75,15 +103,16 @@ const LEASE_CTE: &str = "lease AS (SELECT count(*) AS held FROM ( \
         SELECT 1 FROM {leases} AS l WHERE l.owner = $2 AND l.partition = ANY($3::int4[]) FOR SHARE) AS mine), ";
 const LEASE_GATE: &str = "AND (SELECT held FROM lease) = cardinality($3::int4[])";
 
-/// `CLAIM_BATCH` restricted to the partitions this relay holds.
-const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} claimed AS ( \
-        SELECT id, created_at FROM {t} \
+/// `CLAIM_BATCH` restricted to the partitions this relay holds; `$5` batch
+/// bytes.
+const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} locked AS ( \
+        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
            AND {partition_of} = ANY($3::int4[]) \
-         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
-     RETURNING {ocols}";
+     RETURNING {ocols}, claimed.locked_rows";
 
 /// `CLAIM_BATCH_LEASED` for a batch much smaller than the partitions held
 /// (at most an eighth of them: batch 1 to 8 over 64 partitions): the same rows, with a lock on the lease rows
@@ -109,14 +138,14 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
      lease AS (SELECT coalesce(array_agg(mine.partition), '{}') AS held FROM ( \
         SELECT l.partition FROM {leases} AS l \
          WHERE l.owner = $2 AND l.partition IN (SELECT partition FROM peek) FOR SHARE) AS mine), \
-     claimed AS ( \
-        SELECT id, created_at FROM {t} \
+     locked AS ( \
+        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
            AND {partition_of} = ANY((SELECT held FROM lease)::int4[]) \
-         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
-     RETURNING {ocols}";
+     RETURNING {ocols}, claimed.locked_rows";
 
 /// `CLAIM_BATCH_LEASED` for strict per-aggregate order: a row is claimed
 /// only if no earlier event of its aggregate is still pending: not due yet,
@@ -126,20 +155,20 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
 /// event. The `NOT EXISTS` is one probe of
 /// `<table>_pending_by_aggregate_idx`. Per-aggregate-type modes: `$5` the
 /// aggregate types whose mode is not the default, `$6` whether the default
-/// is strict. A row is held to
+/// is strict; `$7` batch bytes. A row is held to
 /// strict order when exactly one of "its type is listed" and "the default
 /// is strict" holds; the others skip the `NOT EXISTS` probe.
-const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} claimed AS ( \
-        SELECT c.id, c.created_at FROM {t} AS c \
+const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} locked AS ( \
+        SELECT c.id, c.created_at, c.payload, pg_column_size(c.payload) AS stored FROM {t} AS c \
          WHERE c.published_at IS NULL AND c.dead_at IS NULL AND c.next_attempt_at <= clock_timestamp() \
            AND {partition_of_c} = ANY($3::int4[]) \
            AND ((c.aggregate_type = ANY($5::text[])) = $6::bool OR NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL)) \
-         ORDER BY c.id LIMIT $1 FOR UPDATE OF c SKIP LOCKED) \
+         ORDER BY c.id LIMIT $1 FOR UPDATE OF c SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
-     RETURNING {ocols}";
+     RETURNING {ocols}, claimed.locked_rows";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
 /// is dead, `$4`/`$5` its batch connections' pids and start times. One
@@ -306,6 +335,7 @@ impl OutboxSql {
         );
         let render = |template: &str| {
             template
+                .replace("{cut}", CUT)
                 .replace("{lease_cte}", LEASE_CTE)
                 .replace("{lease_gate}", LEASE_GATE)
                 .replace("{partition_of_c}", &PARTITION_OF.replace("{a}", "c."))
@@ -322,10 +352,12 @@ impl OutboxSql {
         Self {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
-            claim_batch: render(CLAIM_BATCH),
-            claim_batch_leased: render(CLAIM_BATCH_LEASED),
-            claim_batch_few_leased: render(CLAIM_BATCH_FEW_LEASED),
-            claim_batch_strict_leased: render(CLAIM_BATCH_STRICT_LEASED),
+            // The byte bound is the claim's last parameter, whose number
+            // depends on how many the shape has.
+            claim_batch: render(CLAIM_BATCH).replace("{budget}", "$2::int8"),
+            claim_batch_leased: render(CLAIM_BATCH_LEASED).replace("{budget}", "$5::int8"),
+            claim_batch_few_leased: render(CLAIM_BATCH_FEW_LEASED).replace("{budget}", "$5::int8"),
+            claim_batch_strict_leased: render(CLAIM_BATCH_STRICT_LEASED).replace("{budget}", "$7::int8"),
             relay_tick: render(RELAY_TICK),
             relay_leave: render(RELAY_LEAVE),
             relays: render(RELAYS),

@@ -9,6 +9,7 @@
 //! the next claim in one round trip).
 
 use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Error, GenericClient, Row, Statement};
 use uuid::Uuid;
@@ -23,6 +24,9 @@ type Param<'p> = &'p (dyn ToSql + Sync);
 pub struct ClaimParams<'a> {
     /// The batch size (dead letters are never claimed: `dead_at` is set).
     pub limit: i64,
+    /// The batch's payload bytes: rows are claimed in id order while their
+    /// payloads fit, and the first one always.
+    pub max_bytes: i64,
     /// Which rows this relay may claim.
     pub scope: ClaimScope<'a>,
 }
@@ -219,7 +223,8 @@ impl Shape {
     const ALL: [Shape; 4] = [Shape::All, Shape::Partitions, Shape::FewPartitions, Shape::Strict];
 }
 
-/// Which claim `p` needs and its parameters, in `$n` order.
+/// Which claim `p` needs and its parameters, in `$n` order: the byte
+/// bound comes last in every shape.
 fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
     let mut params: Vec<Param<'a>> = vec![&p.limit];
     let shape = match &p.scope {
@@ -241,23 +246,40 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
             }
         }
     };
+    params.push(&p.max_bytes);
     (shape, params)
+}
+
+/// What a claim returned.
+#[derive(Debug, Default)]
+pub struct ClaimedRows {
+    /// The rows, in id order.
+    pub rows: Vec<OutboxRow>,
+    /// The byte bound cut the batch short: more rows were locked than
+    /// returned, and stay locked until the transaction ends, so nothing
+    /// else may be claimed before it does (see the claim's `CUT`).
+    pub cut: bool,
 }
 
 impl RelayStatements {
     /// Claims a batch in the open transaction and marks it published
     /// (a promise the commit keeps). Rows come back in id order.
-    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<Vec<OutboxRow>, Error> {
+    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, Error> {
         let (shape, params) = claim_params(p);
         let statement = &self.claims[shape as usize];
-        let rows = client.query(statement, &params).await?;
-        let mut rows = rows
-            .iter()
-            .map(OutboxRow::try_from)
-            .collect::<Result<Vec<_>, _>>()?;
+        // Decoded as they arrive, each raw row dropped once decoded: a batch
+        // of large payloads is held about once, not twice.
+        let stream = client.query_raw(statement, params).await?;
+        futures::pin_mut!(stream);
+        let (mut rows, mut locked) = (Vec::new(), 0_i64);
+        while let Some(row) = stream.try_next().await? {
+            locked = row.try_get("locked_rows")?;
+            rows.push(OutboxRow::try_from(&row)?);
+        }
         // `RETURNING` order is unspecified.
         rows.sort_unstable_by_key(|r| r.id);
-        Ok(rows)
+        let cut = usize::try_from(locked).is_ok_and(|l| l > rows.len());
+        Ok(ClaimedRows { rows, cut })
     }
 
     /// Turns failed rows of the claim back into unpublished ones with their

@@ -48,6 +48,7 @@ async fn setup() -> (Db, i32) {
 async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i32]) -> Vec<String> {
     let p = ClaimParams {
         limit,
+        max_bytes: i64::MAX,
         scope: ClaimScope::Partitions(Partitions {
             relay_id: ME,
             claimable,
@@ -58,6 +59,7 @@ async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i3
     s.claim(client, &p)
         .await
         .unwrap()
+        .rows
         .into_iter()
         .map(|r| format!("{}:{}", r.id, r.aggregate_id))
         .collect()
@@ -171,4 +173,65 @@ async fn a_batch_of_one_holds_its_partitions_lease_until_it_ends() {
     )
     .await
     .unwrap();
+}
+
+/// Ids and cut flag of a claim of any row, at most `limit` rows and
+/// `max_bytes` payload bytes.
+async fn claim_bytes(c: &Client, s: &RelayStatements, limit: i64, max_bytes: i64) -> (Vec<i64>, bool) {
+    let p = ClaimParams {
+        limit,
+        max_bytes,
+        scope: ClaimScope::All,
+    };
+    let claimed = s.claim(c, &p).await.unwrap();
+    (claimed.rows.iter().map(|r| r.id).collect(), claimed.cut)
+}
+
+/// The byte bound takes the longest prefix that fits and always the first
+/// row, whether payloads are stored compressed (a repeated string) or not
+/// (hex digits of hashes); rows past the cut stay locked, unmarked, until
+/// the claim's transaction ends, and are claimed next.
+#[tokio::test]
+async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
+    let db = Db::start().await;
+    // Six events of about 100 kB each: odd ids compress, even ids do not.
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'orders', 'a' || g, 'E', jsonb_build_object('p', CASE WHEN g % 2 = 1
+                 THEN repeat('x', 100000)
+                 ELSE (SELECT string_agg(md5(g::text || ':' || h), '') FROM generate_series(1, 3125) h) END)
+               FROM generate_series(1, 6) g;",
+        )
+        .await
+        .unwrap();
+    let compressed = db
+        .count("SELECT count(*) FROM outbox WHERE pg_column_compression(payload) IS NOT NULL")
+        .await;
+    assert_eq!(compressed, 3, "the repeated payloads are stored compressed");
+    let sql = OutboxSql::new(&Config::default());
+    let (a, b) = (connect(&db.url).await, connect(&db.url).await);
+    let (sa, sb) = (
+        sql.prepare_relay(&a).await.unwrap(),
+        sql.prepare_relay(&b).await.unwrap(),
+    );
+
+    a.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(claim_bytes(&a, &sa, 100, 250_000).await, (vec![1, 2], true));
+    // Rows 3 to 6 are locked by the cut claim: another claim skips them.
+    b.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(claim_bytes(&b, &sb, 100, 250_000).await, (vec![], false));
+    b.batch_execute("ROLLBACK").await.unwrap();
+    a.batch_execute("COMMIT").await.unwrap();
+    let marked = db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await;
+    assert_eq!(marked, 2, "only the rows returned are marked");
+
+    // Over the bound on its own, the first row still goes, alone.
+    a.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(claim_bytes(&a, &sa, 100, 1_000).await, (vec![3], true));
+    a.batch_execute("COMMIT").await.unwrap();
+    // Everything fits: not cut.
+    a.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(claim_bytes(&a, &sa, 100, 1_000_000).await, (vec![4, 5, 6], false));
+    a.batch_execute("COMMIT").await.unwrap();
 }

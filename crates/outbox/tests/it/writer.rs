@@ -322,7 +322,11 @@ async fn claim_uses_the_partial_index() {
         strict: None,
     });
     for (scope, limit) in [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)] {
-        let claim = outbox::sql::ClaimParams { limit, scope };
+        let claim = outbox::sql::ClaimParams {
+            limit,
+            max_bytes: 16 << 20,
+            scope,
+        };
         let plan = sql.explain_claim(&db.client, &claim, false).await.unwrap();
         let nodes = plan_nodes(&plan[0]["Plan"]);
         assert!(
