@@ -30,7 +30,10 @@ fn main() -> ExitCode {
     // measured about half its CPU time at batch size 1. The short commands
     // and the bench, which runs several tasks at once, keep the pool.
     let mut builder = match cli.command {
-        cli::Command::Relay(_) => tokio::runtime::Builder::new_current_thread(),
+        cli::Command::Relay(_) => {
+            return_large_allocations();
+            tokio::runtime::Builder::new_current_thread()
+        }
         _ => tokio::runtime::Builder::new_multi_thread(),
     };
     let runtime = match builder.enable_all().build() {
@@ -43,5 +46,22 @@ fn main() -> ExitCode {
     match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => exit::report(&e, log_format),
+    }
+}
+
+/// Makes glibc's malloc hand every block of 1 MiB or more back to the
+/// system when it is freed. By default the threshold adapts: once a large
+/// block is freed, blocks up to its size come from the heap instead, where
+/// freed memory stays resident and a growing buffer is copied rather than
+/// remapped. Measured with a backlog of 30 MB events through the HTTP sink
+/// (debug build): peak RSS 150 MB by default, 85 MB with this. A relay
+/// makes a handful of such blocks per large event and none for small ones.
+#[allow(unsafe_code)]
+fn return_large_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets a tunable of the allocator, which is
+    // thread-safe; no pointer is passed.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
 }

@@ -40,6 +40,15 @@ pub(crate) struct Batch {
     pub(crate) overlapped: bool,
 }
 
+impl From<outbox::sql::ClaimError> for SourceError {
+    fn from(e: outbox::sql::ClaimError) -> Self {
+        match e {
+            outbox::sql::ClaimError::Postgres(e) => Self::Postgres(e),
+            other => Self::Claim(other),
+        }
+    }
+}
+
 /// What [`Source::claim`] found.
 #[derive(Debug)]
 pub(crate) enum Claim {
@@ -60,6 +69,9 @@ pub(crate) enum SourceError {
     /// A statement failed.
     #[error(transparent)]
     Postgres(#[from] tokio_postgres::Error),
+    /// A claimed row could not be decoded.
+    #[error(transparent)]
+    Claim(outbox::sql::ClaimError),
     /// The connection went away while waiting.
     #[error("the postgres connection was lost")]
     ConnectionLost,

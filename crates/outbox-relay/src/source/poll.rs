@@ -266,7 +266,7 @@ impl PollSource {
         s: &Session,
         settled: Option<Settled>,
         claim: bool,
-    ) -> Result<(Option<Settled>, Option<ClaimedRows>), tokio_postgres::Error> {
+    ) -> Result<(Option<Settled>, Option<ClaimedRows>), SourceError> {
         let client = &s.client;
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {

@@ -18,13 +18,35 @@ mod relay;
 pub use admin::{DeadFilter, DeadLetter, PartitionRow, RelayRow, TypeStats};
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
-    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams, TickRow,
-    TickStatement, backend_identity, setup_batch_session,
+    ClaimError, ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict,
+    TickParams, TickRow, TickStatement, backend_identity, setup_batch_session,
 };
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
 const ROW_COLUMNS: &str =
     "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
+
+/// What a claim returns: the row, its payload's bytes (see `CUT`), and
+/// how many rows the claim locked. A payload over `LARGE_PAYLOAD` bytes
+/// comes back NULL and is read in pieces (`FETCH_PAYLOAD`).
+const CLAIMED_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
+     CASE WHEN claimed.bytes > {large} THEN NULL ELSE o.payload END AS payload, claimed.bytes, \
+     o.headers, o.created_at, o.attempts, claimed.locked_rows";
+
+/// Payloads larger than this many bytes are not returned by the claim but
+/// read in pieces of this many bytes. A message is read whole into
+/// the client's buffer, which keeps the size of the largest it has read
+/// for the connection's lifetime; in pieces, a 30 MB event is held twice
+/// at most (as text, then parsed) instead of three times.
+pub const LARGE_PAYLOAD: i64 = 1 << 20;
+
+/// `$1` row id, `$2` piece length in bytes. A payload as UTF-8 text, in
+/// order, in pieces (see `LARGE_PAYLOAD`). Bytes, not characters: finding
+/// a character offset walks the text from its start, which made a 30 MB
+/// payload cost seconds. The CTE is materialized so the text is rendered
+/// once, not once per piece.
+const FETCH_PAYLOAD: &str = "WITH p AS MATERIALIZED (SELECT convert_to(payload::text, 'UTF8') AS text FROM {t} WHERE id = $1) \
+     SELECT substring(p.text FROM g FOR $2::int4) FROM p, generate_series(1, octet_length(p.text), $2::int4) AS g ORDER BY g";
 
 /// `$1..$6`: one event. Returns nothing: the event_id is chosen by the writer.
 const INSERT_EVENT: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload, headers) \
@@ -53,7 +75,7 @@ const CLAIM_BATCH: &str = "WITH locked AS ( \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
-     RETURNING {ocols}, claimed.locked_rows";
+     RETURNING {claimed_cols}";
 
 /// The byte bound of every claim (`{budget}`: `--batch-max-bytes`): of the
 /// rows `locked` took, in id order, the longest prefix whose payloads fit,
@@ -74,7 +96,7 @@ const CLAIM_BATCH: &str = "WITH locked AS ( \
 /// it commits, or a batch claimed meanwhile would pass them and break
 /// partition order.
 const CUT: &str = "claimed AS ( \
-        SELECT id, created_at, locked_rows FROM ( \
+        SELECT id, created_at, locked_rows, bytes FROM ( \
             SELECT id, created_at, locked_rows, bytes, \
                    sum(bytes) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) AS upto FROM ( \
                 SELECT id, created_at, count(*) OVER () AS locked_rows, \
@@ -112,7 +134,7 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} locked AS ( \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
-     RETURNING {ocols}, claimed.locked_rows";
+     RETURNING {claimed_cols}";
 
 /// `CLAIM_BATCH_LEASED` for a batch much smaller than the partitions held
 /// (at most an eighth of them: batch 1 to 8 over 64 partitions): the same rows, with a lock on the lease rows
@@ -145,7 +167,7 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
-     RETURNING {ocols}, claimed.locked_rows";
+     RETURNING {claimed_cols}";
 
 /// `CLAIM_BATCH_LEASED` for strict per-aggregate order: a row is claimed
 /// only if no earlier event of its aggregate is still pending: not due yet,
@@ -168,7 +190,7 @@ const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} locked AS ( \
          ORDER BY c.id LIMIT $1 FOR UPDATE OF c SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
-     RETURNING {ocols}, claimed.locked_rows";
+     RETURNING {claimed_cols}";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
 /// is dead, `$4`/`$5` its batch connections' pids and start times. One
@@ -307,6 +329,7 @@ pub struct OutboxSql {
     pub(crate) partition_backlog: String,
     pub(crate) give_up_dead: String,
     pub(crate) next_retry: String,
+    pub(crate) fetch_payload: String,
     pub(crate) mark_failed: String,
     pub(crate) stats: String,
     pub(crate) list_dead: String,
@@ -320,11 +343,6 @@ impl OutboxSql {
     /// Renders every statement for `config`'s table.
     pub fn new(config: &Config) -> Self {
         let t = config.qualified();
-        let o_columns = ROW_COLUMNS
-            .split(", ")
-            .map(|c| format!("o.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ");
         // Companion names are validated by the migration that creates them;
         // a table name too long for them fails the schema check first.
         let companion = |suffix: &str| format!("{}.\"{}{suffix}\"", config.schema.quoted(), config.table);
@@ -346,7 +364,8 @@ impl OutboxSql {
                 .replace("{tick_fn}", &tick_fn)
                 .replace("{dead}", DEAD_FILTER)
                 .replace("{cols}", ROW_COLUMNS)
-                .replace("{ocols}", &o_columns)
+                .replace("{claimed_cols}", CLAIMED_COLUMNS)
+                .replace("{large}", &LARGE_PAYLOAD.to_string())
                 .replace("{t}", &t)
         };
         Self {
@@ -364,6 +383,7 @@ impl OutboxSql {
             partition_backlog: render(PARTITION_BACKLOG),
             give_up_dead: render(GIVE_UP_DEAD),
             next_retry: render(NEXT_RETRY),
+            fetch_payload: render(FETCH_PAYLOAD),
             mark_failed: render(MARK_FAILED),
             stats: render(STATS),
             list_dead: render(LIST_DEAD),

@@ -114,24 +114,27 @@ pub struct RelayStatements {
     claims: [Statement; 4],
     mark_failed: Statement,
     next_retry: Statement,
+    fetch_payload: Statement,
 }
 
 impl OutboxSql {
     /// Prepares the batch statements on `client`.
     pub async fn prepare_relay(&self, client: &Client) -> Result<RelayStatements, Error> {
         let [all, partitions, few, strict] = Shape::ALL.map(|s| self.claim_text(s));
-        let (all, partitions, few, strict, mark_failed, next_retry) = tokio::try_join!(
+        let (all, partitions, few, strict, mark_failed, next_retry, fetch_payload) = tokio::try_join!(
             client.prepare(all),
             client.prepare(partitions),
             client.prepare(few),
             client.prepare(strict),
             client.prepare(&self.mark_failed),
             client.prepare(&self.next_retry),
+            client.prepare(&self.fetch_payload),
         )?;
         Ok(RelayStatements {
             claims: [all, partitions, few, strict],
             mark_failed,
             next_retry,
+            fetch_payload,
         })
     }
 
@@ -250,6 +253,25 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
     (shape, params)
 }
 
+/// Why a claim failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClaimError {
+    /// A statement failed.
+    #[error(transparent)]
+    Postgres(#[from] Error),
+    /// A large payload, read in pieces, is JSON that serde_json cannot
+    /// hold (a number beyond f64, say); the same payload read whole fails
+    /// as a [`ClaimError::Postgres`] decoding error.
+    #[error("reading the payload of row {id}")]
+    Payload {
+        /// The row.
+        id: i64,
+        /// What serde_json said.
+        source: serde_json::Error,
+    },
+}
+
 /// What a claim returned.
 #[derive(Debug, Default)]
 pub struct ClaimedRows {
@@ -264,22 +286,48 @@ pub struct ClaimedRows {
 impl RelayStatements {
     /// Claims a batch in the open transaction and marks it published
     /// (a promise the commit keeps). Rows come back in id order.
-    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, Error> {
+    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, ClaimError> {
         let (shape, params) = claim_params(p);
         let statement = &self.claims[shape as usize];
         // Decoded as they arrive, each raw row dropped once decoded: a batch
         // of large payloads is held about once, not twice.
         let stream = client.query_raw(statement, params).await?;
         futures::pin_mut!(stream);
-        let (mut rows, mut locked) = (Vec::new(), 0_i64);
+        let (mut rows, mut large, mut locked) = (Vec::new(), Vec::new(), 0_i64);
         while let Some(row) = stream.try_next().await? {
             locked = row.try_get("locked_rows")?;
-            rows.push(OutboxRow::try_from(&row)?);
+            let payload: Option<serde_json::Value> = row.try_get("payload")?;
+            if payload.is_none() {
+                large.push((rows.len(), row.try_get::<_, i32>("bytes")?));
+            }
+            rows.push(decode(&row, payload.unwrap_or_default())?);
+        }
+        for (i, bytes) in large {
+            rows[i].payload = self.fetch_payload(client, rows[i].id, bytes).await?;
         }
         // `RETURNING` order is unspecified.
         rows.sort_unstable_by_key(|r| r.id);
         let cut = usize::try_from(locked).is_ok_and(|l| l > rows.len());
         Ok(ClaimedRows { rows, cut })
+    }
+
+    /// A payload the claim left out for its size (`LARGE_PAYLOAD`), read in
+    /// pieces in the claim's transaction. `bytes` sizes the text buffer.
+    async fn fetch_payload(
+        &self,
+        client: &Client,
+        id: i64,
+        bytes: i32,
+    ) -> Result<serde_json::Value, ClaimError> {
+        let piece = i32::try_from(super::LARGE_PAYLOAD).unwrap_or(i32::MAX);
+        let params: [Param<'_>; 2] = [&id, &piece];
+        let stream = client.query_raw(&self.fetch_payload, params).await?;
+        futures::pin_mut!(stream);
+        let mut text = Vec::with_capacity(usize::try_from(bytes).unwrap_or(0));
+        while let Some(row) = stream.try_next().await? {
+            text.extend_from_slice(row.try_get(0)?);
+        }
+        serde_json::from_slice(&text).map_err(|source| ClaimError::Payload { id, source })
     }
 
     /// Turns failed rows of the claim back into unpublished ones with their
@@ -332,16 +380,21 @@ impl TryFrom<&Row> for OutboxRow {
     type Error = Error;
 
     fn try_from(row: &Row) -> Result<Self, Self::Error> {
-        Ok(Self {
-            id: row.try_get("id")?,
-            event_id: row.try_get("event_id")?,
-            aggregate_type: row.try_get("aggregate_type")?,
-            aggregate_id: row.try_get("aggregate_id")?,
-            event_type: row.try_get("event_type")?,
-            payload: row.try_get("payload")?,
-            headers: row.try_get("headers")?,
-            created_at: row.try_get("created_at")?,
-            attempts: row.try_get("attempts")?,
-        })
+        decode(row, row.try_get("payload")?)
     }
+}
+
+/// `row` with `payload`, read from it or in pieces.
+fn decode(row: &Row, payload: serde_json::Value) -> Result<OutboxRow, Error> {
+    Ok(OutboxRow {
+        id: row.try_get("id")?,
+        event_id: row.try_get("event_id")?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        event_type: row.try_get("event_type")?,
+        payload,
+        headers: row.try_get("headers")?,
+        created_at: row.try_get("created_at")?,
+        attempts: row.try_get("attempts")?,
+    })
 }

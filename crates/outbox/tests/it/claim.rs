@@ -223,7 +223,9 @@ async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
     assert_eq!(claim_bytes(&b, &sb, 100, 250_000).await, (vec![], false));
     b.batch_execute("ROLLBACK").await.unwrap();
     a.batch_execute("COMMIT").await.unwrap();
-    let marked = db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await;
+    let marked = db
+        .count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+        .await;
     assert_eq!(marked, 2, "only the rows returned are marked");
 
     // Over the bound on its own, the first row still goes, alone.
@@ -234,4 +236,34 @@ async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
     a.batch_execute("BEGIN").await.unwrap();
     assert_eq!(claim_bytes(&a, &sa, 100, 1_000_000).await, (vec![4, 5, 6], false));
     a.batch_execute("COMMIT").await.unwrap();
+}
+
+/// A payload over `LARGE_PAYLOAD` is read in pieces and comes back equal,
+/// multibyte characters included, compressed or not.
+#[tokio::test]
+async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
+    let db = Db::start().await;
+    let big = outbox::sql::LARGE_PAYLOAD as usize * 3 + 17;
+    let plain: String = (0..big).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let payloads = [
+        serde_json::json!({"blob": "é".repeat(big / 2), "n": 1}),
+        serde_json::json!({"blob": plain, "list": [1, 2, 3]}),
+    ];
+    for p in &payloads {
+        let event = outbox::Event::new("files", "f", "Stored", p.clone());
+        outbox::enqueue(&db.client, &event).await.unwrap();
+    }
+    let sql = OutboxSql::new(&Config::default());
+    let a = connect(&db.url).await;
+    let sa = sql.prepare_relay(&a).await.unwrap();
+    a.batch_execute("BEGIN").await.unwrap();
+    let p = ClaimParams {
+        limit: 10,
+        max_bytes: i64::MAX,
+        scope: ClaimScope::All,
+    };
+    let claimed = sa.claim(&a, &p).await.unwrap();
+    a.batch_execute("ROLLBACK").await.unwrap();
+    let got: Vec<&serde_json::Value> = claimed.rows.iter().map(|r| &r.payload).collect();
+    assert_eq!(got, payloads.iter().collect::<Vec<_>>());
 }
