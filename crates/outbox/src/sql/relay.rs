@@ -354,7 +354,13 @@ impl RelayStatements {
 /// Not the lease session: the tick function's statements (a semi-join of
 /// the lease table, an EXISTS over the outbox) are planned well without it,
 /// and badly with it (measured: 600 ms instead of 2 ms per tick).
-const PIN_INDEX_PLANS: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; \
+///
+/// A disabled plan type still counts, at a cost of 10^10, when nothing else
+/// can do its job (the claim's byte bound sorts its few locked rows), and
+/// such a cost crosses `jit_above_cost`: the claim was then compiled by
+/// LLVM on every run, about a second each. JIT never pays off for
+/// statements this short, so it is off too.
+const PIN_INDEX_PLANS: &str = "SET jit = off; SET enable_seqscan = off; SET enable_bitmapscan = off; \
      SET enable_sort = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
 
 /// Sets a batch session up: plans pinned to index paths and, when given,

@@ -354,3 +354,71 @@ fn plan_nodes(node: &serde_json::Value) -> Vec<(String, String)> {
         .chain(children.flat_map(plan_nodes))
         .collect()
 }
+
+/// The batch session's plan pins price the claim's sort of its locked rows
+/// at 10^10, past `jit_above_cost`: with JIT on, every claim was compiled
+/// by LLVM (about a second each). The session turns JIT off.
+#[tokio::test]
+async fn claims_in_a_batch_session_are_not_jit_compiled() {
+    let db = Db::start().await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'orders', g::text, 'E', '{}' FROM generate_series(1, 50) g;",
+        )
+        .await
+        .unwrap();
+    let client = crate::support::connect(&db.url).await;
+    outbox::sql::setup_batch_session(&client, None).await.unwrap();
+    let sql = outbox::sql::OutboxSql::new(&Config::default());
+    let every: Vec<i32> = (0..64).collect();
+    let jit = |plan: &serde_json::Value| plan[0].get("JIT").is_some();
+    let explain = |limit: i64, scope| {
+        let (client, sql) = (&client, &sql);
+        async move {
+            let claim = outbox::sql::ClaimParams {
+                limit,
+                max_bytes: 16 << 20,
+                scope,
+            };
+            client.batch_execute("BEGIN").await.unwrap();
+            let plan = sql.explain_claim(client, &claim, true).await.unwrap();
+            client.batch_execute("ROLLBACK").await.unwrap();
+            plan
+        }
+    };
+    let partitions = |strict| {
+        outbox::sql::ClaimScope::Partitions(outbox::sql::Partitions {
+            relay_id: uuid::Uuid::nil(),
+            claimable: &every,
+            count: 64,
+            strict,
+        })
+    };
+    let strict = outbox::sql::Strict {
+        by_default: true,
+        exceptions: &[],
+    };
+    let shapes = [
+        (100, outbox::sql::ClaimScope::All),
+        (100, partitions(None)),
+        (1, partitions(None)),
+        (100, partitions(Some(strict))),
+    ];
+    for (limit, scope) in shapes {
+        let plan = explain(limit, scope).await;
+        assert!(!jit(&plan), "{plan:#}");
+    }
+    // Where the server has JIT, the same claim with it on is compiled: the
+    // check above can fail.
+    let available: bool = client
+        .query_one("SELECT pg_jit_available()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    if available {
+        client.batch_execute("SET jit = on").await.unwrap();
+        let plan = explain(100, outbox::sql::ClaimScope::All).await;
+        assert!(jit(&plan), "{plan:#}");
+    }
+}
