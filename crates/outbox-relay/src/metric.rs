@@ -230,3 +230,44 @@ impl BreakerGauges {
         self.state.set(f64::from(state));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    /// What one batch of 100 rows costs to record, with the Prometheus
+    /// recorder and without any: the tally of 100 rows of two types, the
+    /// batch's counters and histograms, 100 lag samples. A measurement:
+    /// `cargo test -p outbox-relay --release metric -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement; prints timings"]
+    fn measure_recording_one_batch() {
+        const BATCHES: u32 = 20_000;
+        let types = ["orders".to_owned(), "payments".to_owned()];
+        let run = || {
+            let mut batch = BatchMetrics::new("redis");
+            let lag = metrics::histogram!(DELIVERY_LAG);
+            let started = Instant::now();
+            for _ in 0..BATCHES {
+                let mut tallies = Vec::new();
+                for i in 0..100 {
+                    tally(&mut tallies, &types[i % 2]).delivered += 1;
+                    lag.record(0.01 * f64::from(u32::try_from(i).unwrap_or(0)));
+                }
+                batch.committed(100, 0.01, &tallies);
+            }
+            started.elapsed() / BATCHES
+        };
+        let none = run();
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .set_buckets(&[0.001, 0.01, 0.1, 1.0, 10.0])
+            .unwrap()
+            .build_recorder();
+        let handle = recorder.handle();
+        let prometheus = metrics::with_local_recorder(&recorder, run);
+        assert!(handle.render().contains("outbox_events_delivered_total"));
+        eprintln!("one batch of 100 rows: no recorder {none:?}, Prometheus {prometheus:?}");
+    }
+}
