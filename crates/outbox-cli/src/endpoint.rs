@@ -61,7 +61,11 @@ impl Endpoint {
         })?;
         let mut builder = PrometheusBuilder::new();
         for name in metric::HISTOGRAMS {
-            let buckets: &[f64] = if name == metric::BATCH_SIZE { &ROWS } else { &SECONDS };
+            let buckets: &[f64] = if name == metric::BATCH_SIZE {
+                &ROWS
+            } else {
+                &SECONDS
+            };
             builder = builder.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)?;
         }
         let handle = builder.install_recorder()?;

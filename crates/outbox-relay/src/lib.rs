@@ -33,8 +33,8 @@
 //! | `amqp` | `amqp://`, `amqps://` | RabbitMQ with publisher confirms |
 //! | `kafka` | `kafka://` | Kafka, idempotent producer, `acks=all`, key = aggregate id |
 
-pub mod backoff;
 mod backlog;
+pub mod backoff;
 mod breaker;
 mod config;
 mod counters;

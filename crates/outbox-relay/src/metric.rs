@@ -58,22 +58,59 @@ pub const HISTOGRAMS: [&str; 4] = [BATCH_SIZE, BATCH_DURATION, SINK_REQUEST_DURA
 /// recorder. Call once, after installing it.
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(EVENTS_DELIVERED, "Events marked published, per aggregate type and sink.");
-    describe_counter!(EVENTS_FAILED, "Failed delivery attempts (held-back rows not included).");
+    describe_counter!(
+        EVENTS_DELIVERED,
+        "Events marked published, per aggregate type and sink."
+    );
+    describe_counter!(
+        EVENTS_FAILED,
+        "Failed delivery attempts (held-back rows not included)."
+    );
     describe_counter!(EVENTS_DEAD_LETTERED, "Events that became dead letters.");
     describe_counter!(BATCHES, "Batches committed.");
-    describe_counter!(WAKEUPS, "Wake-ups of the idle relay, by cause: notify, poll, retry, lease.");
+    describe_counter!(
+        WAKEUPS,
+        "Wake-ups of the idle relay, by cause: notify, poll, retry, lease."
+    );
     describe_histogram!(BATCH_SIZE, Unit::Count, "Rows per claimed batch.");
-    describe_histogram!(BATCH_DURATION, Unit::Seconds, "From a batch's claim to its commit.");
-    describe_histogram!(SINK_REQUEST_DURATION, Unit::Seconds, "One call of the sink for a batch.");
-    describe_histogram!(DELIVERY_LAG, Unit::Seconds, "From an event's created_at to the sink's acknowledgement.");
-    describe_gauge!(BACKLOG, "Events waiting for delivery (not dead letters), per aggregate type.");
-    describe_gauge!(OLDEST_UNPUBLISHED_AGE, Unit::Seconds, "Age of the oldest event waiting for delivery.");
-    describe_gauge!(DEAD_LETTERS, "Dead letters nobody gave up on, per aggregate type.");
+    describe_histogram!(
+        BATCH_DURATION,
+        Unit::Seconds,
+        "From a batch's claim to its commit."
+    );
+    describe_histogram!(
+        SINK_REQUEST_DURATION,
+        Unit::Seconds,
+        "One call of the sink for a batch."
+    );
+    describe_histogram!(
+        DELIVERY_LAG,
+        Unit::Seconds,
+        "From an event's created_at to the sink's acknowledgement."
+    );
+    describe_gauge!(
+        BACKLOG,
+        "Events waiting for delivery (not dead letters), per aggregate type."
+    );
+    describe_gauge!(
+        OLDEST_UNPUBLISHED_AGE,
+        Unit::Seconds,
+        "Age of the oldest event waiting for delivery."
+    );
+    describe_gauge!(
+        DEAD_LETTERS,
+        "Dead letters nobody gave up on, per aggregate type."
+    );
     describe_gauge!(SINK_UP, "1 while the sink's circuit breaker is closed, else 0.");
-    describe_gauge!(SINK_CIRCUIT_STATE, "The sink's circuit breaker: 0 closed, 1 open, 2 half-open.");
+    describe_gauge!(
+        SINK_CIRCUIT_STATE,
+        "The sink's circuit breaker: 0 closed, 1 open, 2 half-open."
+    );
     describe_gauge!(PARTITIONS_HELD, "Partitions this relay holds.");
-    describe_gauge!(RELAY_UP, "1 while the relay delivers, 0 before READY and after it stopped.");
+    describe_gauge!(
+        RELAY_UP,
+        "1 while the relay delivers, 0 before READY and after it stopped."
+    );
     describe_gauge!(BUILD_INFO, "Always 1; the version is a label.");
 }
 
@@ -215,7 +252,10 @@ pub(crate) struct BreakerGauges {
 
 impl BreakerGauges {
     pub(crate) fn new(sink: &'static str, route: Option<&str>) -> Self {
-        let labels = [("sink", sink.to_owned()), ("route", route.unwrap_or_default().to_owned())];
+        let labels = [
+            ("sink", sink.to_owned()),
+            ("route", route.unwrap_or_default().to_owned()),
+        ];
         let gauges = Self {
             up: metrics::gauge!(SINK_UP, &labels),
             state: metrics::gauge!(SINK_CIRCUIT_STATE, &labels),

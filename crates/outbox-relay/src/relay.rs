@@ -49,10 +49,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::breaker::{Breaker, CircuitState, Probed};
-use crate::metric::{BatchMetrics, DeliveryMetrics};
 pub use crate::config::{OrderMode, RelayConfig};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
+use crate::metric::{BatchMetrics, DeliveryMetrics};
 use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Plan};
 use crate::sink::{Delivery, DeliveryError, Sink};

@@ -31,7 +31,10 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
 /// `/readyz`: status (0 while nothing answers) and body.
 async fn ready(addr: &str) -> (u16, serde_json::Value) {
     let (status, body) = get(addr, "/readyz").await.unwrap_or((0, "null".to_owned()));
-    (status, serde_json::from_str(&body).unwrap_or(serde_json::Value::Null))
+    (
+        status,
+        serde_json::from_str(&body).unwrap_or(serde_json::Value::Null),
+    )
 }
 
 /// `/metrics`, parsed.
@@ -63,7 +66,9 @@ fn promtool() -> bool {
         .output()
         .is_ok_and(|o| o.status.success());
     if !found {
-        eprintln!("skipped: promtool is not installed (apt-get install prometheus; scripts/deps.sh does as root)");
+        eprintln!(
+            "skipped: promtool is not installed (apt-get install prometheus; scripts/deps.sh does as root)"
+        );
     }
     found
 }
@@ -115,7 +120,10 @@ async fn metrics_count_exactly_the_events_delivered_and_dead_lettered() {
         db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
             .await
             == 7
-            && db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL").await == 3
+            && db
+                .count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")
+                .await
+                == 3
     })
     .await;
     assert_eq!(receiver.count(), 10, "each event sent once");
@@ -134,23 +142,71 @@ async fn metrics_count_exactly_the_events_delivered_and_dead_lettered() {
     })
     .await;
     let (body, s) = scrape(&addr).await;
-    assert_eq!(value(&s, "outbox_events_delivered_total", &orders), Some(7.0), "{body}");
-    assert_eq!(value(&s, "outbox_events_delivered_total", &payments), Some(0.0), "{body}");
-    assert_eq!(value(&s, "outbox_events_dead_lettered_total", &payments), Some(3.0), "{body}");
-    assert_eq!(value(&s, "outbox_events_dead_lettered_total", &orders), Some(0.0), "{body}");
-    assert_eq!(value(&s, "outbox_events_failed_total", &payments), Some(3.0), "{body}");
-    assert_eq!(value(&s, "outbox_delivery_lag_seconds_count", &[]), Some(7.0), "one sample per acknowledged event");
+    assert_eq!(
+        value(&s, "outbox_events_delivered_total", &orders),
+        Some(7.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_events_delivered_total", &payments),
+        Some(0.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_events_dead_lettered_total", &payments),
+        Some(3.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_events_dead_lettered_total", &orders),
+        Some(0.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_events_failed_total", &payments),
+        Some(3.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_delivery_lag_seconds_count", &[]),
+        Some(7.0),
+        "one sample per acknowledged event"
+    );
     let batches = value(&s, "outbox_batches_total", &[]).expect("outbox_batches_total");
     assert!(batches >= 1.0, "{body}");
     assert_eq!(value(&s, "outbox_batch_size_count", &[]), Some(batches), "{body}");
-    assert_eq!(value(&s, "outbox_batch_size_sum", &[]), Some(10.0), "every row claimed once");
-    assert!(value(&s, "outbox_sink_request_duration_seconds_count", &[("sink", "http")]).is_some_and(|n| n >= 1.0));
-    assert_eq!(value(&s, "outbox_sink_up", &[("sink", "http")]), Some(1.0), "{body}");
-    assert_eq!(value(&s, "outbox_sink_circuit_state", &[("sink", "http")]), Some(0.0));
+    assert_eq!(
+        value(&s, "outbox_batch_size_sum", &[]),
+        Some(10.0),
+        "every row claimed once"
+    );
+    assert!(
+        value(
+            &s,
+            "outbox_sink_request_duration_seconds_count",
+            &[("sink", "http")]
+        )
+        .is_some_and(|n| n >= 1.0)
+    );
+    assert_eq!(
+        value(&s, "outbox_sink_up", &[("sink", "http")]),
+        Some(1.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_sink_circuit_state", &[("sink", "http")]),
+        Some(0.0)
+    );
     assert_eq!(value(&s, "outbox_relay_up", &[]), Some(1.0));
-    assert_eq!(value(&s, "outbox_partitions_held", &[]), Some(f64::from(outbox::DEFAULT_PARTITIONS)),
-        "the only relay holds all");
-    assert_eq!(value(&s, "outbox_build_info", &[("version", env!("CARGO_PKG_VERSION"))]), Some(1.0));
+    assert_eq!(
+        value(&s, "outbox_partitions_held", &[]),
+        Some(f64::from(outbox::DEFAULT_PARTITIONS)),
+        "the only relay holds all"
+    );
+    assert_eq!(
+        value(&s, "outbox_build_info", &[("version", env!("CARGO_PKG_VERSION"))]),
+        Some(1.0)
+    );
     assert!(
         value(&s, "outbox_wakeups_total", &[("cause", "lease")]).is_some(),
         "every cause is exported: {body}"
@@ -167,9 +223,17 @@ async fn metrics_count_exactly_the_events_delivered_and_dead_lettered() {
     })
     .await;
     let (body, s) = scrape(&addr).await;
-    assert_eq!(value(&s, "outbox_backlog_events", &[("aggregate_type", "payments")]), Some(0.0), "{body}");
     assert_eq!(
-        value(&s, "outbox_oldest_unpublished_age_seconds", &[("aggregate_type", "payments")]),
+        value(&s, "outbox_backlog_events", &[("aggregate_type", "payments")]),
+        Some(0.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(
+            &s,
+            "outbox_oldest_unpublished_age_seconds",
+            &[("aggregate_type", "payments")]
+        ),
         Some(0.0),
         "dead letters are not waiting: {body}"
     );
@@ -192,14 +256,19 @@ async fn readyz_follows_postgres_and_the_sink() {
     assert_eq!(body["ready"], true, "{body}");
     assert_eq!(body["checks"]["postgres"], "ok", "{body}");
     assert_eq!(body["checks"]["sink redis"], "ok", "{body}");
-    assert!(body["checks"]["leases"].as_str().unwrap().starts_with("ok"), "{body}");
+    assert!(
+        body["checks"]["leases"].as_str().unwrap().starts_with("ok"),
+        "{body}"
+    );
     let (status, alive) = get(&addr, "/healthz").await.unwrap();
     assert_eq!((status, alive.as_str()), (200, r#"{"alive":true}"#));
 
     db.pg.stop().await.unwrap();
-    wait_until("/readyz 503 after PostgreSQL stopped", Duration::from_secs(5), || async {
-        ready(&addr).await.0 == 503
-    })
+    wait_until(
+        "/readyz 503 after PostgreSQL stopped",
+        Duration::from_secs(5),
+        || async { ready(&addr).await.0 == 503 },
+    )
     .await;
     let (_, body) = ready(&addr).await;
     assert_eq!(body["ready"], false, "{body}");
@@ -234,7 +303,10 @@ async fn readyz_follows_postgres_and_the_sink() {
     assert_eq!(body["checks"]["postgres"], "ok", "only the sink is down: {body}");
     let (_, s) = scrape(&addr).await;
     assert_eq!(value(&s, "outbox_sink_up", &[("sink", "redis")]), Some(0.0));
-    assert_eq!(value(&s, "outbox_sink_circuit_state", &[("sink", "redis")]), Some(1.0));
+    assert_eq!(
+        value(&s, "outbox_sink_circuit_state", &[("sink", "redis")]),
+        Some(1.0)
+    );
 
     redis.restart().await.unwrap();
     db.wait_drained("the event delivered once Redis is back").await;
@@ -266,7 +338,10 @@ fn the_alert_rules_pass_promtool() {
     if !promtool() {
         return;
     }
-    let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/prometheus/outbox-alerts.yml");
+    let rules = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/prometheus/outbox-alerts.yml"
+    );
     promtool_check(&["check", "rules", rules], "");
 }
 
@@ -299,5 +374,8 @@ async fn measure_the_cost_of_recording_metrics() {
             assert_eq!(db.unpublished().await, 0);
         }
     }
-    eprintln!("drain of {EVENTS} events, seconds: without --http {:?}, with --http {:?}", times[0], times[1]);
+    eprintln!(
+        "drain of {EVENTS} events, seconds: without --http {:?}, with --http {:?}",
+        times[0], times[1]
+    );
 }
