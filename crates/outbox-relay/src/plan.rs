@@ -415,6 +415,16 @@ mod tests {
         assert_eq!(plan.failures.dead, 1);
         assert_eq!(plan.failures.attempts, [1], "one attempt, and dead");
         assert_eq!(plan.failures.dead_letter, [true]);
+        assert_eq!(
+            plan.tallies,
+            [Tally {
+                aggregate_type: "orders".to_owned(),
+                delivered: 2,
+                failed: 1,
+                dead: 1,
+            }],
+            "the metrics' tally: one per aggregate type"
+        );
         assert!(
             plan.failures.errors[0].starts_with("permanent: redis: event too large"),
             "{}",
