@@ -213,6 +213,12 @@ pub(crate) struct RelayArgs {
     /// create the coming days (partitioned outbox). One relay at a time.
     #[arg(long, env = "OUTBOX_RETENTION", value_parser = positive_duration)]
     pub(crate) retention: Option<Duration>,
+    /// Serve Prometheus metrics (`/metrics`) and the probes (`/healthz`,
+    /// `/readyz`) over HTTP on this address, e.g. 127.0.0.1:9187 [default:
+    /// off]. Bound before the relay reports ready; a bind error is a
+    /// configuration error.
+    #[arg(long, env = "OUTBOX_HTTP")]
+    pub(crate) http: Option<std::net::SocketAddr>,
     /// How often `--retention` runs.
     #[arg(long, env = "OUTBOX_RETENTION_INTERVAL", default_value = "1h", value_parser = positive_duration)]
     pub(crate) retention_interval: Duration,

@@ -7,6 +7,7 @@
 mod cli;
 mod commands;
 mod config;
+mod endpoint;
 mod exit;
 mod logging;
 

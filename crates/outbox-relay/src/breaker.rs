@@ -9,6 +9,8 @@
 //! anything was delivered and opening it again (the backoff carried on) if
 //! the sink is still unavailable. Each change of state is logged once, with
 //! the cause; a probe failing for the same cause as the last one is not.
+//! Each change also sets the sink's gauges (`outbox_sink_up`,
+//! `outbox_sink_circuit_state`) and its readiness check (`crate::health`).
 //!
 //! A sink that answers its probe and then fails every batch as unavailable,
 //! [`STRIKES`] times in a row, is not simply down: most likely one event at
@@ -29,6 +31,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::metric::BreakerGauges;
 use crate::sink::{Delivery, DeliveryError, Sink};
 
 /// The first probe interval after the breaker opens.
@@ -80,6 +83,7 @@ pub(crate) struct Breaker {
     strikes: u32,
     /// Whether strikes count (see [`Breaker::without_strikes`]).
     striking: bool,
+    gauges: BreakerGauges,
 }
 
 /// How [`Breaker::wait`] ended.
@@ -113,15 +117,30 @@ impl Breaker {
     /// A closed breaker for `sink` (and, in a router, the route of
     /// aggregate type `route`).
     pub(crate) fn new(sink: &'static str, route: Option<String>) -> Self {
-        Self {
+        let gauges = BreakerGauges::new(sink, route.as_deref());
+        let breaker = Self {
             sink,
+            gauges,
             route,
             state: CircuitState::Closed,
             down: None,
             interval: FIRST_PROBE,
             strikes: 0,
             striking: true,
-        }
+        };
+        crate::health::global().sink(breaker.label(), None);
+        breaker
+    }
+
+    /// The gauges and the readiness check, after a change of state.
+    fn report(&self) {
+        self.gauges.set(match self.state {
+            CircuitState::Closed => 0,
+            CircuitState::Open => 1,
+            CircuitState::HalfOpen => 2,
+        });
+        let problem = self.down.as_ref().map(|(_, cause)| cause.clone());
+        crate::health::global().sink(self.label(), problem);
     }
 
     /// A breaker that never turns unavailable answers into attempts: for a
@@ -188,6 +207,8 @@ impl Breaker {
                 if last != cause {
                     warn!(sink = self.sink, route = self.route.as_deref(), error = %cause, "sink still unavailable");
                     cause.clone_into(last);
+                    self.state = CircuitState::Open;
+                    self.report();
                 }
             }
             _ => {
@@ -200,9 +221,14 @@ impl Breaker {
                 outbox::notify::send(&format!("STATUS=sink {} unavailable", self.label()));
                 self.down = Some((Instant::now(), cause.to_owned()));
                 self.interval = FIRST_PROBE;
+                self.state = CircuitState::Open;
+                self.report();
             }
         }
-        self.state = CircuitState::Open;
+        if self.state != CircuitState::Open {
+            self.state = CircuitState::Open;
+            self.report();
+        }
     }
 
     /// How long to wait before the next probe; backs off.
@@ -221,14 +247,20 @@ impl Breaker {
                 "sink answered its probe; delivering again"
             );
             self.state = CircuitState::HalfOpen;
+            self.report();
         }
     }
 
     /// A delivery went through: closed again.
     fn close(&mut self) {
+        let was = self.state;
         self.state = CircuitState::Closed;
         self.strikes = 0;
-        if let Some((since, _)) = self.down.take() {
+        let down = self.down.take();
+        if was != CircuitState::Closed || down.is_some() {
+            self.report();
+        }
+        if let Some((since, _)) = down {
             info!(
                 sink = self.sink,
                 route = self.route.as_deref(),

@@ -122,6 +122,7 @@ impl Leases {
             view: tx,
             wake: Arc::clone(&wake),
             backends: Arc::clone(&backends),
+            held: metrics::gauge!(crate::metric::PARTITIONS_HELD),
         };
         let relay_id = ticker.relay_id;
         let task = tokio::spawn(ticker.run(stop.clone()));
@@ -204,6 +205,7 @@ struct Ticker {
     view: watch::Sender<Arc<LeaseView>>,
     wake: Arc<Notify>,
     backends: Arc<Mutex<Backends>>,
+    held: metrics::Gauge,
 }
 
 impl Ticker {
@@ -214,7 +216,9 @@ impl Ticker {
                 client = match self.connect().await {
                     Ok(c) => Some(c),
                     Err(error) => {
-                        warn!(error = %error_chain(&error), "lease connection failed; retrying");
+                        let error = error_chain(&error);
+                        crate::health::global().lease_failed(format!("connecting: {error}"));
+                        warn!(%error, "lease connection failed; retrying");
                         None
                     }
                 };
@@ -224,9 +228,12 @@ impl Ticker {
                 match tokio::time::timeout(self.settings.tick_timeout(), self.tick(c, tick)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => {
-                        warn!(error = %error_chain(&error), "lease tick failed");
+                        let error = error_chain(&error);
+                        crate::health::global().lease_failed(error.clone());
+                        warn!(%error, "lease tick failed");
                     }
                     Err(_) => {
+                        crate::health::global().lease_failed("the tick timed out".to_owned());
                         warn!("lease tick timed out; reconnecting");
                         client = None;
                     }
@@ -314,6 +321,11 @@ impl Ticker {
         // An empty answer leaves the count unknown; keep the last one.
         if next.count == 0 {
             next.count = previous.count;
+        }
+        #[allow(clippy::cast_precision_loss)] // a partition count
+        self.held.set(next.claimable.len() as f64);
+        if let Some(until) = next.valid_until {
+            crate::health::global().lease_tick(until, next.claimable.len(), next.count);
         }
         self.view.send_replace(Arc::new(next));
         // The first tick always wakes the relay: a `--drain` relay that got

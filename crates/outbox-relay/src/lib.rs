@@ -18,6 +18,9 @@
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
 //! | [`pg`] | from `DATABASE_URL` to a connection, for every crate: TLS as libpq does it, startup retries |
 //! | `retention` | [`Retention`]: cleanup or partition maintenance on a schedule, one relay at a time |
+//! | [`metric`] | what the relay records for Prometheus through the `metrics` facade: names, descriptions, handles |
+//! | [`health`] | readiness: PostgreSQL, leases, each sink's breaker, as `/readyz` reports it |
+//! | `backlog` | [`Backlog`]: the backlog and dead-letter gauges, from one query on a schedule |
 //!
 //! Each sink is a feature, all but `kafka` on by default (it builds
 //! librdkafka, a C library; the `outbox` binary turns it on):
@@ -30,13 +33,16 @@
 //! | `amqp` | `amqp://`, `amqps://` | RabbitMQ with publisher confirms |
 //! | `kafka` | `kafka://` | Kafka, idempotent producer, `acks=all`, key = aggregate id |
 
+mod backlog;
 pub mod backoff;
 mod breaker;
 mod config;
 mod counters;
 mod error;
 pub mod failpoint;
+pub mod health;
 mod lease;
+pub mod metric;
 pub mod pg;
 mod plan;
 pub mod relay;
@@ -45,6 +51,7 @@ pub mod sink;
 mod source;
 mod wake;
 
+pub use backlog::Backlog;
 pub use backoff::Backoff;
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};

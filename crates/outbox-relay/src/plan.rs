@@ -19,6 +19,7 @@ use std::time::Duration;
 use outbox::OutboxRow;
 
 use crate::backoff::Backoff;
+use crate::metric::{self, Tally};
 use crate::sink::{Delivery, DeliveryError};
 
 /// Aggregates (type, id) with a failed or held-back row.
@@ -84,6 +85,8 @@ pub(crate) struct Plan {
     pub(crate) failures: Failures,
     /// Aggregates the next batch must hold back.
     pub(crate) blocked: Blocked,
+    /// Delivered, failed and dead rows per aggregate type, for the metrics.
+    pub(crate) tallies: Vec<Tally>,
 }
 
 /// What the relay decides before the sink sees a batch: which rows it
@@ -207,6 +210,7 @@ pub(crate) fn plan(
         let (message, attempts, delay, permanent) = match outcome {
             Outcome::Sent(Ok(())) => {
                 plan.published += 1;
+                metric::tally(&mut plan.tallies, &row.aggregate_type).delivered += 1;
                 continue;
             }
             Outcome::Sent(Err(DeliveryError::Retryable { message, retry_after })) => {
@@ -266,7 +270,10 @@ pub(crate) fn plan(
         block(&mut blocked, k, row.id, delay);
         failures.failed += 1;
         let dead = permanent || backoff.is_dead(attempts);
+        let tally = metric::tally(&mut plan.tallies, &row.aggregate_type);
+        tally.failed += 1;
         if dead {
+            tally.dead += 1;
             failures.dead += 1;
             tracing::warn!(id = row.id, event_id = %row.event_id, attempts, error = %message, "dead letter");
         } else {
@@ -408,6 +415,16 @@ mod tests {
         assert_eq!(plan.failures.dead, 1);
         assert_eq!(plan.failures.attempts, [1], "one attempt, and dead");
         assert_eq!(plan.failures.dead_letter, [true]);
+        assert_eq!(
+            plan.tallies,
+            [Tally {
+                aggregate_type: "orders".to_owned(),
+                delivered: 2,
+                failed: 1,
+                dead: 1,
+            }],
+            "the metrics' tally: one per aggregate type"
+        );
         assert!(
             plan.failures.errors[0].starts_with("permanent: redis: event too large"),
             "{}",

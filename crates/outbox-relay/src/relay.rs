@@ -52,6 +52,7 @@ use crate::breaker::{Breaker, CircuitState, Probed};
 pub use crate::config::{OrderMode, RelayConfig};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
+use crate::metric::{BatchMetrics, DeliveryMetrics};
 use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Plan};
 use crate::sink::{Delivery, DeliveryError, Sink};
@@ -77,11 +78,13 @@ pub struct Relay {
     pg: PgConfig,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
+    metrics: DeliveryMetrics,
 }
 
 impl Relay {
     /// A relay from `pg` ([`crate::pg::parse_url`], or a
-    /// `tokio_postgres::Config`) to `sink`.
+    /// `tokio_postgres::Config`) to `sink`. A `metrics` recorder, if any,
+    /// must be installed before (see [`crate::metric`]).
     pub fn new(pg: impl Into<PgConfig>, sink: Arc<dyn Sink>, config: RelayConfig) -> Self {
         let mut pg = pg.into();
         if pg.postgres().get_application_name().is_none() {
@@ -90,6 +93,7 @@ impl Relay {
         }
         Self {
             pg,
+            metrics: DeliveryMetrics::new(sink.name()),
             sink,
             counters: Arc::default(),
             config,
@@ -106,7 +110,14 @@ impl Relay {
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
         let counters = Arc::clone(&self.counters);
-        let source = PollSource::open(self.config.clone(), self.pg.clone(), counters, &cancel);
+        let batch_metrics = BatchMetrics::new(self.sink.name());
+        let source = PollSource::open(
+            self.config.clone(),
+            self.pg.clone(),
+            counters,
+            batch_metrics,
+            &cancel,
+        );
         let Some(mut source) = source.await? else {
             return Ok(());
         };
@@ -122,6 +133,8 @@ impl Relay {
             "relay ready"
         );
         outbox::notify::send("READY=1\nSTATUS=relay ready");
+        crate::health::global().running(true);
+        self.metrics.relay_up.set(1.0);
         let started = Instant::now();
         let mut blocked = Blocked::default();
         let mut breaker = Breaker::new(self.sink.name(), None);
@@ -170,6 +183,8 @@ impl Relay {
             }
         }
         source.finish().await;
+        crate::health::global().running(false);
+        self.metrics.relay_up.set(0.0);
         info!("relay stopped");
         Ok(())
     }
@@ -270,10 +285,15 @@ impl Relay {
         if rows.is_empty() {
             return Vec::new();
         }
+        let started = Instant::now();
         // `deliver` is polled to completion or dropped with the batch, which
         // is then given back unmarked: dropping it loses nothing.
         tokio::select! {
-            answers = self.sink.deliver(rows) => answers,
+            answers = self.sink.deliver(rows) => {
+                self.metrics.sink_request.record(started.elapsed().as_secs_f64());
+                self.record_lag(rows, &answers);
+                answers
+            }
             () = lapse => {
                 warn!(
                     rows = rows.len(),
@@ -286,6 +306,20 @@ impl Relay {
                         ))
                     })
                     .collect()
+            }
+        }
+    }
+
+    /// Each acknowledged row's lag, from its `created_at` to now: one clock
+    /// read per batch, one histogram sample per row (no allocation).
+    fn record_lag(&self, rows: &[OutboxRow], answers: &[Delivery]) {
+        let acked = chrono::Utc::now();
+        for (row, answer) in rows.iter().zip(answers) {
+            if answer.is_ok() {
+                let lag = (acked - row.created_at).num_microseconds().unwrap_or(i64::MAX);
+                // Microseconds of lag: far inside f64's exact integers.
+                #[allow(clippy::cast_precision_loss)]
+                self.metrics.lag.record(lag.max(0) as f64 / 1e6);
             }
         }
     }

@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backoff, Counters, Failpoint, Relay, RelayConfig};
+use outbox_relay::{Backlog, Backoff, Counters, Failpoint, Relay, RelayConfig};
 
 use crate::cli::{Global, RelayArgs};
 use crate::config::{ConfigFile, Layered};
+use crate::endpoint::Endpoint;
 use crate::exit::ConfigError;
 
 /// With no NOTIFY the poll interval is the delivery latency, so the default
@@ -29,6 +30,12 @@ pub(crate) struct Prepared {
 pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let (g, args, file) = layered.into_relay();
     let pg = super::pg_config(&g)?;
+    // Before the sinks and the relay are built: their metric handles are
+    // looked up once, from the recorder installed by then.
+    let endpoint = match args.http {
+        Some(addr) => Some(Endpoint::bind(addr).await?),
+        None => None,
+    };
     let Prepared {
         config,
         sink,
@@ -44,6 +51,14 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let cancel = super::shutdown_token()?;
     let retention = retention
         .map(|schedule| tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone())));
+    let served = match endpoint {
+        Some(endpoint) => {
+            tracing::info!(address = %endpoint.local_addr()?, "serving /metrics, /healthz and /readyz");
+            let backlog = Backlog::default().run(pg.clone(), config.outbox.clone(), cancel.clone());
+            Some((endpoint.serve(cancel.clone()), tokio::spawn(backlog)))
+        }
+        None => None,
+    };
     let drain = config.drain;
     let relay = Relay::new(pg, Arc::from(sink), config);
     let counters = relay.counters();
@@ -51,6 +66,11 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     cancel.cancel();
     if let Some(task) = retention {
         let _ = task.await;
+    }
+    if let Some((server, backlog)) = served {
+        let _ = backlog.await;
+        // A scraper holding a connection open must not hold up the exit.
+        let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
     }
     result?;
     if drain {

@@ -17,6 +17,7 @@ mod kafka;
 mod lab;
 mod logs;
 mod memory;
+mod metrics;
 mod nats;
 mod ordering;
 mod outage;

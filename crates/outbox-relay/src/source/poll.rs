@@ -37,7 +37,9 @@ use super::{Batch, Claim, Source, SourceError};
 use crate::config::{OrderMode, RelayConfig};
 use crate::counters::Counters;
 use crate::error::{RelayError, error_chain};
+use crate::health;
 use crate::lease::{LeaseSettings, Leases};
+use crate::metric::{BatchMetrics, Tally, WakeCause};
 use crate::pg::{PgConfig, Startup};
 use crate::plan::{Failures, Plan};
 use crate::wake::{self, Wake, Wakeups};
@@ -77,6 +79,7 @@ struct Settled {
     claimed: usize,
     published: usize,
     failures: Failures,
+    tallies: Vec<Tally>,
     started: Instant,
 }
 
@@ -102,6 +105,7 @@ pub(crate) struct PollSource {
     pg: PgConfig,
     sql: OutboxSql,
     counters: Arc<Counters>,
+    metrics: BatchMetrics,
     /// None after a lost connection, until the next claim reconnects.
     sessions: Option<Sessions>,
     pipeline: Pipeline,
@@ -125,6 +129,7 @@ impl PollSource {
         config: RelayConfig,
         pg: PgConfig,
         counters: Arc<Counters>,
+        metrics: BatchMetrics,
         cancel: &CancellationToken,
     ) -> Result<Option<Self>, RelayError> {
         let sql = OutboxSql::new(&config.outbox);
@@ -142,6 +147,7 @@ impl PollSource {
             pg,
             sql,
             counters,
+            metrics,
             sessions: None,
             pipeline: Pipeline::default(),
             earliest_retry: None,
@@ -164,6 +170,7 @@ impl PollSource {
         if self.config.ordering == OrderMode::None {
             return;
         }
+        health::global().takes_leases();
         let mut pg = self.pg.clone();
         pg.postgres_mut().application_name("outbox-relay lease");
         let settings = LeaseSettings {
@@ -180,6 +187,7 @@ impl PollSource {
         if let Some(leases) = &self.leases {
             leases.set_backends(sessions.iter().map(|s| s.backend).collect());
         }
+        health::global().postgres(None);
         self.sessions = Some(sessions);
     }
 
@@ -231,7 +239,7 @@ impl PollSource {
     /// Sleeps until a notification, a due retry, a lease tick that found
     /// work, the fallback poll, or shutdown.
     async fn wait(&mut self, cancel: &CancellationToken) -> Result<bool, SourceError> {
-        let wait = self.next_wait();
+        let (wait, timer) = self.next_wait();
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
         let woken = async {
             match &self.leases {
@@ -241,14 +249,21 @@ impl PollSource {
         };
         // Both branches are cancel-safe: `wait` loses no notification and
         // `woken` is a `Notify` permit, kept if not consumed.
-        let wake = tokio::select! {
-            wake = ss[0].wakeups.wait(wait, cancel) => wake,
-            () = woken => Wake::Notified,
+        let (wake, cause) = tokio::select! {
+            wake = ss[0].wakeups.wait(wait, cancel) => (wake, WakeCause::Notify),
+            () = woken => (Wake::Notified, WakeCause::Lease),
         };
         match wake {
             Wake::Cancelled => Ok(false),
             Wake::ConnectionLost => Err(SourceError::ConnectionLost),
-            Wake::Notified | Wake::Timer => Ok(true),
+            Wake::Notified => {
+                self.metrics.woke(cause);
+                Ok(true)
+            }
+            Wake::Timer => {
+                self.metrics.woke(timer);
+                Ok(true)
+            }
         }
     }
 
@@ -343,6 +358,8 @@ impl PollSource {
             self.retry_at(at);
         }
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .committed(d.claimed, d.started.elapsed().as_secs_f64(), &d.tallies);
         self.counters
             .delivered
             .fetch_add(d.published as u64, Ordering::Relaxed);
@@ -369,11 +386,12 @@ impl PollSource {
         self.earliest_retry = Some(pending.map_or(at, |e| e.min(at)));
     }
 
-    /// How long to sleep: the fallback poll, or less if a retry is due sooner.
+    /// How long to sleep, and what it means if the sleep runs out: the
+    /// fallback poll, or less if a retry is due sooner.
     /// With leases, the lease tick (at least once per poll interval) reports
     /// due rows and wakes the relay, so there is no poll of its own: an idle
     /// poll costs the tick's one short transaction, not a second for a claim.
-    fn next_wait(&mut self) -> Duration {
+    fn next_wait(&mut self) -> (Duration, WakeCause) {
         let poll = if self.leases.is_some() {
             NO_POLL
         } else {
@@ -385,9 +403,13 @@ impl PollSource {
                 if until.is_zero() {
                     self.earliest_retry = None;
                 }
-                poll.min(until)
+                if until < poll {
+                    (until, WakeCause::Retry)
+                } else {
+                    (poll, WakeCause::Poll)
+                }
             }
-            None => poll,
+            None => (poll, WakeCause::Poll),
         }
     }
 
@@ -465,11 +487,15 @@ impl PollSource {
                     outbox::notify::send("STATUS=reconnected");
                     return Some(ss);
                 }
-                Err(error) => warn!(
-                    error = %error_chain(&error),
-                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                    "reconnecting to postgres"
-                ),
+                Err(error) => {
+                    let error = error_chain(&error);
+                    health::global().postgres(Some(format!("reconnecting: {error}")));
+                    warn!(
+                        %error,
+                        retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        "reconnecting to postgres"
+                    );
+                }
             }
             if wait_or_cancel(delay, cancel).await {
                 return None;
@@ -603,6 +629,7 @@ impl Source for PollSource {
             claimed: at_sink.rows,
             published: plan.published,
             failures: plan.failures,
+            tallies: plan.tallies,
             started: at_sink.started,
         });
     }
@@ -625,7 +652,9 @@ impl Source for PollSource {
                 .as_ref()
                 .is_none_or(|ss| ss.iter().any(|s| s.client.is_closed()));
         if lost {
-            warn!(error = %error_chain(&error), "lost the postgres connection; batches in flight will be redelivered");
+            let error = error_chain(&error);
+            health::global().postgres(Some(format!("connection lost: {error}")));
+            warn!(%error, "lost the postgres connection; batches in flight will be redelivered");
             // Dropping both connections rolls back whatever the surviving
             // one had open.
             self.sessions = None;

@@ -1,0 +1,181 @@
+//! Whether the relay is ready to deliver, as `/readyz` reports it: connected
+//! to PostgreSQL (its batch session, which also LISTENs), holding its
+//! partition leases (when it takes leases), and every sink's breaker closed.
+//!
+//! The parts that know a fact report it here as it changes (the source on
+//! connect and on a lost connection, the lease task on each tick, each
+//! breaker on open and close); a probe only reads. It is one table per
+//! process ([`global`]): the breakers of a router's routes are built by
+//! whoever builds the router, far from the relay, and one relay per process
+//! is what the `outbox` binary runs. It holds no HTTP: the binary serves it.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use tokio::time::Instant;
+
+/// The process's readiness table.
+#[derive(Debug, Default)]
+pub struct Health {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    relay: Phase,
+    /// What is wrong with the PostgreSQL session, if anything.
+    postgres: Option<String>,
+    /// None when the relay takes no leases (`--ordering none`).
+    leases: Option<Leases>,
+    /// Per sink label (`redis`, `http route orders`): why it is unavailable.
+    sinks: BTreeMap<String, Option<String>>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    #[default]
+    Starting,
+    Running,
+    Stopped,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Leases {
+    /// Until when the heartbeat vouches for this relay; None before the
+    /// first tick.
+    valid_until: Option<Instant>,
+    held: usize,
+    count: i32,
+    /// The last tick's error, if it failed.
+    error: Option<String>,
+}
+
+/// The answer to a readiness probe.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Readiness {
+    /// Every check passed.
+    pub ready: bool,
+    /// Each check by name (`relay`, `postgres`, `leases`, `sink <name>`):
+    /// `ok`, or what is not ready.
+    pub checks: BTreeMap<String, String>,
+}
+
+/// The table every relay in this process reports to.
+pub fn global() -> &'static Health {
+    static HEALTH: OnceLock<Health> = OnceLock::new();
+    HEALTH.get_or_init(Health::default)
+}
+
+impl Health {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every writer leaves the table consistent, so a panic elsewhere
+        // while holding the lock poisons nothing that matters.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The relay is ready (READY=1) or has stopped.
+    pub(crate) fn running(&self, running: bool) {
+        self.state().relay = if running { Phase::Running } else { Phase::Stopped };
+    }
+
+    /// The PostgreSQL session is up (None) or why not.
+    pub(crate) fn postgres(&self, problem: Option<String>) {
+        self.state().postgres = problem;
+    }
+
+    /// The relay takes leases: not ready until the first tick.
+    pub(crate) fn takes_leases(&self) {
+        self.state().leases.get_or_insert_with(Leases::default);
+    }
+
+    /// A tick succeeded: the heartbeat vouches until `valid_until`.
+    pub(crate) fn lease_tick(&self, valid_until: Instant, held: usize, count: i32) {
+        self.state().leases = Some(Leases {
+            valid_until: Some(valid_until),
+            held,
+            count,
+            error: None,
+        });
+    }
+
+    /// A tick failed; the lease holds until its heartbeat runs out.
+    pub(crate) fn lease_failed(&self, error: String) {
+        self.state().leases.get_or_insert_with(Leases::default).error = Some(error);
+    }
+
+    /// A sink's breaker: `problem` while open or half-open.
+    pub(crate) fn sink(&self, label: String, problem: Option<String>) {
+        self.state().sinks.insert(label, problem);
+    }
+
+    /// Reads every check now.
+    pub fn readiness(&self) -> Readiness {
+        let state = self.state();
+        let mut checks = BTreeMap::new();
+        let ok = || "ok".to_owned();
+        checks.insert(
+            "relay".to_owned(),
+            match state.relay {
+                Phase::Starting => "starting".to_owned(),
+                Phase::Running => ok(),
+                Phase::Stopped => "stopped".to_owned(),
+            },
+        );
+        let postgres = match (&state.postgres, state.relay) {
+            (Some(problem), _) => problem.clone(),
+            (None, Phase::Starting) => "connecting".to_owned(),
+            (None, _) => ok(),
+        };
+        checks.insert("postgres".to_owned(), postgres);
+        if let Some(l) = &state.leases {
+            let check = match (l.valid_until, &l.error) {
+                (Some(until), _) if until > Instant::now() => ok(),
+                (None, None) => "waiting for the first lease tick".to_owned(),
+                (_, Some(error)) => format!("heartbeat expired: {error}"),
+                (Some(_), None) => "heartbeat expired".to_owned(),
+            };
+            let check = if check == "ok" {
+                format!("ok: holding {} of {} partitions", l.held, l.count)
+            } else {
+                check
+            };
+            checks.insert("leases".to_owned(), check);
+        }
+        for (label, problem) in &state.sinks {
+            let check = problem.as_ref().map_or_else(ok, |p| format!("unavailable: {p}"));
+            checks.insert(format!("sink {label}"), check);
+        }
+        let ready = checks.values().all(|c| c.starts_with("ok"));
+        Readiness { ready, checks }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_when_every_check_is_ok() {
+        let h = Health::default();
+        assert!(!h.readiness().ready, "starting");
+        h.running(true);
+        h.postgres(None);
+        h.sink("redis".to_owned(), None);
+        assert!(h.readiness().ready, "{:?}", h.readiness());
+        h.takes_leases();
+        assert_eq!(h.readiness().checks["leases"], "waiting for the first lease tick");
+        h.lease_tick(Instant::now() + std::time::Duration::from_secs(5), 3, 16);
+        assert_eq!(h.readiness().checks["leases"], "ok: holding 3 of 16 partitions");
+        assert!(h.readiness().ready);
+        h.sink("redis".to_owned(), Some("connection refused".to_owned()));
+        let r = h.readiness();
+        assert!(!r.ready);
+        assert_eq!(r.checks["sink redis"], "unavailable: connection refused");
+        h.sink("redis".to_owned(), None);
+        h.postgres(Some("connection lost: db shut down".to_owned()));
+        assert!(!h.readiness().ready);
+        h.postgres(None);
+        h.running(false);
+        assert_eq!(h.readiness().checks["relay"], "stopped");
+    }
+}
