@@ -231,9 +231,8 @@ pub(crate) async fn guard(State(state): State<crate::State>, mut request: Reques
 }
 
 /// Checks that `access` may change rows with this form: a token is set,
-/// and a browser session posted its CSRF token. The refusal is the
-/// response to send.
-pub(crate) fn may_change(state: &crate::AppState, access: &Access, form: &Params) -> Result<(), Response> {
+/// and a browser session posted its CSRF token. Some: the refusal to send.
+pub(crate) fn refusal(state: &crate::AppState, access: &Access, form: &Params) -> Option<Response> {
     let refuse = |message: &str| {
         view::message_page(
             StatusCode::FORBIDDEN,
@@ -244,16 +243,16 @@ pub(crate) fn may_change(state: &crate::AppState, access: &Access, form: &Params
         )
     };
     match access {
-        Access::ReadOnly => Err(refuse(
+        Access::ReadOnly => Some(refuse(
             "This console is read-only: start `outbox admin` with --admin-token (or OUTBOX_ADMIN_TOKEN) to requeue or give up on dead letters.",
         )),
-        Access::Bearer => Ok(()),
+        Access::Bearer => None,
         Access::Session { session, .. } => {
             if state.auth.csrf_holds(session, form.get("csrf").unwrap_or("")) {
-                Ok(())
+                None
             } else {
                 tracing::warn!("admin: mutation refused: missing or wrong CSRF token");
-                Err(refuse(
+                Some(refuse(
                     "Missing or wrong CSRF token: go back, reload the page and try again.",
                 ))
             }
@@ -328,7 +327,7 @@ pub(crate) async fn logout(
     axum::Extension(access): axum::Extension<Access>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Err(refused) = may_change(&state, &access, &Params::parse(&body)) {
+    if let Some(refused) = refusal(&state, &access, &Params::parse(&body)) {
         return refused;
     }
     let mut response = Redirect::to("/login").into_response();
@@ -343,7 +342,10 @@ pub(crate) async fn security_headers(request: Request, next: Next) -> Response {
     let mut response = next.run(request).await;
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
     headers
@@ -374,9 +376,15 @@ mod tests {
         // Another process's key, an edited timestamp, an expired session.
         assert!(auth().session(&cookie).is_none());
         let (issued, rest) = cookie.split_once('.').unwrap();
-        assert!(a.session(&format!("{}.{rest}", issued.parse::<i64>().unwrap() + 1)).is_none());
+        assert!(
+            a.session(&format!("{}.{rest}", issued.parse::<i64>().unwrap() + 1))
+                .is_none()
+        );
         let old = format!("{}.nonce", Utc::now().timestamp() - SESSION_SECONDS - 1);
-        assert!(a.session(&format!("{old}.{}", B64.encode(a.sign(&old)))).is_none());
+        assert!(
+            a.session(&format!("{old}.{}", B64.encode(a.sign(&old))))
+                .is_none()
+        );
     }
 
     #[test]

@@ -31,7 +31,8 @@ pub(crate) fn throughput(counts: &[i64], bucket_seconds: f64) -> Markup {
             }
             text.label x="0" y=(HEIGHT - 4.0) { (span) " ago" }
             text.label x=(WIDTH) y=(HEIGHT - 4.0) text-anchor="end" { "now" }
-            text.label x=(WIDTH) y="12" text-anchor="end" { "max " (max) " per " (bucket_seconds) " s" }
+            // Top left: the newest bars, on the right, would cover it.
+            text.label x="4" y="12" { "max " (max) " per " (bucket_seconds) " s" }
         }
     }
 }

@@ -38,6 +38,8 @@ impl Db {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Arc<Client>>> {
         // A panic while holding the lock cannot leave the Option torn.
-        self.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.client
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }

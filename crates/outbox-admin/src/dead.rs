@@ -46,7 +46,8 @@ impl Selection {
         let age = |key: &str| -> Result<Option<DateTime<Utc>>, String> {
             p.get(key)
                 .map(|v| {
-                    let d = humantime::parse_duration(v).map_err(|e| format!("{key} {v:?}: {e} (e.g. 90s, 5m, 2h)"))?;
+                    let d = humantime::parse_duration(v)
+                        .map_err(|e| format!("{key} {v:?}: {e} (e.g. 90s, 5m, 2h)"))?;
                     chrono::Duration::from_std(d)
                         .ok()
                         .and_then(|d| now.checked_sub_signed(d))
@@ -162,7 +163,13 @@ impl Action {
 }
 
 fn bad_request(state: &crate::AppState, access: &Access, message: &str) -> Response {
-    view::message_page(StatusCode::BAD_REQUEST, "Bad request", access, &state.outbox.display_name(), message)
+    view::message_page(
+        StatusCode::BAD_REQUEST,
+        "Bad request",
+        access,
+        &state.outbox.display_name(),
+        message,
+    )
 }
 
 /// `GET /dead`.
@@ -206,8 +213,18 @@ pub(crate) async fn list(
     // The filters as typed, for the form and the next page's link.
     let typed = |key: &str| p.get(key).unwrap_or("").to_owned();
     let next = rows.last().filter(|_| rows.len() as i64 == limit).map(|last| {
-        let keys = ["aggregate_type", "event_type", "error", "older_than", "newer_than"];
-        let mut pairs: Vec<(&str, String)> = keys.iter().map(|k| (*k, typed(k))).filter(|(_, v)| !v.is_empty()).collect();
+        let keys = [
+            "aggregate_type",
+            "event_type",
+            "error",
+            "older_than",
+            "newer_than",
+        ];
+        let mut pairs: Vec<(&str, String)> = keys
+            .iter()
+            .map(|k| (*k, typed(k)))
+            .filter(|(_, v)| !v.is_empty())
+            .collect();
         pairs.push(("after", last.id.to_string()));
         pairs.push(("limit", limit.to_string()));
         let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -260,7 +277,9 @@ pub(crate) async fn list(
                                 td colspan="7" {
                                     details {
                                         summary { "event " span.mono { (d.event_id) } ": payload and headers" }
+                                        p.muted { "payload" }
                                         pre.payload { (view::json(&d.payload)) }
+                                        p.muted { "headers" }
                                         pre.headers { (view::json(&d.headers)) }
                                         p.muted { "next attempt was due " (view::when(d.next_attempt_at, now)) }
                                     }
@@ -285,7 +304,11 @@ pub(crate) async fn confirm(
 ) -> Result<Response, Failure> {
     let p = Params::query(raw.as_deref());
     let Some(action) = Action::parse(p.get("action")) else {
-        return Ok(bad_request(&state, &access, "Unknown action: choose requeue or give up on the dead-letter list."));
+        return Ok(bad_request(
+            &state,
+            &access,
+            "Unknown action: choose requeue or give up on the dead-letter list.",
+        ));
     };
     let selection = match action {
         Action::RequeueFiltered => Selection::filters(&p, Utc::now()),
@@ -336,7 +359,11 @@ pub(crate) async fn confirm(
         }
         p { a href="/dead" { "Back to the dead letters" } }
     };
-    let title = if action == Action::GiveUpSelected { "Give up?" } else { "Requeue?" };
+    let title = if action == Action::GiveUpSelected {
+        "Give up?"
+    } else {
+        "Requeue?"
+    };
     Ok(view::layout(title, &access, &state.outbox.display_name(), body).into_response())
 }
 
@@ -347,7 +374,7 @@ pub(crate) async fn requeue(
     body: axum::body::Bytes,
 ) -> Result<Response, Failure> {
     let p = Params::parse(&body);
-    if let Err(refused) = auth::may_change(&state, &access, &p) {
+    if let Some(refused) = auth::refusal(&state, &access, &p) {
         return Ok(refused);
     }
     // An explicit scope, so a body that lost its ids never widens to
@@ -355,7 +382,9 @@ pub(crate) async fn requeue(
     let selection = match p.get("scope") {
         Some("selected") => Selection::selected(&p),
         Some("filtered") => Selection::filters(&p, Utc::now()),
-        _ => Err("scope must be \"selected\" (with id fields) or \"filtered\" (with filter fields)".to_owned()),
+        _ => {
+            Err("scope must be \"selected\" (with id fields) or \"filtered\" (with filter fields)".to_owned())
+        }
     };
     let selection = match selection {
         Ok(s) => s,
@@ -386,7 +415,11 @@ pub(crate) async fn requeue(
         by = access.who(),
         "admin: requeued {n} dead letters"
     );
-    Ok(done(&state, &access, &format!("Requeued {n} dead letters ({}).", selection.describe())))
+    Ok(done(
+        &state,
+        &access,
+        &format!("Requeued {n} dead letters ({}).", selection.describe()),
+    ))
 }
 
 /// `POST /dead/give-up`.
@@ -396,7 +429,7 @@ pub(crate) async fn give_up(
     body: axum::body::Bytes,
 ) -> Result<Response, Failure> {
     let p = Params::parse(&body);
-    if let Err(refused) = auth::may_change(&state, &access, &p) {
+    if let Some(refused) = auth::refusal(&state, &access, &p) {
         return Ok(refused);
     }
     let selection = match Selection::selected(&p) {
@@ -428,7 +461,11 @@ pub(crate) async fn give_up(
         by = access.who(),
         "admin: gave up on {n} dead letters"
     );
-    Ok(done(&state, &access, &format!("Gave up on {n} dead letters ({}).", selection.describe())))
+    Ok(done(
+        &state,
+        &access,
+        &format!("Gave up on {n} dead letters ({}).", selection.describe()),
+    ))
 }
 
 fn done(state: &crate::AppState, access: &Access, message: &str) -> Response {

@@ -100,7 +100,10 @@ fn router(state: State) -> Router {
         .route("/login", get(auth::login_page).post(auth::login))
         .route("/logout", post(auth::logout))
         .route("/admin.css", get(view::stylesheet))
-        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth::guard))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            auth::guard,
+        ))
         .layer(axum::middleware::from_fn(auth::security_headers))
         .with_state(state)
 }

@@ -20,12 +20,19 @@ const THROUGHPUT: outbox::sql::Throughput = outbox::sql::Throughput {
 /// `--lease-timeout` (past it the others take its partitions over).
 const SILENT_SECONDS: f64 = 10.0;
 
-pub(crate) async fn page(State(state): State<crate::State>, Extension(access): Extension<Access>) -> Result<Response, Failure> {
+pub(crate) async fn page(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+) -> Result<Response, Failure> {
     let fail = |what: &str| {
         let what = what.to_owned();
         move |e| Failure(what, e)
     };
-    let client = state.db.client().await.map_err(fail("connecting to PostgreSQL"))?;
+    let client = state
+        .db
+        .client()
+        .await
+        .map_err(fail("connecting to PostgreSQL"))?;
     let sql = &state.sql;
     let now = chrono::Utc::now();
     let stats = sql.stats(&*client).await.map_err(fail("reading the backlog"))?;
@@ -33,7 +40,10 @@ pub(crate) async fn page(State(state): State<crate::State>, Extension(access): E
         .throughput(&*client, &THROUGHPUT)
         .await
         .map_err(fail("reading the throughput"))?;
-    let dead = sql.dead_by_error(&*client, 50).await.map_err(fail("reading the dead letters"))?;
+    let dead = sql
+        .dead_by_error(&*client, 50)
+        .await
+        .map_err(fail("reading the dead letters"))?;
     let relays = sql.relays(&*client).await.map_err(fail("reading the relays"))?;
     let partitions = sql
         .partition_backlog(&*client)

@@ -26,7 +26,10 @@ pub(crate) enum Reason {
     /// A relay delivered it.
     Delivered { at: DateTime<Utc> },
     /// A dead letter someone gave up on.
-    GivenUp { at: DateTime<Utc>, dead_at: Option<DateTime<Utc>> },
+    GivenUp {
+        at: DateTime<Utc>,
+        dead_at: Option<DateTime<Utc>>,
+    },
     /// A dead letter waiting for a requeue or a give-up.
     Dead { since: DateTime<Utc> },
     /// Failed, and not due again until `at`.
@@ -46,14 +49,19 @@ pub(crate) fn reasons(s: &EventStory) -> Vec<Reason> {
         return vec![Reason::Delivered { at }];
     }
     if let Some(at) = e.given_up_at {
-        return vec![Reason::GivenUp { at, dead_at: e.dead_at }];
+        return vec![Reason::GivenUp {
+            at,
+            dead_at: e.dead_at,
+        }];
     }
     if let Some(since) = e.dead_at {
         return vec![Reason::Dead { since }];
     }
     let mut out = Vec::new();
     if e.next_attempt_at > s.now {
-        out.push(Reason::WaitingForRetry { at: e.next_attempt_at });
+        out.push(Reason::WaitingForRetry {
+            at: e.next_attempt_at,
+        });
     }
     if let Some(id) = s.held_behind {
         out.push(Reason::HeldBehind { id });
@@ -108,7 +116,9 @@ pub(crate) async fn page(
             "Event story",
             &access,
             &table,
-            &format!("No event {key} in {table}: never written, or delivered and removed by `outbox cleanup`."),
+            &format!(
+                "No event {key} in {table}: never written, or delivered and removed by `outbox cleanup`."
+            ),
         ));
     };
     let title = format!("Event {}", story.event.id);

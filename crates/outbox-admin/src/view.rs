@@ -17,7 +17,10 @@ const CSS: &str = include_str!("../assets/admin.css");
 pub(crate) async fn stylesheet() -> Response {
     let mut response = CSS.into_response();
     let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/css; charset=utf-8"));
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/css; charset=utf-8"),
+    );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("max-age=3600"));
     response
 }
@@ -82,7 +85,13 @@ pub(crate) fn layout(title: &str, access: &Access, table: &str, body: Markup) ->
 }
 
 /// A page with one message, e.g. a refusal.
-pub(crate) fn message_page(status: StatusCode, title: &str, access: &Access, table: &str, message: &str) -> Response {
+pub(crate) fn message_page(
+    status: StatusCode,
+    title: &str,
+    access: &Access,
+    table: &str,
+    message: &str,
+) -> Response {
     let body = html! { p.message #message { (message) } p { a href="/" { "Back to the overview" } } };
     (status, layout(title, access, table, body)).into_response()
 }

@@ -34,7 +34,11 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {} (--listen)", args.listen))?;
     let cancel = super::shutdown_token()?;
-    let mode = if token.is_some() { "token required" } else { "read-only: no --admin-token" };
+    let mode = if token.is_some() {
+        "token required"
+    } else {
+        "read-only: no --admin-token"
+    };
     tracing::info!(listen = %args.listen, table = %config.display_name(), "admin console on http://{} ({mode})", args.listen);
     outbox::notify::send("READY=1\nSTATUS=admin console ready");
     let admin = outbox_admin::Admin {

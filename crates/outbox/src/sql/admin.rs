@@ -274,7 +274,7 @@ impl OutboxSql {
         let f = page.filter.params();
         let params: [Param<'_>; 8] = [f[0], f[1], f[2], f[3], f[4], f[5], &page.after_id, &page.limit];
         let rows = client.query(self.list_dead_page.as_str(), &params).await?;
-        rows.iter().map(|r| event_detail(r)).collect()
+        rows.iter().map(event_detail).collect()
     }
 
     /// Dead letters nobody gave up on, per aggregate type and error, at most
@@ -298,7 +298,11 @@ impl OutboxSql {
 
     /// Rows published per bucket, most recent bucket first; every bucket
     /// present, empty ones as 0. Reads the whole table (see `THROUGHPUT`).
-    pub async fn throughput(&self, client: &impl GenericClient, span: &Throughput) -> Result<Vec<i64>, Error> {
+    pub async fn throughput(
+        &self,
+        client: &impl GenericClient,
+        span: &Throughput,
+    ) -> Result<Vec<i64>, Error> {
         let rows = client
             .query(self.throughput.as_str(), &[&span.bucket_seconds, &span.buckets])
             .await?;
@@ -322,7 +326,10 @@ impl OutboxSql {
         id: Option<i64>,
         event_id: Option<Uuid>,
     ) -> Result<Option<EventStory>, Error> {
-        let Some(r) = client.query_opt(self.event_story.as_str(), &[&id, &event_id]).await? else {
+        let Some(r) = client
+            .query_opt(self.event_story.as_str(), &[&id, &event_id])
+            .await?
+        else {
             return Ok(None);
         };
         Ok(Some(EventStory {

@@ -16,12 +16,13 @@ mod relay;
 
 #[cfg(feature = "tokio-postgres")]
 pub use admin::{
-    DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow, Throughput, TypeStats,
+    DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
+    Throughput, TypeStats,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
-    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams, TickRow,
-    TickStatement, backend_identity, setup_batch_session,
+    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams,
+    TickRow, TickStatement, backend_identity, setup_batch_session,
 };
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
