@@ -1,7 +1,8 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes sure the PostgreSQL
 # server binaries, redis-server, a C toolchain (for the bundled librdkafka),
-# nats-server, rabbitmq-server, (for the lab report test) chromium and (for
-# the metrics tests' `promtool check`) prometheus exist.
+# nats-server, rabbitmq-server, (for the lab report and admin console
+# tests) chromium and chromium-driver, and (for the metrics tests'
+# `promtool check`) prometheus exist.
 # As root on Debian it installs the missing packages; otherwise it prints the
 # exact command and exits 1. ensure_tansu builds the Kafka-protocol
 # broker the Kafka tests run, once, with cargo.
@@ -26,11 +27,13 @@ ensure_deps() {
         # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
         command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
         command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
-        # The lab's report test opens the HTML report in a real headless browser.
+        # The lab's report test opens the HTML report in a real headless browser;
+        # the admin console's test drives one through chromedriver (WebDriver).
         command -v chromium >/dev/null 2>&1 || missing+=(chromium)
         # promtool checks the scraped /metrics and deploy/prometheus/; the
         # package installs in seconds (its service is not started).
         command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+        command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
     fi
     command -v cargo >/dev/null 2>&1 || {
         echo "cargo not found: install Rust from your distribution or rustup, then re-run" >&2

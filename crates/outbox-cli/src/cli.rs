@@ -87,6 +87,10 @@ pub(crate) enum Command {
     /// Daily partitions of an outbox migrated with --partition-by day.
     #[command(subcommand)]
     Partitions(PartitionsCommand),
+    /// Serve a web console until SIGINT/SIGTERM: backlog, throughput, dead
+    /// letters (requeue, give up), relays, and any event's story. Without
+    /// --admin-token it is read-only and listens on loopback only (else exit 2).
+    Admin(AdminArgs),
     /// Apply events from a Redis stream, a NATS JetStream stream or a
     /// RabbitMQ queue to
     /// PostgreSQL exactly once: run --apply per event inside the inbox
@@ -408,6 +412,20 @@ pub(crate) struct RequeueArgs {
     /// Only count what would be requeued.
     #[arg(long)]
     pub(crate) dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct AdminArgs {
+    /// Address to serve the console on. Without --admin-token it must be a
+    /// loopback address.
+    #[arg(long, env = "OUTBOX_ADMIN_LISTEN", default_value = "127.0.0.1:9188")]
+    pub(crate) listen: std::net::SocketAddr,
+    /// Token that signs browsers in and that scripts send as
+    /// `Authorization: Bearer <token>`; at least 16 characters. Needed to
+    /// requeue or give up, and then for every page. Prefer the environment
+    /// variable: arguments show in `ps`.
+    #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
+    pub(crate) admin_token: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -78,6 +78,7 @@ async fn requeue(
         ids: (!args.id.is_empty()).then_some(&args.id),
         aggregate_type: args.aggregate_type.as_deref(),
         error_contains: args.error_contains.as_deref(),
+        ..DeadFilter::default()
     };
     if args.dry_run {
         let n = sql

@@ -1,6 +1,7 @@
 //! One module per subcommand, and the few things they share: turning global
 //! flags into validated configs and a PostgreSQL connection.
 
+mod admin;
 mod cleanup;
 mod config;
 mod consume;
@@ -34,6 +35,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consume(args) => consume::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,
         Command::Partitions(command) => partitions::run(g, command).await,
+        Command::Admin(args) => admin::run(g, args).await,
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => outbox_lab::bench::run(&lab_database(g), args).await,
         Command::Lab(args) => outbox_lab::lab::run(&lab_database(g), args).await,

@@ -4,6 +4,7 @@
 
 #![allow(unreachable_pub, missing_docs)]
 
+mod admin;
 mod amqp;
 mod cli;
 mod config;

@@ -1,6 +1,8 @@
 //! The operator's statements with typed parameters and rows: statistics,
-//! dead letters (list, requeue, give up), the live relays and the backlog
-//! of each partition. None of them is on the relay's path.
+//! dead letters (list, page, requeue, give up), the live relays and the
+//! backlog of each partition, throughput, and one event's story (what keeps
+//! it where it is). `outbox stats`, `dlq`, `relays` and the admin console
+//! use them. None of them is on the relay's path.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -55,9 +57,9 @@ pub struct DeadLetter {
     pub given_up_at: Option<DateTime<Utc>>,
 }
 
-/// Which dead letters a requeue (or its dry run) touches. Every filter set
-/// narrows; none set means all of them.
-#[derive(Debug, Clone, Copy)]
+/// Which dead letters a requeue (or its dry run, or a page of the console)
+/// touches. Every filter set narrows; none set means all of them.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct DeadFilter<'a> {
     /// Only these row ids.
     pub ids: Option<&'a [i64]>,
@@ -65,12 +67,111 @@ pub struct DeadFilter<'a> {
     pub aggregate_type: Option<&'a str>,
     /// Only rows whose last error contains this text.
     pub error_contains: Option<&'a str>,
+    /// Only this event type.
+    pub event_type: Option<&'a str>,
+    /// Only rows that became dead letters at or before this instant.
+    pub dead_before: Option<DateTime<Utc>>,
+    /// Only rows that became dead letters at or after this instant.
+    pub dead_after: Option<DateTime<Utc>>,
 }
 
 impl DeadFilter<'_> {
-    fn params(&self) -> [Param<'_>; 3] {
-        [&self.ids, &self.aggregate_type, &self.error_contains]
+    fn params(&self) -> [Param<'_>; 6] {
+        [
+            &self.ids,
+            &self.aggregate_type,
+            &self.error_contains,
+            &self.event_type,
+            &self.dead_before,
+            &self.dead_after,
+        ]
     }
+}
+
+/// A whole outbox row, payload and headers included, for inspection.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EventDetail {
+    /// Row id.
+    pub id: i64,
+    /// The event's id.
+    pub event_id: Uuid,
+    /// Its aggregate type.
+    pub aggregate_type: String,
+    /// Its aggregate id.
+    pub aggregate_id: String,
+    /// Its event type.
+    pub event_type: String,
+    /// The payload the writer stored.
+    pub payload: serde_json::Value,
+    /// The headers the writer stored.
+    pub headers: serde_json::Value,
+    /// Failed deliveries so far.
+    pub attempts: i32,
+    /// The last delivery error.
+    pub last_error: Option<String>,
+    /// When the writer inserted it.
+    pub created_at: DateTime<Utc>,
+    /// When it is due (again).
+    pub next_attempt_at: DateTime<Utc>,
+    /// When a relay delivered it.
+    pub published_at: Option<DateTime<Utc>>,
+    /// When it became a dead letter.
+    pub dead_at: Option<DateTime<Utc>>,
+    /// When someone gave up on it.
+    pub given_up_at: Option<DateTime<Utc>>,
+}
+
+/// One page of dead letters, oldest first.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadPage<'a> {
+    /// Which dead letters.
+    pub filter: DeadFilter<'a>,
+    /// The last id of the previous page (0: the first page).
+    pub after_id: i64,
+    /// At most this many rows.
+    pub limit: i64,
+}
+
+/// Dead letters nobody gave up on with one aggregate type and last error.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeadByError {
+    /// The aggregate type.
+    pub aggregate_type: String,
+    /// The last error (empty if none was recorded).
+    pub last_error: String,
+    /// How many.
+    pub count: i64,
+}
+
+/// Rows published per time bucket.
+#[derive(Debug, Clone, Copy)]
+pub struct Throughput {
+    /// Bucket width in seconds.
+    pub bucket_seconds: f64,
+    /// How many buckets, back from now.
+    pub buckets: i32,
+}
+
+/// One event and what decides where it is (see `EVENT_STORY`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventStory {
+    /// The row.
+    pub event: EventDetail,
+    /// The database's clock when it was read.
+    pub now: DateTime<Utc>,
+    /// The earliest earlier event of its aggregate that is not published
+    /// and not given up on: under strict order it goes first.
+    pub held_behind: Option<i64>,
+    /// Its partition (None: the outbox has no lease rows).
+    pub partition: Option<i32>,
+    /// The partition count.
+    pub partitions: i32,
+    /// The live relay holding its partition, if any.
+    pub owner: Option<Uuid>,
+    /// That relay's name.
+    pub owner_name: Option<String>,
+    /// Seconds since that relay's last heartbeat.
+    pub owner_silent_for: Option<f64>,
 }
 
 /// A live relay.
@@ -155,6 +256,94 @@ impl OutboxSql {
         client.execute(self.requeue_dead.as_str(), &filter.params()).await
     }
 
+    /// How many dead letters among `ids` [`give_up`](Self::give_up) would
+    /// change (its dry run).
+    pub async fn count_give_up(&self, client: &impl GenericClient, ids: &[i64]) -> Result<i64, Error> {
+        client
+            .query_one(self.count_give_up.as_str(), &[&ids])
+            .await?
+            .try_get(0)
+    }
+
+    /// One page of dead letters with payloads and headers.
+    pub async fn dead_page(
+        &self,
+        client: &impl GenericClient,
+        page: &DeadPage<'_>,
+    ) -> Result<Vec<EventDetail>, Error> {
+        let f = page.filter.params();
+        let params: [Param<'_>; 8] = [f[0], f[1], f[2], f[3], f[4], f[5], &page.after_id, &page.limit];
+        let rows = client.query(self.list_dead_page.as_str(), &params).await?;
+        rows.iter().map(event_detail).collect()
+    }
+
+    /// Dead letters nobody gave up on, per aggregate type and error, at most
+    /// `limit` groups, largest first.
+    pub async fn dead_by_error(
+        &self,
+        client: &impl GenericClient,
+        limit: i64,
+    ) -> Result<Vec<DeadByError>, Error> {
+        let rows = client.query(self.dead_by_error.as_str(), &[&limit]).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(DeadByError {
+                    aggregate_type: r.try_get(0)?,
+                    last_error: r.try_get(1)?,
+                    count: r.try_get(2)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Rows published per bucket, most recent bucket first; every bucket
+    /// present, empty ones as 0. Reads the whole table (see `THROUGHPUT`).
+    pub async fn throughput(
+        &self,
+        client: &impl GenericClient,
+        span: &Throughput,
+    ) -> Result<Vec<i64>, Error> {
+        let rows = client
+            .query(self.throughput.as_str(), &[&span.bucket_seconds, &span.buckets])
+            .await?;
+        let mut counts = vec![0; usize::try_from(span.buckets).unwrap_or(0)];
+        for r in &rows {
+            let bucket: i32 = r.try_get(0)?;
+            // A row published in the instant between the WHERE and the
+            // bucket's clock reading can land one past the end.
+            if let Some(c) = usize::try_from(bucket).ok().and_then(|b| counts.get_mut(b)) {
+                *c += r.try_get::<_, i64>(1)?;
+            }
+        }
+        Ok(counts)
+    }
+
+    /// The event with this row id or event id and what decides where it is;
+    /// None if no row has it (never written, or delivered and cleaned up).
+    pub async fn event_story(
+        &self,
+        client: &impl GenericClient,
+        id: Option<i64>,
+        event_id: Option<Uuid>,
+    ) -> Result<Option<EventStory>, Error> {
+        let Some(r) = client
+            .query_opt(self.event_story.as_str(), &[&id, &event_id])
+            .await?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(EventStory {
+            event: event_detail(&r)?,
+            now: r.try_get(14)?,
+            held_behind: r.try_get(15)?,
+            partition: r.try_get(16)?,
+            partitions: r.try_get(17)?,
+            owner: r.try_get(18)?,
+            owner_name: r.try_get(19)?,
+            owner_silent_for: r.try_get(20)?,
+        }))
+    }
+
     /// Wakes the relays listening on `channel`: a requeue or a give-up makes
     /// rows claimable without the INSERT the trigger notifies for.
     pub async fn notify(&self, client: &impl GenericClient, channel: &str) -> Result<(), Error> {
@@ -205,5 +394,24 @@ fn dead_letter(r: &Row) -> Result<DeadLetter, Error> {
         created_at: r.try_get(7)?,
         dead_at: r.try_get(8)?,
         given_up_at: r.try_get(9)?,
+    })
+}
+
+fn event_detail(r: &Row) -> Result<EventDetail, Error> {
+    Ok(EventDetail {
+        id: r.try_get(0)?,
+        event_id: r.try_get(1)?,
+        aggregate_type: r.try_get(2)?,
+        aggregate_id: r.try_get(3)?,
+        event_type: r.try_get(4)?,
+        payload: r.try_get(5)?,
+        headers: r.try_get(6)?,
+        attempts: r.try_get(7)?,
+        last_error: r.try_get(8)?,
+        created_at: r.try_get(9)?,
+        next_attempt_at: r.try_get(10)?,
+        published_at: r.try_get(11)?,
+        dead_at: r.try_get(12)?,
+        given_up_at: r.try_get(13)?,
     })
 }

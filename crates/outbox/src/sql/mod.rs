@@ -15,7 +15,10 @@ pub(crate) mod catalog;
 mod relay;
 
 #[cfg(feature = "tokio-postgres")]
-pub use admin::{DeadFilter, DeadLetter, PartitionRow, RelayRow, TypeStats};
+pub use admin::{
+    DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
+    Throughput, TypeStats,
+};
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
     ClaimError, ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict,
@@ -263,13 +266,70 @@ const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, even
             dead_at, given_up_at \
        FROM {t} WHERE published_at IS NULL AND dead_at IS NOT NULL ORDER BY id LIMIT $1";
 
-/// The dead-letter filter shared by requeue and its dry run: `$1` ids or
-/// NULL, `$2` aggregate type or NULL, `$3` text the last error contains, or
-/// NULL.
+/// The dead-letter filter shared by requeue, its dry run and the admin
+/// console's list: `$1` ids or NULL, `$2` aggregate type or NULL, `$3` text
+/// the last error contains, or NULL, `$4` event type or NULL, `$5`/`$6`
+/// dead at or before / at or after, or NULL.
 const DEAD_FILTER: &str = "published_at IS NULL AND dead_at IS NOT NULL \
         AND ($1::int8[] IS NULL OR id = ANY($1::int8[])) \
         AND ($2::text IS NULL OR aggregate_type = $2::text) \
-        AND ($3::text IS NULL OR strpos(last_error, $3::text) > 0)";
+        AND ($3::text IS NULL OR strpos(last_error, $3::text) > 0) \
+        AND ($4::text IS NULL OR event_type = $4::text) \
+        AND ($5::timestamptz IS NULL OR dead_at <= $5::timestamptz) \
+        AND ($6::timestamptz IS NULL OR dead_at >= $6::timestamptz)";
+
+/// Every column an operator looks at, in the order `admin::EventDetail`
+/// reads them.
+const DETAIL_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, attempts, \
+     last_error, created_at, next_attempt_at, published_at, dead_at, given_up_at";
+
+/// `$1..$6` the dead-letter filter, `$7` the last id of the previous page
+/// (0 for the first), `$8` page size. A page of dead letters with their
+/// payloads, oldest first, through `<table>_dead_idx`.
+const LIST_DEAD_PAGE: &str =
+    "SELECT {detail} FROM {t} WHERE {dead} AND id > $7::int8 ORDER BY id LIMIT $8::int8";
+
+/// `$1` ids. What [`GIVE_UP_DEAD`] would touch (its dry run).
+const COUNT_GIVE_UP: &str = "SELECT count(*) FROM {t} \
+      WHERE id = ANY($1::int8[]) AND published_at IS NULL AND dead_at IS NOT NULL AND given_up_at IS NULL";
+
+/// Dead letters nobody gave up on, per aggregate type and last error, most
+/// first (`$1` at most this many groups). Through `<table>_dead_idx`.
+const DEAD_BY_ERROR: &str = "SELECT aggregate_type, coalesce(last_error, ''), count(*) FROM {t} \
+      WHERE published_at IS NULL AND dead_at IS NOT NULL AND given_up_at IS NULL \
+      GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT $1";
+
+/// `$1` bucket width in seconds, `$2` buckets. Rows published per bucket,
+/// bucket 0 the most recent, over the last `$1 * $2` seconds. No index
+/// covers `published_at`: this reads the whole table (the console's
+/// overview only, never the relay). Rows a relay claimed but has not
+/// committed are invisible here, as everywhere.
+const THROUGHPUT: &str = "SELECT floor(extract(epoch FROM clock_timestamp() - published_at) / $1::float8)::int4 AS bucket, \
+            count(*) FROM {t} \
+      WHERE published_at > clock_timestamp() - make_interval(secs => $1::float8 * $2::int4) \
+      GROUP BY 1 ORDER BY 1";
+
+/// `$1` row id or NULL, `$2` event_id or NULL. One event with what decides
+/// where it is: the clock, the earliest earlier event of its aggregate still
+/// pending (unpublished, not given up: what holds it back under strict
+/// order, through `<table>_pending_by_aggregate_idx`), its partition, that
+/// partition's owner and the owner's heartbeat age (NULL: no live relay).
+/// By row id through the primary key; by event_id a scan (no index: the
+/// writer never looks rows up by it).
+const EVENT_STORY: &str = "WITH n AS (SELECT count(*)::int8 AS n FROM {leases}), \
+     ev AS (SELECT {detail} FROM {t} \
+             WHERE ($1::int8 IS NOT NULL AND id = $1::int8) OR ($2::uuid IS NOT NULL AND event_id = $2::uuid) \
+             ORDER BY id LIMIT 1) \
+     SELECT ev.*, clock_timestamp(), \
+            (SELECT e.id FROM {t} AS e WHERE e.aggregate_type = ev.aggregate_type AND e.aggregate_id = ev.aggregate_id \
+                AND e.id < ev.id AND e.published_at IS NULL AND e.given_up_at IS NULL ORDER BY e.id LIMIT 1), \
+            p.partition, n.n::int4, r.relay_id, r.name, \
+            extract(epoch FROM clock_timestamp() - r.heartbeat_at)::float8 \
+       FROM ev CROSS JOIN n \
+       CROSS JOIN LATERAL (SELECT CASE WHEN n.n > 0 \
+            THEN ((hashtextextended(ev.aggregate_id, 0) % n.n + n.n) % n.n)::int4 END AS partition) AS p \
+       LEFT JOIN {leases} AS l ON l.partition = p.partition \
+       LEFT JOIN {relays} AS r ON r.relay_id = l.owner";
 
 /// Puts matching dead letters (given up on or not) back in line;
 /// `last_error` stays for the record.
@@ -335,6 +395,11 @@ pub struct OutboxSql {
     pub(crate) list_dead: String,
     pub(crate) requeue_dead: String,
     pub(crate) count_dead: String,
+    pub(crate) list_dead_page: String,
+    pub(crate) count_give_up: String,
+    pub(crate) dead_by_error: String,
+    pub(crate) throughput: String,
+    pub(crate) event_story: String,
     pub(crate) notify: &'static str,
     pub(crate) delete_published: String,
 }
@@ -363,6 +428,7 @@ impl OutboxSql {
                 .replace("{relays}", &relays)
                 .replace("{tick_fn}", &tick_fn)
                 .replace("{dead}", DEAD_FILTER)
+                .replace("{detail}", DETAIL_COLUMNS)
                 .replace("{cols}", ROW_COLUMNS)
                 .replace("{claimed_cols}", CLAIMED_COLUMNS)
                 .replace("{large}", &LARGE_PAYLOAD.to_string())
@@ -389,6 +455,11 @@ impl OutboxSql {
             list_dead: render(LIST_DEAD),
             requeue_dead: render(REQUEUE_DEAD),
             count_dead: render(COUNT_DEAD),
+            list_dead_page: render(LIST_DEAD_PAGE),
+            count_give_up: render(COUNT_GIVE_UP),
+            dead_by_error: render(DEAD_BY_ERROR),
+            throughput: render(THROUGHPUT),
+            event_story: render(EVENT_STORY),
             notify: NOTIFY,
             delete_published: render(DELETE_PUBLISHED),
         }
@@ -430,6 +501,11 @@ mod tests {
             &sql.requeue_dead,
             &sql.count_dead,
             &sql.insert_events,
+            &sql.list_dead_page,
+            &sql.count_give_up,
+            &sql.dead_by_error,
+            &sql.throughput,
+            &sql.event_story,
         ] {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             // `'{}'` is an empty array literal, not a placeholder.

@@ -1,0 +1,168 @@
+//! `GET /`: the backlog and its oldest age per aggregate type, events
+//! published over the last ten minutes, dead letters per aggregate type and
+//! error, and the live relays with the partitions each holds.
+
+use axum::Extension;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use maud::html;
+
+use crate::auth::Access;
+use crate::view::{self, Failure};
+
+/// The chart's buckets: 60 of 10 s, the last ten minutes.
+const THROUGHPUT: outbox::sql::Throughput = outbox::sql::Throughput {
+    bucket_seconds: 10.0,
+    buckets: 60,
+};
+
+/// A relay silent for longer than this is flagged: the relays' default
+/// `--lease-timeout` (past it the others take its partitions over).
+const SILENT_SECONDS: f64 = 10.0;
+
+pub(crate) async fn page(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+) -> Result<Response, Failure> {
+    let fail = |what: &str| {
+        let what = what.to_owned();
+        move |e| Failure(what, e)
+    };
+    let client = state
+        .db
+        .client()
+        .await
+        .map_err(fail("connecting to PostgreSQL"))?;
+    let sql = &state.sql;
+    let now = chrono::Utc::now();
+    let stats = sql.stats(&*client).await.map_err(fail("reading the backlog"))?;
+    let throughput = sql
+        .throughput(&*client, &THROUGHPUT)
+        .await
+        .map_err(fail("reading the throughput"))?;
+    let dead = sql
+        .dead_by_error(&*client, 50)
+        .await
+        .map_err(fail("reading the dead letters"))?;
+    let relays = sql.relays(&*client).await.map_err(fail("reading the relays"))?;
+    let partitions = sql
+        .partition_backlog(&*client)
+        .await
+        .map_err(fail("reading the partition backlog"))?;
+
+    let backlog: i64 = stats.iter().map(|s| s.unpublished).sum();
+    let dead_total: i64 = stats.iter().map(|s| s.dead_letters).sum();
+    let oldest = stats.iter().filter_map(|s| s.oldest_unpublished).min();
+    let published: i64 = throughput.iter().sum();
+    let backlog_of = |held: &[i32]| -> i64 {
+        held.iter()
+            .filter_map(|p| partitions.get(usize::try_from(*p).ok()?))
+            .map(|p| p.backlog)
+            .sum()
+    };
+    let unowned: Vec<i32> = partitions
+        .iter()
+        .filter(|p| p.owner.is_none_or(|o| !relays.iter().any(|r| r.relay_id == o)))
+        .map(|p| p.partition)
+        .collect();
+
+    let body = html! {
+        section.card {
+            p.verdict {
+                "Backlog: " span #backlog-total { (backlog) } " events waiting"
+                @if let Some(oldest) = oldest { ", oldest " (view::relative(oldest, now)) }
+                " · dead letters: " span #dead-total { (dead_total) }
+                " · live relays: " span #relay-count { (relays.len()) }
+            }
+        }
+        h2 { "Backlog per aggregate type" }
+        @if stats.is_empty() {
+            p.muted { "Nothing unpublished." }
+        } @else {
+            table #backlog {
+                thead { tr {
+                    th { "aggregate type" } th.num { "waiting" } th { "oldest waiting" }
+                    th.num { "dead letters" } th.num { "given up" } th.num { "aggregates blocked" }
+                } }
+                tbody {
+                    @for s in &stats {
+                        tr {
+                            td { (s.aggregate_type) }
+                            td.num { (s.unpublished) }
+                            td { @if let Some(t) = s.oldest_unpublished { (view::relative(t, now)) } @else { "–" } }
+                            td.num {
+                                @if s.dead_letters > 0 {
+                                    a href=(format!("/dead?{}", query(&[("aggregate_type", &s.aggregate_type)]))) { (s.dead_letters) }
+                                } @else { "0" }
+                            }
+                            td.num { (s.given_up) }
+                            td.num { (s.blocked_aggregates) }
+                        }
+                    }
+                }
+            }
+        }
+        h2 { "Published, last " (view::duration(f64::from(THROUGHPUT.buckets) * THROUGHPUT.bucket_seconds)) }
+        p.muted { (published) " events published (counted by published_at, per " (THROUGHPUT.bucket_seconds) " s)" }
+        (crate::chart::throughput(&throughput, THROUGHPUT.bucket_seconds))
+        h2 { "Dead letters per aggregate type and error" }
+        @if dead.is_empty() {
+            p.muted { "No dead letters waiting for a decision." }
+        } @else {
+            table #dead-by-error {
+                thead { tr { th { "aggregate type" } th { "last error" } th.num { "dead letters" } } }
+                tbody {
+                    @for d in &dead {
+                        tr {
+                            td { (d.aggregate_type) }
+                            td.error { (d.last_error) }
+                            td.num {
+                                a href=(format!("/dead?{}", query(&[("aggregate_type", &d.aggregate_type), ("error", &d.last_error)]))) { (d.count) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        h2 { "Relays" }
+        table #relays {
+            thead { tr {
+                th { "name" } th { "relay id" } th { "started" } th { "heartbeat" }
+                th.num { "partitions held" } th { "which" } th.num { "backlog" }
+            } }
+            tbody {
+                @for r in &relays {
+                    tr {
+                        td { (r.name) }
+                        td.mono { (r.relay_id) }
+                        td { (view::relative(r.started_at, now)) }
+                        td {
+                            (view::duration(r.silent_for_seconds)) " ago"
+                            @if r.silent_for_seconds > SILENT_SECONDS { " " span.error { "(silent)" } }
+                        }
+                        td.num { (r.partitions.len()) }
+                        td.mono { (view::ranges(&r.partitions)) }
+                        td.num { (backlog_of(&r.partitions)) }
+                    }
+                }
+                @if !unowned.is_empty() {
+                    tr {
+                        td.error { "(no live relay)" } td {} td {} td {}
+                        td.num { (unowned.len()) }
+                        td.mono { (view::ranges(&unowned)) }
+                        td.num { (backlog_of(&unowned)) }
+                    }
+                }
+            }
+        }
+        p.muted { (partitions.len()) " partitions. Reload the page to refresh." }
+    };
+    Ok(view::layout("Overview", &access, &state.outbox.display_name(), body).into_response())
+}
+
+/// A query string, percent-encoded.
+pub(crate) fn query(pairs: &[(&str, &str)]) -> String {
+    url::form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(pairs)
+        .finish()
+}

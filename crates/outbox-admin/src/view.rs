@@ -1,0 +1,203 @@
+//! The page frame (navigation, who is signed in, the sign-out form), the
+//! stylesheet, pages that only say something, and how instants and
+//! durations read. Every value goes through maud's `( )`, which escapes it.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use maud::{DOCTYPE, Markup, html};
+
+use crate::auth::Access;
+
+/// The only asset, compiled in: the CSP allows styles from the console
+/// itself and nothing from the network.
+const CSS: &str = include_str!("../assets/admin.css");
+
+/// `GET /admin.css`.
+pub(crate) async fn stylesheet() -> Response {
+    let mut response = CSS.into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/css; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("max-age=3600"));
+    response
+}
+
+/// A page without navigation (the sign-in form).
+pub(crate) fn bare(title: &str, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox admin" }
+                link rel="stylesheet" href="/admin.css";
+            }
+            body { main { (body) } }
+        }
+    }
+}
+
+/// A page of the console: navigation, the table it shows, who is signed in.
+pub(crate) fn layout(title: &str, access: &Access, table: &str, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · outbox admin" }
+                link rel="stylesheet" href="/admin.css";
+            }
+            body {
+                header {
+                    nav {
+                        a.brand href="/" { "outbox admin" }
+                        span.table { (table) }
+                        a href="/" { "Overview" }
+                        a href="/dead" { "Dead letters" }
+                        form.lookup method="get" action="/event" {
+                            input type="search" name="id" placeholder="event id or row id" aria-label="event id or row id";
+                            button type="submit" { "Story" }
+                        }
+                    }
+                    div.who {
+                        @match access {
+                            Access::ReadOnly => span.badge.readonly { "read-only: no --admin-token" },
+                            Access::Bearer => span.badge { "bearer token" },
+                            Access::Session { csrf, .. } => {
+                                span.badge { "signed in" }
+                                form.inline method="post" action="/logout" {
+                                    input type="hidden" name="csrf" value=(csrf);
+                                    button.link type="submit" { "Sign out" }
+                                }
+                            },
+                        }
+                    }
+                }
+                main { h1 { (title) } (body) }
+            }
+        }
+    }
+}
+
+/// A page with one message, e.g. a refusal.
+pub(crate) fn message_page(
+    status: StatusCode,
+    title: &str,
+    access: &Access,
+    table: &str,
+    message: &str,
+) -> Response {
+    let body = html! { p.message #message { (message) } p { a href="/" { "Back to the overview" } } };
+    (status, layout(title, access, table, body)).into_response()
+}
+
+/// A failed page: the error chain (escaped) and a 500, also logged.
+pub(crate) struct Failure(pub(crate) String, pub(crate) tokio_postgres::Error);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let chain = error_chain(&self.1);
+        tracing::error!(error = %chain, "admin: {}", self.0);
+        let body = html! {
+            h1 { "Something failed" }
+            p.error { (self.0) ": " (chain) }
+            p { a href="/" { "Back to the overview" } }
+        };
+        (StatusCode::INTERNAL_SERVER_ERROR, bare("Error", body)).into_response()
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// `2024-05-01 12:00:03 UTC`.
+pub(crate) fn instant(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+/// `3m 12s`, whole seconds; `0s` for anything under one.
+pub(crate) fn duration(seconds: f64) -> String {
+    // Negative only when clocks disagree; whole seconds read better.
+    let whole = seconds.max(0.0).round() as u64;
+    humantime::format_duration(std::time::Duration::from_secs(whole)).to_string()
+}
+
+/// `3m 12s ago` / `in 5s` relative to `now`.
+pub(crate) fn relative(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    let seconds = (now - t).num_milliseconds() as f64 / 1000.0;
+    if seconds >= 0.0 {
+        format!("{} ago", duration(seconds))
+    } else {
+        format!("in {}", duration(-seconds))
+    }
+}
+
+/// An instant with its age, e.g. `2024-05-01 12:00:03 UTC (3m 12s ago)`.
+pub(crate) fn when(t: DateTime<Utc>, now: DateTime<Utc>) -> Markup {
+    html! { time datetime=(t.to_rfc3339()) { (instant(t)) } " (" (relative(t, now)) ")" }
+}
+
+/// `0-15,32,40-41`: sorted partitions as ranges.
+pub(crate) fn ranges(partitions: &[i32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < partitions.len() {
+        let start = partitions[i];
+        let mut end = start;
+        while i + 1 < partitions.len() && partitions[i + 1] == end + 1 {
+            i += 1;
+            end = partitions[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    out.join(",")
+}
+
+/// A JSON value indented, for a `<pre>`.
+pub(crate) fn json(value: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_ranges_read() {
+        assert_eq!(duration(192.4), "3m 12s");
+        assert_eq!(duration(-1.0), "0s");
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+    }
+
+    #[test]
+    fn markup_in_values_is_escaped() {
+        let page = layout(
+            "<script>alert(1)</script>",
+            &Access::ReadOnly,
+            "\"><img src=x onerror=alert(1)>",
+            html! {},
+        )
+        .into_string();
+        assert!(!page.contains("<script>alert"), "{page}");
+        assert!(!page.contains("<img src=x"), "{page}");
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
+    }
+}
