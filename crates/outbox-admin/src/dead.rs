@@ -400,14 +400,8 @@ pub(crate) async fn requeue(
         .requeue_dead(&*client, &selection.filter())
         .await
         .map_err(|e| Failure("requeueing dead letters".into(), e))?;
-    if n > 0 {
-        // Requeued rows produce no INSERT, so wake the relays explicitly.
-        state
-            .sql
-            .notify(&*client, state.outbox.channel.as_str())
-            .await
-            .map_err(|e| Failure("notifying relays".into(), e))?;
-    }
+    // Requeued rows produce no INSERT, so wake the relays explicitly.
+    wake_relays(&state, &*client, n).await?;
     tracing::info!(
         action = "requeue",
         requeued = n,
@@ -420,6 +414,19 @@ pub(crate) async fn requeue(
         &access,
         &format!("Requeued {n} dead letters ({}).", selection.describe()),
     ))
+}
+
+/// After an action that changed `n` rows, NOTIFY the relays as the insert
+/// trigger would.
+async fn wake_relays(state: &crate::State, client: &tokio_postgres::Client, n: u64) -> Result<(), Failure> {
+    if n > 0 {
+        state
+            .sql
+            .notify(client, state.outbox.channel.as_str())
+            .await
+            .map_err(|e| Failure("notifying relays".into(), e))?;
+    }
+    Ok(())
 }
 
 /// `POST /dead/give-up`.
@@ -446,14 +453,8 @@ pub(crate) async fn give_up(
         .give_up(&*client, &selection.ids)
         .await
         .map_err(|e| Failure("giving up on dead letters".into(), e))?;
-    if n > 0 {
-        // The aggregates' later events may be claimable now.
-        state
-            .sql
-            .notify(&*client, state.outbox.channel.as_str())
-            .await
-            .map_err(|e| Failure("notifying relays".into(), e))?;
-    }
+    // The aggregates' later events may be claimable now.
+    wake_relays(&state, &*client, n).await?;
     tracing::info!(
         action = "give-up",
         given_up = n,

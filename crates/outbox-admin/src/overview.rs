@@ -141,7 +141,7 @@ pub(crate) async fn page(
                             @if r.silent_for_seconds > SILENT_SECONDS { " " span.error { "(silent)" } }
                         }
                         td.num { (r.partitions.len()) }
-                        td.mono { (view::ranges(&r.partitions)) }
+                        td.mono { (outbox::sql::partition_ranges(&r.partitions)) }
                         td.num { (backlog_of(&r.partitions)) }
                     }
                 }
@@ -149,7 +149,7 @@ pub(crate) async fn page(
                     tr {
                         td.error { "(no live relay)" } td {} td {} td {}
                         td.num { (unowned.len()) }
-                        td.mono { (view::ranges(&unowned)) }
+                        td.mono { (outbox::sql::partition_ranges(&unowned)) }
                         td.num { (backlog_of(&unowned)) }
                     }
                 }

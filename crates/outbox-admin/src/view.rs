@@ -150,27 +150,6 @@ pub(crate) fn when(t: DateTime<Utc>, now: DateTime<Utc>) -> Markup {
     html! { time datetime=(t.to_rfc3339()) { (instant(t)) } " (" (relative(t, now)) ")" }
 }
 
-/// `0-15,32,40-41`: sorted partitions as ranges.
-pub(crate) fn ranges(partitions: &[i32]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < partitions.len() {
-        let start = partitions[i];
-        let mut end = start;
-        while i + 1 < partitions.len() && partitions[i + 1] == end + 1 {
-            i += 1;
-            end = partitions[i];
-        }
-        out.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
-        i += 1;
-    }
-    out.join(",")
-}
-
 /// A JSON value indented, for a `<pre>`.
 pub(crate) fn json(value: &serde_json::Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
@@ -184,7 +163,6 @@ mod tests {
     fn durations_and_ranges_read() {
         assert_eq!(duration(192.4), "3m 12s");
         assert_eq!(duration(-1.0), "0s");
-        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
     }
 
     #[test]

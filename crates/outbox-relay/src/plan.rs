@@ -100,14 +100,23 @@ pub(crate) struct Screen {
 }
 
 /// Screens a batch: later rows of aggregates `blocked` holds back, and rows
-/// whose payload is over `max_event_bytes`, never reach the sink.
-pub(crate) fn screen(rows: &[OutboxRow], blocked: &Blocked, max_event_bytes: u64) -> Screen {
+/// whose payload could not be read (`unreadable`, by index) or is over
+/// `max_event_bytes`, never reach the sink.
+pub(crate) fn screen(
+    rows: &[OutboxRow],
+    unreadable: &[(usize, String)],
+    blocked: &Blocked,
+    max_event_bytes: u64,
+) -> Screen {
     let stopped = rows
         .iter()
         .enumerate()
         .filter_map(|(i, row)| {
             if holds(blocked, row).is_some() {
                 return Some((i, Outcome::HeldBack));
+            }
+            if let Some((_, why)) = unreadable.iter().find(|(u, _)| *u == i) {
+                return Some((i, Outcome::Unreadable(why.clone())));
             }
             let bytes = outbox::payload_bytes(&row.payload);
             (bytes > max_event_bytes).then_some((
@@ -174,6 +183,9 @@ pub(crate) enum Outcome {
         /// The limit it is over.
         limit: u64,
     },
+    /// PostgreSQL holds a payload the relay cannot read (why): not sent,
+    /// and it never will be, so it is a dead letter at once.
+    Unreadable(String),
 }
 
 /// When a row whose sink was unavailable comes due again: the breaker's
@@ -234,6 +246,10 @@ pub(crate) fn plan(
                     "permanent: {sink}: event too large: its payload is {bytes} bytes, over the limit of {limit} \
                      (--max-event-bytes, or the sink's max payload); it was not sent"
                 );
+                (message, row.attempts.saturating_add(1), Duration::ZERO, true)
+            }
+            Outcome::Unreadable(why) => {
+                let message = format!("permanent: the payload cannot be read: {why}; it was not sent");
                 (message, row.attempts.saturating_add(1), Duration::ZERO, true)
             }
             // The sink, not the event, failed: no attempt is spent. The row
@@ -346,7 +362,7 @@ mod tests {
         );
         assert_eq!(plan.published, 1);
         let next = [row(3, "a"), row(4, "b")];
-        let screened = screen(&next, &plan.blocked, NO_LIMIT);
+        let screened = screen(&next, &[], &plan.blocked, NO_LIMIT);
         let sendable = screened.sendable(&next).expect("a is held back");
         assert_eq!(sendable.iter().map(|r| r.id).collect::<Vec<_>>(), [4]);
         let answers = screened.merge(next.len(), vec![Ok(())]);
@@ -367,7 +383,7 @@ mod tests {
         );
         assert_eq!(held.blocked[&("orders".to_owned(), "a".to_owned())].from_id, 6);
         let again = [row(5, "a")];
-        let screened = screen(&again, &held.blocked, NO_LIMIT);
+        let screened = screen(&again, &[], &held.blocked, NO_LIMIT);
         assert!(screened.sendable(&again).is_none(), "row 5 is sent");
         assert_eq!(
             screened.merge(again.len(), vec![Ok(())]),
@@ -398,7 +414,7 @@ mod tests {
         let bytes = outbox::payload_bytes(&big.payload);
         assert_eq!(bytes, big.payload.to_string().len() as u64);
         let rows = [row(1, "a"), big, row(3, "c")];
-        let screened = screen(&rows, &Blocked::new(), bytes - 1);
+        let screened = screen(&rows, &[], &Blocked::new(), bytes - 1);
         let sendable = screened.sendable(&rows).expect("the big one is kept back");
         assert_eq!(sendable.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 3]);
         let outcomes = screened.merge(rows.len(), vec![Ok(()), Ok(())]);
@@ -431,7 +447,9 @@ mod tests {
             plan.failures.errors[0]
         );
         assert!(
-            screen(&rows, &Blocked::new(), bytes).sendable(&rows).is_none(),
+            screen(&rows, &[], &Blocked::new(), bytes)
+                .sendable(&rows)
+                .is_none(),
             "at the limit: sent"
         );
     }

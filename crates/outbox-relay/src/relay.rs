@@ -246,7 +246,7 @@ impl Relay {
         // 2. Deliver what no earlier failure holds back and is not too
         //    large. Meanwhile the source commits the previous batch and
         //    claims the next.
-        let screened = plan::screen(&batch.rows, blocked, self.max_event_bytes());
+        let screened = plan::screen(&batch.rows, &batch.unreadable, blocked, self.max_event_bytes());
         let sendable = screened.sendable(&batch.rows);
         let to_send = sendable.as_deref().unwrap_or(&batch.rows);
         let (mut sent, overlapped) =

@@ -94,7 +94,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
             r.silent_for_seconds,
             r.partitions.len(),
             r.backlog,
-            ranges(&r.partitions)
+            outbox::sql::partition_ranges(&r.partitions)
         );
     }
     if !report.unowned.is_empty() {
@@ -111,41 +111,8 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
             "",
             report.unowned.len(),
             backlog,
-            ranges(&report.unowned)
+            outbox::sql::partition_ranges(&report.unowned)
         );
     }
     Ok(())
-}
-
-/// `0-15,32,40-41`: sorted partitions as ranges, to fit a line.
-fn ranges(partitions: &[i32]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < partitions.len() {
-        let start = partitions[i];
-        let mut end = start;
-        while i + 1 < partitions.len() && partitions[i + 1] == end + 1 {
-            i += 1;
-            end = partitions[i];
-        }
-        out.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
-        i += 1;
-    }
-    out.join(",")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ranges;
-
-    #[test]
-    fn ranges_fold_runs() {
-        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
-        assert_eq!(ranges(&[]), "");
-        assert_eq!(ranges(&[3]), "3");
-    }
 }

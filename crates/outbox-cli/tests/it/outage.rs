@@ -146,3 +146,45 @@ async fn an_event_that_breaks_the_connection_every_time_becomes_a_dead_letter() 
         .collect();
     assert_eq!(ids.len(), 2, "the neighbours, once each: {ids:?}");
 }
+
+/// A payload PostgreSQL accepts but the relay cannot read (a number beyond
+/// f64: jsonb keeps it exactly, serde_json cannot) is a dead letter that
+/// names the cause, and never stops the relay: its neighbours are
+/// delivered.
+#[tokio::test]
+async fn an_event_the_relay_cannot_read_is_a_dead_letter_and_its_neighbours_are_delivered() {
+    let db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+               ('orders', '1', 'OrderPlaced', '{\"n\": 1}'),
+               ('orders', '2', 'OrderPlaced', '{\"n\": 1e400}'),
+               ('orders', '3', 'OrderPlaced', '{\"n\": 3}');",
+        )
+        .await
+        .unwrap();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let drain = run_cli(&["relay", "--sink", &redis.url(), "--drain"], &env).await;
+    let stderr = text(&drain.stderr);
+    assert_eq!(drain.status.code(), Some(1), "a dead letter made: {stderr}");
+    assert!(stderr.contains("the drain made 1 dead letter(s)"), "{stderr}");
+
+    let stream = read_stream(&redis.url(), "outbox.event.orders").await;
+    let ids: Vec<&str> = stream.iter().map(|e| e.aggregate_id.as_str()).collect();
+    assert_eq!(ids, ["1", "3"], "the neighbours delivered");
+    let row = db
+        .client
+        .query_one(
+            "SELECT attempts, last_error, dead_at IS NOT NULL FROM outbox WHERE aggregate_id = '2'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (attempts, error, dead): (i32, String, bool) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!((attempts, dead), (1, true));
+    assert!(
+        error.starts_with("permanent: the payload cannot be read"),
+        "{error}"
+    );
+}

@@ -31,6 +31,8 @@ pub(crate) mod poll;
 pub(crate) struct Batch {
     /// The rows, in delivery (id) order.
     pub(crate) rows: Vec<OutboxRow>,
+    /// Rows whose payload cannot be read (index, why): dead letters unsent.
+    pub(crate) unreadable: Vec<(usize, String)>,
     /// The claim filled the batch: more rows are probably due, so the next
     /// batch is claimed while this one is at the sink.
     pub(crate) full: bool,
@@ -38,15 +40,6 @@ pub(crate) struct Batch {
     /// outcomes were committed: rows of aggregates that batch blocked must
     /// be held back.
     pub(crate) overlapped: bool,
-}
-
-impl From<outbox::sql::ClaimError> for SourceError {
-    fn from(e: outbox::sql::ClaimError) -> Self {
-        match e {
-            outbox::sql::ClaimError::Postgres(e) => Self::Postgres(e),
-            other => Self::Claim(other),
-        }
-    }
 }
 
 /// What [`Source::claim`] found.
@@ -69,9 +62,6 @@ pub(crate) enum SourceError {
     /// A statement failed.
     #[error(transparent)]
     Postgres(#[from] tokio_postgres::Error),
-    /// A claimed row could not be decoded.
-    #[error(transparent)]
-    Claim(outbox::sql::ClaimError),
     /// The connection went away while waiting.
     #[error("the postgres connection was lost")]
     ConnectionLost,

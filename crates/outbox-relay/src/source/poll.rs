@@ -506,7 +506,11 @@ impl PollSource {
 
     /// Hands a claimed batch to the relay.
     fn hand_out(&mut self, conn: usize, claimed: ClaimedRows, epoch: u64, overlapped: bool) -> Claim {
-        let ClaimedRows { rows, cut } = claimed;
+        let ClaimedRows {
+            rows,
+            unreadable,
+            cut,
+        } = claimed;
         // A cut batch is not `full`: nothing is claimed while it is at the
         // sink (its connection holds locks on rows past the cut), but the
         // next claim follows its commit at once.
@@ -520,6 +524,7 @@ impl PollSource {
         });
         Claim::Batch(Batch {
             rows,
+            unreadable,
             full,
             overlapped,
         })

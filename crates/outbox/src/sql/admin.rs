@@ -174,6 +174,34 @@ pub struct EventStory {
     pub owner_silent_for: Option<f64>,
 }
 
+/// Sorted partitions as ranges, `0-15,32,40-41`: how `outbox relays` and
+/// the console print the partitions of a [`RelayRow`] or those no relay
+/// holds.
+///
+/// ```
+/// assert_eq!(outbox::sql::partition_ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+/// assert_eq!(outbox::sql::partition_ranges(&[]), "");
+/// ```
+pub fn partition_ranges(partitions: &[i32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < partitions.len() {
+        let start = partitions[i];
+        let mut end = start;
+        while i + 1 < partitions.len() && partitions[i + 1] == end + 1 {
+            i += 1;
+            end = partitions[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    out.join(",")
+}
+
 /// A live relay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RelayRow {

@@ -17,12 +17,12 @@ mod relay;
 #[cfg(feature = "tokio-postgres")]
 pub use admin::{
     DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
-    Throughput, TypeStats,
+    Throughput, TypeStats, partition_ranges,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
-    ClaimError, ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict,
-    TickParams, TickRow, TickStatement, backend_identity, setup_batch_session,
+    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams,
+    TickRow, TickStatement, backend_identity, setup_batch_session,
 };
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.

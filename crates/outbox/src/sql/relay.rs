@@ -253,30 +253,15 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (Shape, Vec<Param<'a>>) {
     (shape, params)
 }
 
-/// Why a claim failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ClaimError {
-    /// A statement failed.
-    #[error(transparent)]
-    Postgres(#[from] Error),
-    /// A large payload, read in pieces, is JSON that serde_json cannot
-    /// hold (a number beyond f64, say); the same payload read whole fails
-    /// as a [`ClaimError::Postgres`] decoding error.
-    #[error("reading the payload of row {id}")]
-    Payload {
-        /// The row.
-        id: i64,
-        /// What serde_json said.
-        source: serde_json::Error,
-    },
-}
-
 /// What a claim returned.
 #[derive(Debug, Default)]
 pub struct ClaimedRows {
     /// The rows, in id order.
     pub rows: Vec<OutboxRow>,
+    /// Rows whose payload the relay cannot read (PostgreSQL accepted a
+    /// number serde_json cannot hold, say): their index in `rows`, where
+    /// the payload is `null`, and why. The relay dead-letters them unsent.
+    pub unreadable: Vec<(usize, String)>,
     /// The byte bound cut the batch short: more rows were locked than
     /// returned, and stay locked until the transaction ends, so nothing
     /// else may be claimed before it does (see the claim's `CUT`).
@@ -286,29 +271,51 @@ pub struct ClaimedRows {
 impl RelayStatements {
     /// Claims a batch in the open transaction and marks it published
     /// (a promise the commit keeps). Rows come back in id order.
-    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, ClaimError> {
+    pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, Error> {
         let (shape, params) = claim_params(p);
         let statement = &self.claims[shape as usize];
         // Decoded as they arrive, each raw row dropped once decoded: a batch
         // of large payloads is held about once, not twice.
         let stream = client.query_raw(statement, params).await?;
         futures::pin_mut!(stream);
-        let (mut rows, mut large, mut locked) = (Vec::new(), Vec::new(), 0_i64);
+        let (mut rows, mut large, mut unreadable, mut locked) = (Vec::new(), Vec::new(), Vec::new(), 0_i64);
         while let Some(row) = stream.try_next().await? {
             locked = row.try_get("locked_rows")?;
-            let payload: Option<serde_json::Value> = row.try_get("payload")?;
-            if payload.is_none() {
-                large.push((rows.len(), row.try_get::<_, i32>("bytes")?));
+            let mut decoded = decode(&row, serde_json::Value::Null)?;
+            // One row's payload that cannot be read must not fail the
+            // claim: the same row would fail every claim after it.
+            match row.try_get::<_, Option<serde_json::Value>>("payload") {
+                Ok(Some(payload)) => decoded.payload = payload,
+                Ok(None) => large.push((decoded.id, row.try_get::<_, i32>("bytes")?)),
+                Err(e) => {
+                    let why =
+                        std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
+                    unreadable.push((decoded.id, why));
+                }
             }
-            rows.push(decode(&row, payload.unwrap_or_default())?);
-        }
-        for (i, bytes) in large {
-            rows[i].payload = self.fetch_payload(client, rows[i].id, bytes).await?;
+            rows.push(decoded);
         }
         // `RETURNING` order is unspecified.
         rows.sort_unstable_by_key(|r| r.id);
+        let at = |rows: &[OutboxRow], id: i64| rows.binary_search_by_key(&id, |r| r.id).ok();
+        for (id, bytes) in large {
+            let Some(i) = at(&rows, id) else { continue };
+            match self.fetch_payload(client, id, bytes).await? {
+                Ok(payload) => rows[i].payload = payload,
+                Err(e) => unreadable.push((id, e.to_string())),
+            }
+        }
+        let mut unreadable: Vec<(usize, String)> = unreadable
+            .into_iter()
+            .filter_map(|(id, why)| at(&rows, id).map(|i| (i, why)))
+            .collect();
+        unreadable.sort_unstable_by_key(|(i, _)| *i);
         let cut = usize::try_from(locked).is_ok_and(|l| l > rows.len());
-        Ok(ClaimedRows { rows, cut })
+        Ok(ClaimedRows {
+            rows,
+            unreadable,
+            cut,
+        })
     }
 
     /// A payload the claim left out for its size (`LARGE_PAYLOAD`), read in
@@ -318,7 +325,7 @@ impl RelayStatements {
         client: &Client,
         id: i64,
         bytes: i32,
-    ) -> Result<serde_json::Value, ClaimError> {
+    ) -> Result<Result<serde_json::Value, serde_json::Error>, Error> {
         let piece = i32::try_from(super::LARGE_PAYLOAD).unwrap_or(i32::MAX);
         let params: [Param<'_>; 2] = [&id, &piece];
         let stream = client.query_raw(&self.fetch_payload, params).await?;
@@ -327,7 +334,7 @@ impl RelayStatements {
         while let Some(row) = stream.try_next().await? {
             text.extend_from_slice(row.try_get(0)?);
         }
-        serde_json::from_slice(&text).map_err(|source| ClaimError::Payload { id, source })
+        Ok(serde_json::from_slice(&text))
     }
 
     /// Turns failed rows of the claim back into unpublished ones with their
