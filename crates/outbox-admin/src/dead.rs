@@ -401,7 +401,7 @@ pub(crate) async fn requeue(
         .await
         .map_err(|e| Failure("requeueing dead letters".into(), e))?;
     // Requeued rows produce no INSERT, so wake the relays explicitly.
-    wake_relays(&state, &*client, n).await?;
+    wake_relays(&state, &client, n).await?;
     tracing::info!(
         action = "requeue",
         requeued = n,
@@ -454,7 +454,7 @@ pub(crate) async fn give_up(
         .await
         .map_err(|e| Failure("giving up on dead letters".into(), e))?;
     // The aggregates' later events may be claimable now.
-    wake_relays(&state, &*client, n).await?;
+    wake_relays(&state, &client, n).await?;
     tracing::info!(
         action = "give-up",
         given_up = n,
