@@ -93,6 +93,14 @@ const CLAIM_BATCH: &str = "WITH locked AS ( \
 /// a backlog of large compressible events costs one decompression per
 /// claimed row, not one per locked row.
 ///
+/// `CUT` for a claim of one row, which is never cut: no bound, no
+/// `$budget` parameter. The size still tells a large payload apart.
+const ONE_ROW: &str = "claimed AS ( \
+        SELECT id, created_at, 0::int8 AS locked_rows, \
+               CASE WHEN pg_column_compression(payload) IS NULL THEN stored \
+                    ELSE octet_length(payload::text) END AS bytes \
+          FROM locked)";
+
 /// Most claims fit whole: their uncompressed payloads' stored sizes add up
 /// to less than the bound. `fits` finds that in one pass (no sort), and
 /// then the windows are not run at all (the second branch's filter is a
@@ -390,10 +398,11 @@ const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (
 pub struct OutboxSql {
     pub(crate) insert_event: String,
     pub(crate) insert_events: String,
-    pub(crate) claim_batch: String,
-    pub(crate) claim_batch_leased: String,
-    pub(crate) claim_batch_few_leased: String,
-    pub(crate) claim_batch_strict_leased: String,
+    /// Each claim bounded by bytes, and for one row (`ONE_ROW`).
+    pub(crate) claim_batch: [String; 2],
+    pub(crate) claim_batch_leased: [String; 2],
+    pub(crate) claim_batch_few_leased: [String; 2],
+    pub(crate) claim_batch_strict_leased: [String; 2],
     pub(crate) relay_tick: String,
     pub(crate) relay_leave: String,
     pub(crate) relays: String,
@@ -445,15 +454,21 @@ impl OutboxSql {
                 .replace("{large}", &LARGE_PAYLOAD.to_string())
                 .replace("{t}", &t)
         };
+        let claims = |template: &str, budget: &str| {
+            [
+                render(template).replace("{budget}", budget),
+                render(&template.replace("{cut}", ONE_ROW)),
+            ]
+        };
         Self {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
             // The byte bound is the claim's last parameter, whose number
             // depends on how many the shape has.
-            claim_batch: render(CLAIM_BATCH).replace("{budget}", "$2::int8"),
-            claim_batch_leased: render(CLAIM_BATCH_LEASED).replace("{budget}", "$5::int8"),
-            claim_batch_few_leased: render(CLAIM_BATCH_FEW_LEASED).replace("{budget}", "$5::int8"),
-            claim_batch_strict_leased: render(CLAIM_BATCH_STRICT_LEASED).replace("{budget}", "$7::int8"),
+            claim_batch: claims(CLAIM_BATCH, "$2::int8"),
+            claim_batch_leased: claims(CLAIM_BATCH_LEASED, "$5::int8"),
+            claim_batch_few_leased: claims(CLAIM_BATCH_FEW_LEASED, "$5::int8"),
+            claim_batch_strict_leased: claims(CLAIM_BATCH_STRICT_LEASED, "$7::int8"),
             relay_tick: render(RELAY_TICK),
             relay_leave: render(RELAY_LEAVE),
             relays: render(RELAYS),
@@ -504,11 +519,13 @@ mod tests {
     #[test]
     fn renders_quoted_names_and_no_placeholders() {
         let sql = OutboxSql::new(&Config::new("app", "events").unwrap());
-        for s in [
+        let claims = [
             &sql.claim_batch,
             &sql.claim_batch_leased,
             &sql.claim_batch_few_leased,
             &sql.claim_batch_strict_leased,
+        ];
+        for s in claims.into_iter().flatten().chain([
             &sql.requeue_dead,
             &sql.count_dead,
             &sql.insert_events,
@@ -517,12 +534,12 @@ mod tests {
             &sql.dead_by_error,
             &sql.throughput,
             &sql.event_story,
-        ] {
+        ]) {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             // `'{}'` is an empty array literal, not a placeholder.
             assert!(!s.replace("'{}'", "").contains('{'), "{s}");
         }
-        assert!(sql.claim_batch_leased.contains("\"app\".\"events_leases\""));
+        assert!(sql.claim_batch_leased[1].contains("\"app\".\"events_leases\""));
         assert!(sql.relay_tick.contains("\"app\".\"events_relay_tick\"("));
     }
 }

@@ -266,4 +266,13 @@ async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
     a.batch_execute("ROLLBACK").await.unwrap();
     let got: Vec<&serde_json::Value> = claimed.rows.iter().map(|r| &r.payload).collect();
     assert_eq!(got, payloads.iter().collect::<Vec<_>>());
+    // Claims of one row have a statement of their own (no byte bound).
+    let one = ClaimParams { limit: 1, ..p };
+    for expected in &payloads {
+        a.batch_execute("BEGIN").await.unwrap();
+        let claimed = sa.claim(&a, &one).await.unwrap();
+        a.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(claimed.rows.len(), 1);
+        assert_eq!(&claimed.rows[0].payload, expected);
+    }
 }
