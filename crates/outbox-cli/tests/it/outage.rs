@@ -81,15 +81,7 @@ async fn an_event_over_max_event_bytes_is_a_dead_letter_and_its_neighbours_are_d
         ["1", "3"],
         "the neighbours delivered, the big one never sent"
     );
-    let row = db
-        .client
-        .query_one(
-            "SELECT attempts, last_error, dead_at IS NOT NULL FROM outbox WHERE aggregate_id = '2'",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (attempts, error, dead): (i32, String, bool) = (row.get(0), row.get(1), row.get(2));
+    let (attempts, error, dead) = dead_letter_of(&db, "2").await;
     assert_eq!((attempts, dead), (1, true));
     assert!(
         error.starts_with(
@@ -173,18 +165,23 @@ async fn an_event_the_relay_cannot_read_is_a_dead_letter_and_its_neighbours_are_
     let stream = read_stream(&redis.url(), "outbox.event.orders").await;
     let ids: Vec<&str> = stream.iter().map(|e| e.aggregate_id.as_str()).collect();
     assert_eq!(ids, ["1", "3"], "the neighbours delivered");
-    let row = db
-        .client
-        .query_one(
-            "SELECT attempts, last_error, dead_at IS NOT NULL FROM outbox WHERE aggregate_id = '2'",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (attempts, error, dead): (i32, String, bool) = (row.get(0), row.get(1), row.get(2));
+    let (attempts, error, dead) = dead_letter_of(&db, "2").await;
     assert_eq!((attempts, dead), (1, true));
     assert!(
         error.starts_with("permanent: the payload cannot be read"),
         "{error}"
     );
+}
+
+/// Attempts, last error and whether it is dead, of aggregate `id`'s event.
+async fn dead_letter_of(db: &Db, id: &str) -> (i32, String, bool) {
+    let row = db
+        .client
+        .query_one(
+            "SELECT attempts, last_error, dead_at IS NOT NULL FROM outbox WHERE aggregate_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1), row.get(2))
 }
