@@ -93,14 +93,6 @@ const CLAIM_BATCH: &str = "WITH locked AS ( \
 /// a backlog of large compressible events costs one decompression per
 /// claimed row, not one per locked row.
 ///
-/// `CUT` for a claim of one row, which is never cut: no bound, no
-/// `$budget` parameter. The size still tells a large payload apart.
-const ONE_ROW: &str = "claimed AS ( \
-        SELECT id, created_at, 0::int8 AS locked_rows, \
-               CASE WHEN pg_column_compression(payload) IS NULL THEN stored \
-                    ELSE octet_length(payload::text) END AS bytes \
-          FROM locked)";
-
 /// Most claims fit whole: their uncompressed payloads' stored sizes add up
 /// to less than the bound. `fits` finds that in one pass (no sort), and
 /// then the windows are not run at all (the second branch's filter is a
@@ -127,6 +119,14 @@ const CUT: &str = "fits AS ( \
                             ELSE octet_length(payload::text) END AS bytes \
                   FROM locked) AS sized) AS w \
          WHERE NOT (SELECT whole FROM fits) AND (upto <= {budget} OR upto = bytes))";
+
+/// `CUT` for a claim of one row, which is never cut: no bound, no
+/// `$budget` parameter. The size still tells a large payload apart.
+const ONE_ROW: &str = "claimed AS ( \
+        SELECT id, created_at, 0::int8 AS locked_rows, \
+               CASE WHEN pg_column_compression(payload) IS NULL THEN stored \
+                    ELSE octet_length(payload::text) END AS bytes \
+          FROM locked)";
 
 /// The logical partition of a row (`$4` partitions): a stable hash of its
 /// aggregate_id, the same expression the tick function uses.
