@@ -183,7 +183,8 @@ pub(crate) enum Outcome {
         /// The limit it is over.
         limit: u64,
     },
-    /// PostgreSQL holds a payload the relay cannot read (why): not sent,
+    /// PostgreSQL holds a payload or headers the relay cannot read (why,
+    /// naming the column): not sent,
     /// and it never will be, so it is a dead letter at once.
     Unreadable(String),
 }
@@ -249,7 +250,7 @@ pub(crate) fn plan(
                 (message, row.attempts.saturating_add(1), Duration::ZERO, true)
             }
             Outcome::Unreadable(why) => {
-                let message = format!("permanent: the payload cannot be read: {why}; it was not sent");
+                let message = format!("permanent: the event cannot be read: {why}; it was not sent");
                 (message, row.attempts.saturating_add(1), Duration::ZERO, true)
             }
             // The sink, not the event, failed: no attempt is spent. The row

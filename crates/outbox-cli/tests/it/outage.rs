@@ -139,10 +139,10 @@ async fn an_event_that_breaks_the_connection_every_time_becomes_a_dead_letter() 
     assert_eq!(ids.len(), 2, "the neighbours, once each: {ids:?}");
 }
 
-/// A payload PostgreSQL accepts but the relay cannot read (a number beyond
-/// f64: jsonb keeps it exactly, serde_json cannot) is a dead letter that
-/// names the cause, and never stops the relay: its neighbours are
-/// delivered.
+/// A payload or headers PostgreSQL accepts but the relay cannot read (a
+/// number beyond f64: jsonb keeps it exactly, serde_json cannot) make a
+/// dead letter that names the cause, and never stop the relay: the
+/// neighbours are delivered.
 #[tokio::test]
 async fn an_event_the_relay_cannot_read_is_a_dead_letter_and_its_neighbours_are_delivered() {
     let db = Db::start().await;
@@ -152,7 +152,10 @@ async fn an_event_the_relay_cannot_read_is_a_dead_letter_and_its_neighbours_are_
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
                ('orders', '1', 'OrderPlaced', '{\"n\": 1}'),
                ('orders', '2', 'OrderPlaced', '{\"n\": 1e400}'),
-               ('orders', '3', 'OrderPlaced', '{\"n\": 3}');",
+               ('orders', '3', 'OrderPlaced', '{\"n\": 3}');
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers) VALUES
+               ('orders', '4', 'OrderPlaced', '{\"n\": 4}', '{\"x\": 1e400}'),
+               ('orders', '5', 'OrderPlaced', '{\"n\": 5}', '{}');",
         )
         .await
         .unwrap();
@@ -160,15 +163,21 @@ async fn an_event_the_relay_cannot_read_is_a_dead_letter_and_its_neighbours_are_
     let drain = run_cli(&["relay", "--sink", &redis.url(), "--drain"], &env).await;
     let stderr = text(&drain.stderr);
     assert_eq!(drain.status.code(), Some(1), "a dead letter made: {stderr}");
-    assert!(stderr.contains("the drain made 1 dead letter(s)"), "{stderr}");
+    assert!(stderr.contains("the drain made 2 dead letter(s)"), "{stderr}");
 
     let stream = read_stream(&redis.url(), "outbox.event.orders").await;
     let ids: Vec<&str> = stream.iter().map(|e| e.aggregate_id.as_str()).collect();
-    assert_eq!(ids, ["1", "3"], "the neighbours delivered");
+    assert_eq!(ids, ["1", "3", "5"], "the neighbours delivered");
     let (attempts, error, dead) = dead_letter_of(&db, "2").await;
     assert_eq!((attempts, dead), (1, true));
     assert!(
-        error.starts_with("permanent: the payload cannot be read"),
+        error.starts_with("permanent: the event cannot be read: payload:"),
+        "{error}"
+    );
+    let (attempts, error, dead) = dead_letter_of(&db, "4").await;
+    assert_eq!((attempts, dead), (1, true));
+    assert!(
+        error.starts_with("permanent: the event cannot be read: headers:"),
         "{error}"
     );
 }

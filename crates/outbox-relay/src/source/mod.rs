@@ -31,7 +31,8 @@ pub(crate) mod poll;
 pub(crate) struct Batch {
     /// The rows, in delivery (id) order.
     pub(crate) rows: Vec<OutboxRow>,
-    /// Rows whose payload cannot be read (index, why): dead letters unsent.
+    /// Rows whose payload or headers cannot be read (index, why): dead
+    /// letters unsent.
     pub(crate) unreadable: Vec<(usize, String)>,
     /// The claim filled the batch: more rows are probably due, so the next
     /// batch is claimed while this one is at the sink.

@@ -267,9 +267,10 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (usize, Vec<Param<'a>>) {
 pub struct ClaimedRows {
     /// The rows, in id order.
     pub rows: Vec<OutboxRow>,
-    /// Rows whose payload the relay cannot read (PostgreSQL accepted a
-    /// number serde_json cannot hold, say): their index in `rows`, where
-    /// the payload is `null`, and why. The relay dead-letters them unsent.
+    /// Rows whose payload or headers the relay cannot read (PostgreSQL
+    /// accepted a number serde_json cannot hold, say): their index in
+    /// `rows`, where that column is `null`, and why (naming the column).
+    /// The relay dead-letters them unsent.
     pub unreadable: Vec<(usize, String)>,
     /// The byte bound cut the batch short: more rows were locked than
     /// returned, and stay locked until the transaction ends, so nothing
@@ -290,17 +291,19 @@ impl RelayStatements {
         let (mut rows, mut large, mut unreadable, mut locked) = (Vec::new(), Vec::new(), Vec::new(), 0_i64);
         while let Some(row) = stream.try_next().await? {
             locked = row.try_get("locked_rows")?;
-            let mut decoded = decode(&row, serde_json::Value::Null)?;
-            // One row's payload that cannot be read must not fail the
-            // claim: the same row would fail every claim after it.
+            let mut decoded = decode(&row, serde_json::Value::Null, serde_json::Value::Null)?;
+            // One row's payload or headers that cannot be read must not
+            // fail the claim: the same row would fail every claim after it.
+            let why =
+                |e: Error| std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
             match row.try_get::<_, Option<serde_json::Value>>("payload") {
                 Ok(Some(payload)) => decoded.payload = payload,
                 Ok(None) => large.push((decoded.id, row.try_get::<_, i32>("bytes")?)),
-                Err(e) => {
-                    let why =
-                        std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
-                    unreadable.push((decoded.id, why));
-                }
+                Err(e) => unreadable.push((decoded.id, format!("payload: {}", why(e)))),
+            }
+            match row.try_get("headers") {
+                Ok(headers) => decoded.headers = headers,
+                Err(e) => unreadable.push((decoded.id, format!("headers: {}", why(e)))),
             }
             rows.push(decoded);
         }
@@ -311,7 +314,7 @@ impl RelayStatements {
             let Some(i) = at(&rows, id) else { continue };
             match self.fetch_payload(client, id, bytes).await? {
                 Ok(payload) => rows[i].payload = payload,
-                Err(e) => unreadable.push((id, e.to_string())),
+                Err(e) => unreadable.push((id, format!("payload: {e}"))),
             }
         }
         let mut unreadable: Vec<(usize, String)> = unreadable
@@ -402,12 +405,12 @@ impl TryFrom<&Row> for OutboxRow {
     type Error = Error;
 
     fn try_from(row: &Row) -> Result<Self, Self::Error> {
-        decode(row, row.try_get("payload")?)
+        decode(row, row.try_get("payload")?, row.try_get("headers")?)
     }
 }
 
-/// `row` with `payload`, read from it or in pieces.
-fn decode(row: &Row, payload: serde_json::Value) -> Result<OutboxRow, Error> {
+/// `row` with `payload` and `headers`, read from it or set apart.
+fn decode(row: &Row, payload: serde_json::Value, headers: serde_json::Value) -> Result<OutboxRow, Error> {
     Ok(OutboxRow {
         id: row.try_get("id")?,
         event_id: row.try_get("event_id")?,
@@ -415,7 +418,7 @@ fn decode(row: &Row, payload: serde_json::Value) -> Result<OutboxRow, Error> {
         aggregate_id: row.try_get("aggregate_id")?,
         event_type: row.try_get("event_type")?,
         payload,
-        headers: row.try_get("headers")?,
+        headers,
         created_at: row.try_get("created_at")?,
         attempts: row.try_get("attempts")?,
     })
