@@ -25,17 +25,24 @@ pub(crate) async fn stylesheet() -> Response {
     response
 }
 
+/// Every page's `<head>`: its title and the console's one stylesheet.
+fn head(title: &str) -> Markup {
+    html! {
+        head {
+            meta charset="utf-8";
+            meta name="viewport" content="width=device-width, initial-scale=1";
+            title { (title) " · outbox admin" }
+            link rel="stylesheet" href="/admin.css";
+        }
+    }
+}
+
 /// A page without navigation (the sign-in form).
 pub(crate) fn bare(title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { (title) " · outbox admin" }
-                link rel="stylesheet" href="/admin.css";
-            }
+            (head(title))
             body { main { (body) } }
         }
     }
@@ -46,12 +53,7 @@ pub(crate) fn layout(title: &str, access: &Access, table: &str, body: Markup) ->
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { (title) " · outbox admin" }
-                link rel="stylesheet" href="/admin.css";
-            }
+            (head(title))
             body {
                 header {
                     nav {
