@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use outbox_relay::OrderMode;
+use outbox_relay::{OrderMode, SourceKind, WalCleanup};
 
 use crate::logging::LogFormat;
 
@@ -151,6 +151,21 @@ pub(crate) struct MigrateArgs {
     pub(crate) partition_by: Option<PartitionBy>,
     #[command(flatten)]
     pub(crate) inbox_table: InboxTableArgs,
+    /// Also set up log tailing (`relay --source wal`): a publication of the
+    /// outbox's inserts and a logical replication slot (pgoutput) named
+    /// <schema>_<table>. Needs wal_level = logical and a role with
+    /// REPLICATION.
+    #[arg(long, conflicts_with = "inbox")]
+    pub(crate) wal: bool,
+    /// With --wal, after PostgreSQL invalidated the slot: drop it, create it
+    /// again, and re-insert every undelivered row still in the table so the
+    /// new slot delivers it (stop the relay first).
+    #[arg(long, requires = "wal")]
+    pub(crate) recover: bool,
+    /// With --recover, re-send only rows created at or after this RFC 3339
+    /// instant (useful with --wal-cleanup none, which keeps delivered rows).
+    #[arg(long, requires = "recover")]
+    pub(crate) since: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 #[derive(Debug, Args)]
@@ -195,6 +210,25 @@ pub(crate) struct RelayArgs {
     /// memory is bounded by this or by one event. Bytes, or with a unit.
     #[arg(long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "16MiB", value_parser = byte_size)]
     pub(crate) batch_max_bytes: u64,
+    /// Where events come from: `poll` claims unpublished rows from the
+    /// table; `wal` tails the write-ahead log through the slot `outbox
+    /// migrate --wal` created (one reader at a time, the others standbys).
+    #[arg(long, env = "OUTBOX_SOURCE", value_enum, default_value = "poll")]
+    pub(crate) source: SourceKind,
+    /// With --source wal: events read and not yet delivered (or dead) at
+    /// most; the slot's position stays behind them, so a crash re-sends at
+    /// most this many (or one larger transaction).
+    #[arg(long, env = "OUTBOX_WAL_WINDOW", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub(crate) wal_window: u32,
+    /// With --source wal: `delete` delivered rows by primary key, or leave
+    /// them (`none`) for daily partition drops.
+    #[arg(long, env = "OUTBOX_WAL_CLEANUP", value_enum, default_value = "delete")]
+    pub(crate) wal_cleanup: WalCleanup,
+    /// With --source wal: warn when the slot holds back more WAL than this
+    /// (bytes, or with a unit).
+    #[arg(long, env = "OUTBOX_WAL_RETAINED_WARN", default_value = "1GiB", value_parser = byte_size)]
+    pub(crate) wal_retained_warn: u64,
     /// Per-aggregate ordering: `partition` (one relay per partition of
     /// aggregates, id order while nothing fails), `strict` (never past an
     /// undelivered earlier event of the aggregate) or `none` (any relay, any

@@ -53,6 +53,67 @@ pub struct RelayConfig {
     pub batch_max_bytes: u64,
     /// A test-only pause point.
     pub failpoint: Option<Failpoint>,
+    /// Where events come from: the table (default) or the WAL.
+    pub source: SourceKind,
+    /// Log tailing's settings (`source` = [`SourceKind::Wal`]).
+    pub wal: WalSettings,
+}
+
+/// Where the relay reads events: the value of `outbox relay --source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SourceKind {
+    /// Claims unpublished rows from the table (`FOR UPDATE SKIP LOCKED`).
+    #[default]
+    #[value(help = "Claim unpublished rows from the table (the default)")]
+    Poll,
+    /// Reads the outbox's inserts and emitted events from the write-ahead
+    /// log through a logical replication slot (`outbox migrate --wal`).
+    #[value(help = "Tail the write-ahead log (logical replication, pgoutput)")]
+    Wal,
+}
+
+impl fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SourceKind::Poll => "poll",
+            SourceKind::Wal => "wal",
+        })
+    }
+}
+
+/// What the WAL source does with a delivered row (`--wal-cleanup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum WalCleanup {
+    /// Deletes it by primary key, in batches, before its position is
+    /// confirmed: the table holds only what is in flight.
+    #[default]
+    #[value(help = "Delete delivered rows by primary key (the default)")]
+    Delete,
+    /// Leaves it for daily partition drops: no write at all per event.
+    #[value(help = "Leave delivered rows (daily partitions drop them)")]
+    None,
+}
+
+/// Log tailing's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct WalSettings {
+    /// Events read and not yet finished (default 1,000): the most a crash
+    /// re-sends, besides a larger transaction's own events.
+    pub window: usize,
+    /// Delete delivered rows, or leave them.
+    pub cleanup: WalCleanup,
+    /// Warn when the slot holds back more WAL than this (default 1 GiB).
+    pub retained_warn: u64,
+}
+
+impl Default for WalSettings {
+    fn default() -> Self {
+        Self {
+            window: 1000,
+            cleanup: WalCleanup::Delete,
+            retained_warn: 1 << 30,
+        }
+    }
 }
 
 /// `--max-event-bytes`' default: 1 MiB, NATS's default `max_payload` and
@@ -79,6 +140,8 @@ impl Default for RelayConfig {
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             batch_max_bytes: DEFAULT_BATCH_MAX_BYTES,
             failpoint: None,
+            source: SourceKind::Poll,
+            wal: WalSettings::default(),
         }
     }
 }

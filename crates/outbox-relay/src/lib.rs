@@ -8,7 +8,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`relay`] | the cycle: wait, claim, deliver, mark, commit |
-//! | `source` | where batches come from: the `Source` trait; `source::poll`, the polling claim with leases and its two-connection overlap |
+//! | `source` | where batches come from: the `Source` trait; `source::poll`, the polling claim with leases and its two-connection overlap; `source::wal`, log tailing through a replication slot |
 //! | `plan` | what became of each row: delivered, retry at, permanent, held back |
 //! | `config`, `counters`, `error` | [`RelayConfig`], [`Counters`], [`RelayError`] |
 //! | `wake` | the session, LISTEN/NOTIFY and the fallback poll |
@@ -54,6 +54,7 @@ mod wake;
 pub use backlog::Backlog;
 pub use backoff::Backoff;
 pub use failpoint::Failpoint;
+pub use config::{SourceKind, WalCleanup, WalSettings};
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use retention::Retention;
 pub use sink::{Delivery, DeliveryError, PerSinkOptions, Sink, SinkError, SinkOptions};

@@ -46,6 +46,12 @@ pub const SINK_UP: &str = "outbox_sink_up";
 pub const SINK_CIRCUIT_STATE: &str = "outbox_sink_circuit_state";
 /// Partitions this relay holds.
 pub const PARTITIONS_HELD: &str = "outbox_partitions_held";
+/// WAL bytes the replication slot holds back (per `slot`).
+pub const WAL_RETAINED: &str = "outbox_wal_retained_bytes";
+/// WAL bytes written since the slot's confirmed position (per `slot`).
+pub const WAL_LAG: &str = "outbox_wal_lag_bytes";
+/// Events the WAL source read and has not finished.
+pub const WAL_WINDOW: &str = "outbox_wal_window_events";
 /// 1 while the relay delivers (after READY, until it stopped).
 pub const RELAY_UP: &str = "outbox_relay_up";
 /// Always 1, labelled with the `version`.
@@ -107,6 +113,20 @@ pub fn describe() {
         "The sink's circuit breaker: 0 closed, 1 open, 2 half-open."
     );
     describe_gauge!(PARTITIONS_HELD, "Partitions this relay holds.");
+    describe_gauge!(
+        WAL_RETAINED,
+        Unit::Bytes,
+        "WAL the replication slot keeps PostgreSQL from removing (log tailing)."
+    );
+    describe_gauge!(
+        WAL_LAG,
+        Unit::Bytes,
+        "WAL written since the slot's confirmed position (log tailing)."
+    );
+    describe_gauge!(
+        WAL_WINDOW,
+        "Events the WAL source read and has not finished (delivered or dead)."
+    );
     describe_gauge!(
         RELAY_UP,
         "1 while the relay delivers, 0 before READY and after it stopped."

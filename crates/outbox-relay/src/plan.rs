@@ -45,6 +45,9 @@ fn holds(blocked: &Blocked, row: &OutboxRow) -> Option<Block> {
 /// The failed rows of a batch as the arrays `MARK_FAILED` binds.
 #[derive(Debug, Default)]
 pub(crate) struct Failures {
+    /// Each failed row's index in the batch (the WAL source's rows have no
+    /// id in common: emitted events have none).
+    pub(crate) positions: Vec<usize>,
     pub(crate) ids: Vec<i64>,
     pub(crate) errors: Vec<String>,
     pub(crate) attempts: Vec<i32>,
@@ -69,8 +72,9 @@ impl Failures {
         self.soonest = Some(self.soonest.map_or(delay, |s| s.min(delay)));
     }
 
-    fn push(&mut self, id: i64, error: String, attempts: i32, delay: Duration, dead: bool) {
-        self.ids.push(id);
+    fn push(&mut self, at: (usize, i64), error: String, attempts: i32, delay: Duration, dead: bool) {
+        self.positions.push(at.0);
+        self.ids.push(at.1);
         self.errors.push(error);
         self.attempts.push(attempts);
         self.delay_ms.push(delay.as_secs_f64() * 1000.0);
@@ -210,7 +214,8 @@ pub(crate) fn plan(
     // The delay given to the last failed row of each aggregate, which rows
     // held back behind it inherit so they come due together, in order.
     let mut blocked: HashMap<(&str, &str), Block> = HashMap::new();
-    for (row, outcome) in rows.iter().zip(outcomes) {
+    for (i, (row, outcome)) in rows.iter().zip(outcomes).enumerate() {
+        let at = (i, row.id);
         let k = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
         // Rows come in id order, so a block started in this batch is
         // always behind an earlier row.
@@ -263,7 +268,7 @@ pub(crate) fn plan(
                 failures.unavailable += 1;
                 failures.due_in(delay);
                 failures.push(
-                    row.id,
+                    at,
                     format!("sink unavailable: {message}"),
                     row.attempts,
                     delay,
@@ -279,7 +284,7 @@ pub(crate) fn plan(
                     _ => HELD_BACK.to_owned(),
                 };
                 let delay = behind.unwrap_or_default();
-                failures.push(row.id, message, row.attempts, delay, false);
+                failures.push(at, message, row.attempts, delay, false);
                 block(&mut blocked, k, row.id, delay);
                 continue;
             }
@@ -297,7 +302,7 @@ pub(crate) fn plan(
             failures.due_in(delay);
         }
         failures.first_error.get_or_insert_with(|| message.clone());
-        failures.push(row.id, message, attempts, delay, dead);
+        failures.push(at, message, attempts, delay, dead);
     }
     plan.blocked = blocked
         .into_iter()

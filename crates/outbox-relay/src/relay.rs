@@ -50,6 +50,7 @@ use tracing::{info, warn};
 
 use crate::breaker::{Breaker, CircuitState, Probed};
 pub use crate::config::{OrderMode, RelayConfig};
+use crate::config::SourceKind;
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
 use crate::metric::{BatchMetrics, DeliveryMetrics};
@@ -57,6 +58,7 @@ use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Plan};
 use crate::sink::{Delivery, DeliveryError, Sink};
 use crate::source::poll::PollSource;
+use crate::source::wal::WalSource;
 use crate::source::{Claim, Source, SourceError};
 
 /// How a cycle ended.
@@ -106,32 +108,64 @@ impl Relay {
     }
 
     /// Runs until `cancel` fires, then returns after the batch at the sink is
-    /// committed. Fails only at startup; later connection losses reconnect.
+    /// committed. Fails at startup, or when the WAL source's slot was
+    /// invalidated; connection losses reconnect.
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
         let counters = Arc::clone(&self.counters);
         let batch_metrics = BatchMetrics::new(self.sink.name());
-        let source = PollSource::open(
-            self.config.clone(),
-            self.pg.clone(),
-            counters,
-            batch_metrics,
-            &cancel,
-        );
-        let Some(mut source) = source.await? else {
-            return Ok(());
-        };
-        info!(
-            table = %self.config.outbox.display_name(),
-            sink = self.sink.name(),
-            batch_size = self.config.batch_size,
-            notify = self.config.notify,
-            ordering = %self.config.ordering,
-            ordering_for = %self.config.ordering_for_display(),
-            // A bare UUID, and no field at all under `--ordering none`.
-            relay_id = source.relay_id().map(tracing::field::display),
-            "relay ready"
-        );
+        match self.config.source {
+            SourceKind::Poll => {
+                let source = PollSource::open(
+                    self.config.clone(),
+                    self.pg.clone(),
+                    counters,
+                    batch_metrics,
+                    &cancel,
+                );
+                let Some(source) = source.await? else {
+                    return Ok(());
+                };
+                info!(
+                    table = %self.config.outbox.display_name(),
+                    sink = self.sink.name(),
+                    batch_size = self.config.batch_size,
+                    notify = self.config.notify,
+                    ordering = %self.config.ordering,
+                    ordering_for = %self.config.ordering_for_display(),
+                    // A bare UUID, and no field at all under `--ordering none`.
+                    relay_id = source.relay_id().map(tracing::field::display),
+                    "relay ready"
+                );
+                self.drive(source, cancel).await
+            }
+            SourceKind::Wal => {
+                let source = WalSource::open(
+                    self.config.clone(),
+                    self.pg.clone(),
+                    counters,
+                    batch_metrics,
+                    &cancel,
+                );
+                let Some(source) = source.await? else {
+                    return Ok(());
+                };
+                info!(
+                    table = %self.config.outbox.display_name(),
+                    sink = self.sink.name(),
+                    source = "wal",
+                    slot = source.slot(),
+                    batch_size = self.config.batch_size,
+                    window = self.config.wal.window,
+                    "relay ready"
+                );
+                self.drive(source, cancel).await
+            }
+        }
+    }
+
+    /// The loop over cycles, from READY until shutdown.
+    async fn drive(self, mut source: impl Source, cancel: CancellationToken) -> Result<(), RelayError> {
         outbox::notify::send("READY=1\nSTATUS=relay ready");
         crate::health::global().running(true);
         self.metrics.relay_up.set(1.0);
@@ -148,6 +182,7 @@ impl Relay {
             Err(error) if self.config.drain => warn!(sink = self.sink.name(), %error, "sink not reachable"),
             Err(error) => breaker.open(&error.to_string()),
         }
+        let mut fatal = None;
         while !cancel.is_cancelled() {
             if breaker.state() == CircuitState::Open
                 && let Probed::Cancelled = breaker.wait(self.sink.as_ref(), &cancel).await
@@ -172,6 +207,10 @@ impl Relay {
                     );
                     break;
                 }
+                Err(SourceError::Fatal(error)) => {
+                    fatal = Some(error);
+                    break;
+                }
                 Err(error) => {
                     // Everything in flight was given back, so nothing
                     // blocked by it is in flight either.
@@ -186,7 +225,7 @@ impl Relay {
         crate::health::global().running(false);
         self.metrics.relay_up.set(0.0);
         info!("relay stopped");
-        Ok(())
+        fatal.map_or(Ok(()), Err)
     }
 
     /// After a batch the sink was unavailable for: claims nothing more

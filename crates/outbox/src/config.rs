@@ -116,6 +116,26 @@ impl Config {
         format!("{}.{}", self.schema, self.table)
     }
 
+    /// The logical replication slot log tailing reads (`relay --source
+    /// wal`): `<schema>_<table>`. Slots are named per cluster, not per
+    /// database, so the schema is part of the name.
+    pub fn wal_slot(&self) -> Result<String, Error> {
+        let name = format!("{}_{}", self.schema, self.table);
+        // A slot name is a plain identifier; only its length can be wrong.
+        Ident::new("--table", &name).map(|_| name)
+    }
+
+    /// The publication of the outbox's inserts: `"<table>_wal"`, quoted.
+    pub fn wal_publication(&self) -> Result<Ident, Error> {
+        self.table.suffixed("--table", "_wal")
+    }
+
+    /// The prefix `pg_logical_emit_message` is called with for this outbox
+    /// (`Outbox::emit`): `outbox:<schema>.<table>`.
+    pub fn wal_prefix(&self) -> String {
+        format!("outbox:{}.{}", self.schema, self.table)
+    }
+
     /// `"schema"."<table><suffix>"`: a companion object of the outbox.
     pub fn companion(&self, suffix: &str) -> Result<String, Error> {
         Ok(format!(

@@ -69,6 +69,37 @@ pub enum Error {
         /// The migration's name.
         name: String,
     },
+    /// Log tailing needs `wal_level = logical`.
+    #[error(
+        "wal_level is {found}: log tailing (--source wal) needs wal_level = logical; run ALTER SYSTEM SET wal_level = logical as a superuser, then restart PostgreSQL (a reload is not enough)"
+    )]
+    WalLevel {
+        /// The server's `wal_level`.
+        found: String,
+    },
+    /// The role may not open replication connections.
+    #[error(
+        "role {role} lacks the REPLICATION attribute log tailing (--source wal) needs; run ALTER ROLE {role} REPLICATION as a superuser"
+    )]
+    NoReplication {
+        /// The role connected as.
+        role: String,
+    },
+    /// `outbox migrate --wal` has not run, or ran for another database.
+    #[error("{what}; run `outbox migrate --wal` for this outbox")]
+    WalNotSetUp {
+        /// What is missing.
+        what: String,
+    },
+    /// PostgreSQL invalidated the slot (`max_slot_wal_keep_size`): the WAL it
+    /// needed is gone.
+    #[error(
+        "the replication slot {slot} was invalidated by PostgreSQL: it fell more than max_slot_wal_keep_size behind and the WAL it needed was removed; run `outbox migrate --wal --recover` to recreate it and re-send the undelivered rows still in the table"
+    )]
+    SlotInvalidated {
+        /// The slot's name.
+        slot: String,
+    },
     /// A statement failed in tokio-postgres.
     #[cfg(feature = "tokio-postgres")]
     #[error("{doing}")]
@@ -103,6 +134,10 @@ impl Error {
                 | Error::NotMigrated { .. }
                 | Error::SchemaTooNew { .. }
                 | Error::MigrationChanged { .. }
+                | Error::WalLevel { .. }
+                | Error::NoReplication { .. }
+                | Error::WalNotSetUp { .. }
+                | Error::SlotInvalidated { .. }
         )
     }
 

@@ -63,6 +63,8 @@ mod schema;
 pub mod sql;
 pub mod webhooks;
 #[cfg(feature = "tokio-postgres")]
+pub mod wal;
+#[cfg(feature = "tokio-postgres")]
 pub mod worker;
 mod writer;
 

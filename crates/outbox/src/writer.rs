@@ -27,17 +27,17 @@ impl Default for Outbox {
 }
 
 /// Columns of a batch as arrays, the shape `INSERT_EVENTS` binds.
-struct Columns {
-    ids: Vec<Uuid>,
-    types: Vec<String>,
-    aggregates: Vec<String>,
-    event_types: Vec<String>,
-    payloads: Vec<Value>,
-    headers: Vec<Value>,
+pub(crate) struct Columns {
+    pub(crate) ids: Vec<Uuid>,
+    pub(crate) types: Vec<String>,
+    pub(crate) aggregates: Vec<String>,
+    pub(crate) event_types: Vec<String>,
+    pub(crate) payloads: Vec<Value>,
+    pub(crate) headers: Vec<Value>,
 }
 
 impl Columns {
-    fn of(events: &[Event]) -> Result<Self, Error> {
+    pub(crate) fn of(events: &[Event]) -> Result<Self, Error> {
         let mut c = Columns {
             ids: Vec::with_capacity(events.len()),
             types: Vec::with_capacity(events.len()),
@@ -151,6 +151,50 @@ mod pg {
                 )
                 .await
                 .map_err(Error::pg("inserting events into the outbox"))?;
+            Ok(c.ids)
+        }
+    }
+
+    impl Outbox {
+        /// Emits one event in `client`'s transaction without writing a row:
+        /// a transactional logical decoding message
+        /// (`pg_logical_emit_message(true, 'outbox:<schema>.<table>', …)`)
+        /// that only the WAL source (`outbox relay --source wal`) delivers,
+        /// and only if the transaction commits. No row, index, cleanup or
+        /// dead tuple; a dead letter of it becomes a row. Returns its
+        /// `event_id`.
+        ///
+        /// ```no_run
+        /// # async fn run(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+        /// use outbox::{Event, Outbox};
+        /// use serde_json::json;
+        ///
+        /// let tx = client.transaction().await?;
+        /// tx.execute("UPDATE accounts SET balance = balance - 10 WHERE id = 7", &[]).await?;
+        /// Outbox::default()
+        ///     .emit(&tx, &Event::new("accounts", "7", "Debited", json!({"amount": 10})))
+        ///     .await?;
+        /// tx.commit().await?;
+        /// # Ok(()) }
+        /// ```
+        pub async fn emit<C: GenericClient>(&self, client: &C, event: &Event) -> Result<Uuid, Error> {
+            event.validate()?;
+            crate::sql::wal::emit(client, &self.config.wal_prefix(), event)
+                .await
+                .map_err(Error::pg("emitting an event to the write-ahead log"))?;
+            Ok(event.event_id)
+        }
+
+        /// Emits many events in order in one round trip (see
+        /// [`Outbox::emit`]); returns their `event_id`s.
+        pub async fn emit_all<C: GenericClient>(&self, client: &C, events: &[Event]) -> Result<Vec<Uuid>, Error> {
+            if events.is_empty() {
+                return Ok(Vec::new());
+            }
+            let c = Columns::of(events)?;
+            crate::sql::wal::emit_all(client, &self.config.wal_prefix(), &c)
+                .await
+                .map_err(Error::pg("emitting events to the write-ahead log"))?;
             Ok(c.ids)
         }
     }

@@ -7,6 +7,35 @@ use crate::cli::{Global, MigrateArgs, PartitionBy};
 /// Days after today a partitioned outbox gets partitions for at migrate time.
 const PREMAKE: u32 = 3;
 
+/// `--wal`: the publication and slot, or `--recover` a lost slot.
+async fn wal(client: &mut tokio_postgres::Client, config: &outbox::Config, args: &MigrateArgs) -> anyhow::Result<()> {
+    if args.recover {
+        let done = outbox::wal::recover_wal(client, config, args.since)
+            .await
+            .with_context(|| format!("recovering log tailing for {}", config.display_name()))?;
+        if done.dropped {
+            println!("dropped the invalidated replication slot {}", done.slot);
+        }
+        println!(
+            "created the replication slot {}; re-inserted {} undelivered row(s) for it to deliver",
+            done.slot, done.reinserted
+        );
+        return Ok(());
+    }
+    let done = outbox::wal::migrate_wal(client, config)
+        .await
+        .with_context(|| format!("setting up log tailing for {}", config.display_name()))?;
+    let said = |created: bool| if created { "created" } else { "exists" };
+    println!(
+        "publication {}: {}; replication slot {}: {}",
+        done.publication,
+        said(done.created_publication),
+        done.slot,
+        said(done.created_slot)
+    );
+    Ok(())
+}
+
 pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
     let pg = super::pg_config(g)?;
     let report = if args.inbox {
@@ -32,6 +61,9 @@ pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("creating the partitions of {}", config.display_name()))?;
             super::partitions::report(&config, &done);
+        }
+        if args.wal {
+            wal(&mut client, &config, &args).await?;
         }
         report
     };

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backlog, Backoff, Counters, Failpoint, Relay, RelayConfig};
+use outbox_relay::{Backlog, Backoff, Counters, Failpoint, Relay, RelayConfig, WalSettings};
 
 use crate::cli::{Global, RelayArgs};
 use crate::config::{ConfigFile, Layered};
@@ -130,6 +130,12 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         max_event_bytes: args.max_event_bytes,
         batch_max_bytes: args.batch_max_bytes,
         failpoint,
+        source: args.source,
+        wal: WalSettings {
+            window: args.wal_window as usize,
+            cleanup: args.wal_cleanup,
+            retained_warn: args.wal_retained_warn,
+        },
     };
     let retention = args.retention.map(|keep| outbox_relay::Retention {
         keep,

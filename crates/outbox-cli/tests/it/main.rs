@@ -30,4 +30,5 @@ mod routing;
 mod scale;
 mod support;
 mod tls;
+mod wal;
 mod webhooks;

@@ -144,6 +144,7 @@ pub struct PgConfig {
     ssl_mode: SslMode,
     roots: Roots,
     client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
     tls: MakeRustlsConnect,
     connect_timeout: Duration,
 }
@@ -186,6 +187,12 @@ impl PgConfig {
     /// The client certificate's file (`sslcert`), if one is presented.
     pub fn client_cert(&self) -> Option<&Path> {
         self.client_cert.as_deref()
+    }
+
+    /// The client certificate's key file (`sslkey`), with
+    /// [`client_cert`](Self::client_cert).
+    pub fn client_key(&self) -> Option<&Path> {
+        self.client_key.as_deref()
     }
 
     /// How long [`connect`] keeps trying (`--connect-timeout`).
@@ -241,6 +248,7 @@ impl From<Config> for PgConfig {
             ssl_mode,
             roots: Roots::Unchecked,
             client_cert: None,
+            client_key: None,
             tls,
             connect_timeout,
         }
@@ -327,7 +335,8 @@ pub fn parse_url(url: &str, connect_timeout: Duration) -> Result<PgConfig, UrlEr
         postgres,
         ssl_mode: settings.mode,
         roots: settings.roots,
-        client_cert: settings.client.map(|(cert, _)| cert),
+        client_cert: settings.client.as_ref().map(|(cert, _)| cert.clone()),
+        client_key: settings.client.map(|(_, key)| key),
         tls: MakeRustlsConnect::new(config),
         connect_timeout,
     })

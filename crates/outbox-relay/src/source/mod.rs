@@ -12,25 +12,29 @@
 //! of it is durable) until the [`Plan`] passed to [`Source::settle`] is
 //! committed; any failure before that commit gives the whole batch back.
 //!
-//! [`poll`] is the first implementation: `FOR UPDATE SKIP LOCKED` claims
-//! with partition leases, woken by LISTEN/NOTIFY. A WAL source implements
-//! the same trait.
+//! [`poll`] claims with `FOR UPDATE SKIP LOCKED` and partition leases,
+//! woken by LISTEN/NOTIFY. [`wal`] reads a logical replication slot: its
+//! "claim" is the slot itself, and its "commit" the confirmed position.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
 use tokio_util::sync::CancellationToken;
 
+use crate::error::RelayError;
 use crate::plan::Plan;
 
 pub(crate) mod poll;
+pub(crate) mod wal;
 
 /// A claimed batch, handed to the relay for delivery.
 #[derive(Debug)]
 pub(crate) struct Batch {
-    /// The rows, in delivery (id) order.
-    pub(crate) rows: Vec<OutboxRow>,
+    /// The rows, in delivery order. Shared: the WAL source keeps them to
+    /// retry the ones that fail.
+    pub(crate) rows: Arc<[OutboxRow]>,
     /// Rows whose payload or headers cannot be read (index, why): dead
     /// letters unsent.
     pub(crate) unreadable: Vec<(usize, String)>,
@@ -66,6 +70,16 @@ pub(crate) enum SourceError {
     /// The connection went away while waiting.
     #[error("the postgres connection was lost")]
     ConnectionLost,
+    /// The replication stream failed.
+    #[error("the replication stream failed")]
+    Replication(#[source] pgwire_replication::PgWireError),
+    /// pgoutput sent what the relay cannot decode.
+    #[error("{0}")]
+    Decode(String),
+    /// What reconnecting cannot fix (the slot was invalidated or dropped):
+    /// the relay stops with it.
+    #[error(transparent)]
+    Fatal(RelayError),
 }
 
 /// The PostgreSQL side of the relay's cycle.

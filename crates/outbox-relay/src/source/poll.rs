@@ -523,7 +523,7 @@ impl PollSource {
             started: Instant::now(),
         });
         Claim::Batch(Batch {
-            rows,
+            rows: rows.into(),
             unreadable,
             full,
             overlapped,

@@ -281,7 +281,11 @@ impl OutboxSql {
         client: &impl GenericClient,
         filter: &DeadFilter<'_>,
     ) -> Result<u64, Error> {
-        client.execute(self.requeue_dead.as_str(), &filter.params()).await
+        let requeued: i64 = client
+            .query_one(self.requeue_dead.as_str(), &filter.params())
+            .await?
+            .try_get(0)?;
+        Ok(requeued.unsigned_abs())
     }
 
     /// How many dead letters among `ids` [`give_up`](Self::give_up) would

@@ -13,6 +13,8 @@ mod admin;
 pub(crate) mod catalog;
 #[cfg(feature = "tokio-postgres")]
 mod relay;
+#[cfg(feature = "tokio-postgres")]
+pub(crate) mod wal;
 
 #[cfg(feature = "tokio-postgres")]
 pub use admin::{
@@ -24,6 +26,8 @@ pub use relay::{
     ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams,
     TickRow, TickStatement, backend_identity, setup_batch_session,
 };
+#[cfg(feature = "tokio-postgres")]
+pub use wal::{EmittedDead, Prerequisites, SlotState, TurnHolder, WalSql};
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
 const ROW_COLUMNS: &str =
@@ -351,8 +355,16 @@ const EVENT_STORY: &str = "WITH n AS (SELECT count(*)::int8 AS n FROM {leases}),
        LEFT JOIN {relays} AS r ON r.relay_id = l.owner";
 
 /// Puts matching dead letters (given up on or not) back in line;
-/// `last_error` stays for the record.
-const REQUEUE_DEAD: &str = "UPDATE {t} SET attempts = 0, next_attempt_at = clock_timestamp(), dead_at = NULL, given_up_at = NULL WHERE {dead}";
+/// `last_error` stays for the record. Deleted and inserted again (same id
+/// and columns) rather than updated: the WAL source reads only inserts, so
+/// a requeued row must be one to reach it again; the polling relay sees a
+/// due row either way.
+const REQUEUE_DEAD: &str = "WITH gone AS (DELETE FROM {t} WHERE {dead} RETURNING *), \
+     again AS (INSERT INTO {t} (id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
+            created_at, last_error) \
+     SELECT g.id, g.event_id, g.aggregate_type, g.aggregate_id, g.event_type, g.payload, g.headers, \
+            g.created_at, g.last_error FROM gone AS g ORDER BY g.id RETURNING 1) \
+     SELECT count(*) FROM again";
 
 /// What [`REQUEUE_DEAD`] would touch.
 const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";

@@ -1,0 +1,610 @@
+//! The WAL source (`outbox relay --source wal`): the outbox's inserts and
+//! emitted events read from the write-ahead log through a logical
+//! replication slot, delivered through the same relay loop, sinks and
+//! breakers as the polling source.
+//!
+//! - [`decode`] turns pgoutput's messages into rows.
+//! - [`window`] holds what was read and not finished, parks aggregates
+//!   behind failures, and decides what position may be confirmed.
+//! - [`turn`] lets one relay read and keeps the others as standbys.
+//! - [`stream`] opens the replication connection.
+//!
+//! Nothing here holds a transaction open: the slot is the claim. A batch
+//! is rows handed out of the window; settling it finishes or parks them;
+//! the writes it implies (deleting delivered rows, recording dead letters)
+//! run while the next batch is at the sink, and only after they committed
+//! is the position past their transactions confirmed to PostgreSQL (see
+//! [`window`] for why that is at least once).
+//!
+//! A sink outage pauses the relay loop, so nothing is read and nothing is
+//! attempted: the replication client's buffer fills, the server stops
+//! sending, and the slot keeps the WAL until the sink is back.
+
+mod decode;
+mod stream;
+mod turn;
+mod window;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use metrics::Gauge;
+use outbox::OutboxRow;
+use outbox::sql::WalSql;
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use tokio::time::Instant;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use self::decode::{Decoded, Decoder};
+use self::turn::{Timing, Turn};
+use self::window::{Dead, Window, Writes};
+use super::{Batch, Claim, Source, SourceError};
+use crate::config::{RelayConfig, WalCleanup};
+use crate::counters::Counters;
+use crate::error::{RelayError, error_chain};
+use crate::health;
+use crate::metric::{self, BatchMetrics};
+use crate::pg::{PgConfig, Startup};
+use crate::plan::Plan;
+
+/// How often the slot's state is read for the metrics and the warning.
+const SLOT_CHECK: Duration = Duration::from_secs(5);
+
+/// The longest wait without looking at anything: pending writes are
+/// flushed and the turn checked at least this often.
+const TICK: Duration = Duration::from_secs(1);
+
+/// The replication session and its decoder.
+struct Stream {
+    client: ReplicationClient,
+    decoder: Decoder,
+}
+
+/// The slot's gauges.
+struct SlotGauges {
+    retained: Gauge,
+    lag: Gauge,
+    window: Gauge,
+}
+
+/// See the [module docs](self).
+pub(crate) struct WalSource {
+    config: RelayConfig,
+    pg: PgConfig,
+    sql: Arc<WalSql>,
+    counters: Arc<Counters>,
+    metrics: BatchMetrics,
+    gauges: SlotGauges,
+    /// For the writes and the slot's state; `None` after it failed.
+    client: Option<Client>,
+    turn: Option<Turn>,
+    stream: Option<Stream>,
+    window: Window,
+    /// The batch at the sink, and when it was handed out.
+    at_sink: Option<(Arc<[OutboxRow]>, Instant)>,
+    slot_checked: Option<Instant>,
+    warned_retained: bool,
+    /// `drain`: the marker was emitted, and read back.
+    drain_marker: (bool, bool),
+    signalled_batch: bool,
+    /// The last position handed to the replication client to confirm.
+    confirmed: u64,
+    /// The prefix of the drain marker (see `DRAIN_MARKER`).
+    drain_prefix: String,
+}
+
+/// What a wait ended with.
+enum Woke {
+    Event(Result<Option<ReplicationEvent>, PgWireError>),
+    Tick,
+    Lapsed,
+    Cancelled,
+}
+
+impl WalSource {
+    /// Connects and checks the server, the role, the schema and the slot;
+    /// `None` if `cancel` fired meanwhile. Reading starts with the first
+    /// claim, once this relay holds the turn.
+    pub(crate) async fn open(
+        config: RelayConfig,
+        pg: PgConfig,
+        counters: Arc<Counters>,
+        metrics: BatchMetrics,
+        cancel: &CancellationToken,
+    ) -> Result<Option<WalSource>, RelayError> {
+        let sql = Arc::new(WalSql::new(&config.outbox).map_err(RelayError::Schema)?);
+        let mut startup = Startup::new(&pg, config.connect_timeout);
+        let client = loop {
+            match crate::pg::connect_once(&pg).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    let delay = startup.failed(e).map_err(RelayError::Connect)?;
+                    tokio::select! {
+                        () = cancel.cancelled() => return Ok(None),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        };
+        outbox::check(&client, &config.outbox)
+            .await
+            .map_err(RelayError::Schema)?;
+        let slot = outbox::wal::check_wal(&client, &config.outbox)
+            .await
+            .map_err(RelayError::Schema)?;
+        info!(
+            slot = %slot.slot,
+            publication = sql.publication(),
+            retained_bytes = slot.retained_bytes,
+            confirmed_lsn = %slot.confirmed_lsn,
+            "log tailing: the slot is ready"
+        );
+        let gauges = SlotGauges {
+            retained: metrics::gauge!(metric::WAL_RETAINED, "slot" => slot.slot.clone()),
+            lag: metrics::gauge!(metric::WAL_LAG, "slot" => slot.slot.clone()),
+            window: metrics::gauge!(metric::WAL_WINDOW),
+        };
+        health::global().postgres(None);
+        Ok(Some(WalSource {
+            window: Window::new(config.wal.window, config.wal.cleanup == WalCleanup::Delete),
+            config,
+            pg,
+            counters,
+            metrics,
+            gauges,
+            client: Some(client),
+            turn: None,
+            stream: None,
+            at_sink: None,
+            slot_checked: None,
+            warned_retained: false,
+            drain_marker: (false, false),
+            signalled_batch: false,
+            confirmed: 0,
+            drain_prefix: format!("outbox-drain:{}", sql.slot()),
+            sql,
+        }))
+    }
+
+    /// The slot's name.
+    pub(crate) fn slot(&self) -> &str {
+        self.sql.slot()
+    }
+
+    /// Forgets everything read: the stream closes, and whatever was not
+    /// confirmed is read again by whoever reads next.
+    fn reset(&mut self) {
+        self.stream = None;
+        self.at_sink = None;
+        self.window = Window::new(self.config.wal.window, self.config.wal.cleanup == WalCleanup::Delete);
+        self.gauges.window.set(0.0);
+    }
+
+    fn turn_valid(&self) -> bool {
+        self.turn.as_ref().is_some_and(Turn::is_valid)
+    }
+
+    /// Holds the turn and streams the slot; false if cancelled first.
+    async fn ensure_reading(&mut self, cancel: &CancellationToken) -> Result<bool, SourceError> {
+        if self.turn.is_some() && !self.turn_valid() {
+            warn!(slot = self.slot(), "this relay's turn ran out; it stops reading and waits as a standby");
+            self.turn = None;
+            self.reset();
+        }
+        if self.turn.is_none() {
+            let timing = Timing {
+                timeout: self.config.lease_timeout,
+            };
+            let mut pg = self.pg.clone();
+            pg.postgres_mut().application_name("outbox-relay turn");
+            match Turn::take(&pg, Arc::clone(&self.sql), timing, cancel).await {
+                Some(turn) => self.turn = Some(turn),
+                None => return Ok(false),
+            }
+        }
+        if self.stream.is_none() {
+            let config = stream::config(&self.pg, self.sql.slot(), self.sql.publication());
+            let schema = self.config.outbox.schema.as_str();
+            let table = self.config.outbox.table.as_str();
+            let mut said_busy = false;
+            let client = loop {
+                match stream::open(config.clone()).await {
+                    Ok(c) => break c,
+                    Err(e) if stream::is_slot_busy(&e) => {
+                        if !said_busy {
+                            info!(error = %e, "the previous reader still holds the slot; waiting for it to let go");
+                            said_busy = true;
+                        }
+                    }
+                    Err(e) => return Err(SourceError::Replication(e)),
+                }
+                tokio::select! {
+                    () = cancel.cancelled() => return Ok(false),
+                    () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+                if !self.turn_valid() {
+                    return Ok(true);
+                }
+            };
+            info!(slot = self.slot(), "streaming the slot");
+            health::global().postgres(None);
+            self.stream = Some(Stream {
+                client,
+                decoder: Decoder::new(schema, table, self.sql.prefix()),
+            });
+        }
+        Ok(true)
+    }
+
+    /// Moves what the replication client has buffered into the window,
+    /// without waiting, while it has room.
+    fn pull(&mut self) -> Result<(), SourceError> {
+        self.note_sent();
+        while self.window.has_room() {
+            let Some(stream) = &mut self.stream else { return Ok(()) };
+            let Some(event) = stream.client.recv().now_or_never() else {
+                return Ok(());
+            };
+            self.handle(event)?;
+        }
+        Ok(())
+    }
+
+    /// One event of the replication stream.
+    fn handle(&mut self, event: Result<Option<ReplicationEvent>, PgWireError>) -> Result<(), SourceError> {
+        let Some(stream) = &mut self.stream else { return Ok(()) };
+        let event = event
+            .map_err(SourceError::Replication)?
+            .ok_or(SourceError::ConnectionLost)?;
+        match event {
+            ReplicationEvent::Begin { .. } => self.window.begin(),
+            ReplicationEvent::Commit { end_lsn, .. } => self.window.commit(end_lsn.as_u64()),
+            ReplicationEvent::XLogData { data, .. } => {
+                let decoded = stream
+                    .decoder
+                    .data(&data)
+                    .map_err(|e| SourceError::Decode(e.to_string()))?;
+                self.push(decoded);
+            }
+            ReplicationEvent::Message {
+                transactional,
+                lsn,
+                prefix,
+                content,
+            } => {
+                if !transactional && prefix == self.drain_prefix {
+                    self.drain_marker.1 = true;
+                    return Ok(());
+                }
+                let decoded = stream.decoder.message(&prefix, &content, lsn.as_u64());
+                if transactional {
+                    self.push(decoded);
+                } else if matches!(decoded, Decoded::Event { .. }) {
+                    // Emitted outside a transaction: its own transaction,
+                    // confirmable at its own position.
+                    self.window.begin();
+                    self.push(decoded);
+                    self.window.commit(lsn.as_u64());
+                }
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                // Everything read is finished and written: the server's
+                // position is safe to confirm, which keeps the slot moving
+                // while other tables write and the outbox is idle.
+                if self.window.is_idle() && self.at_sink.is_none() {
+                    stream.client.update_applied_lsn(wal_end);
+                    self.confirmed = self.confirmed.max(wal_end.as_u64());
+                }
+            }
+            ReplicationEvent::StoppedAt { .. } => {}
+        }
+        self.gauges.window.set(self.window.unfinished() as f64);
+        Ok(())
+    }
+
+    /// Lets the window know what the server has been sent as confirmed.
+    fn note_sent(&mut self) {
+        if let Some(stream) = &self.stream {
+            let sent = stream.client.metrics().last_applied_lsn().as_u64();
+            self.window.sent(sent);
+        }
+    }
+
+    fn push(&mut self, decoded: Decoded) {
+        if let Decoded::Event {
+            row,
+            table_id,
+            unreadable,
+            bytes,
+        } = decoded
+        {
+            self.window.push(row, table_id, unreadable, bytes);
+        }
+    }
+
+    /// Commits the writes the finished events imply, then confirms the
+    /// position past them. Discarded if this relay lost its turn: the next
+    /// reader reads those events again.
+    async fn flush(&mut self) -> Result<(), SourceError> {
+        let (writes, confirmable) = self.window.take_writes();
+        if !self.turn_valid() {
+            return Ok(());
+        }
+        if !writes.is_empty() {
+            let sql = Arc::clone(&self.sql);
+            write(&sql, self.client().await?, writes).await?;
+        }
+        if let (Some(lsn), Some(stream)) = (confirmable, &self.stream) {
+            stream.client.update_applied_lsn(Lsn::from_u64(lsn));
+            self.confirmed = self.confirmed.max(lsn);
+        }
+        Ok(())
+    }
+
+    /// The connection for writes, reopened if it failed.
+    async fn client(&mut self) -> Result<&Client, SourceError> {
+        if self.client.as_ref().is_none_or(Client::is_closed) {
+            self.client = Some(crate::pg::connect_once(&self.pg).await?);
+        }
+        Ok(self.client.as_ref().expect("connected"))
+    }
+
+    /// Reads the slot's state every few seconds: the gauges, the warning
+    /// above `--wal-retained-warn`, and an invalidated slot, which stops
+    /// the relay.
+    async fn check_slot(&mut self) -> Result<(), SourceError> {
+        if self.slot_checked.is_some_and(|at| at.elapsed() < SLOT_CHECK) {
+            return Ok(());
+        }
+        self.slot_checked = Some(Instant::now());
+        let sql = Arc::clone(&self.sql);
+        let state = sql.slot_state(self.client().await?).await?;
+        let Some(state) = state else {
+            return Err(SourceError::Fatal(RelayError::Schema(outbox::Error::WalNotSetUp {
+                what: format!("the replication slot {} was dropped", sql.slot()),
+            })));
+        };
+        if state.is_lost() {
+            return Err(SourceError::Fatal(RelayError::Schema(outbox::Error::SlotInvalidated {
+                slot: state.slot,
+            })));
+        }
+        // Bytes: exact in an f64 up to 8 PiB.
+        #[allow(clippy::cast_precision_loss)]
+        {
+            self.gauges.retained.set(state.retained_bytes as f64);
+            self.gauges.lag.set(state.lag_bytes as f64);
+        }
+        let over = u64::try_from(state.retained_bytes).unwrap_or(0) > self.config.wal.retained_warn;
+        if over && !self.warned_retained {
+            warn!(
+                slot = %state.slot,
+                retained_bytes = state.retained_bytes,
+                limit = self.config.wal.retained_warn,
+                "the slot holds back more WAL than --wal-retained-warn: is the sink down, or the relay too slow?"
+            );
+        } else if !over && self.warned_retained {
+            info!(slot = %state.slot, retained_bytes = state.retained_bytes, "the slot's retained WAL is below --wal-retained-warn again");
+        }
+        self.warned_retained = over;
+        Ok(())
+    }
+
+    /// Whether a drain is done: everything committed before the drain
+    /// looked was read and finished. Emits the marker the first time.
+    async fn drained(&mut self) -> Result<bool, SourceError> {
+        if !self.drain_marker.0 {
+            let (sql, prefix) = (Arc::clone(&self.sql), self.drain_prefix.clone());
+            sql.drain_marker(self.client().await?, &prefix).await?;
+            self.drain_marker.0 = true;
+            return Ok(false);
+        }
+        Ok(self.drain_marker.1 && self.window.is_idle() && self.at_sink.is_none())
+    }
+
+    /// Waits for the stream, the next retry, a tick, the turn running out
+    /// or cancellation.
+    async fn wait(&mut self, cancel: &CancellationToken) -> Woke {
+        self.note_sent();
+        // Room comes back once the status update carrying the position
+        // went out (every `STATUS_INTERVAL`): look again soon.
+        let tick = Instant::now()
+            + if self.window.awaits_confirmation() {
+                stream::STATUS_INTERVAL / 2
+            } else {
+                TICK
+            };
+        let until = self.window.next_due().map_or(tick, |due| due.min(tick));
+        let lapse = match &self.turn {
+            Some(t) => t.lapse(),
+            None => futures::future::pending().boxed(),
+        };
+        let room = self.window.has_room();
+        let Some(stream) = &mut self.stream else {
+            return Woke::Tick;
+        };
+        tokio::select! {
+            () = cancel.cancelled() => Woke::Cancelled,
+            event = stream.client.recv(), if room => Woke::Event(event),
+            () = tokio::time::sleep_until(until) => Woke::Tick,
+            () = lapse => Woke::Lapsed,
+        }
+    }
+}
+
+/// The writes of finished events: deletes, then dead letters.
+async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<(), tokio_postgres::Error> {
+    if !writes.delete.is_empty() {
+        sql.delete_delivered(client, &writes.delete).await?;
+    }
+    let (mut ids, mut attempts, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    let mut emitted = Vec::new();
+    for dead in writes.dead {
+        match dead {
+            Dead::Row { id, attempts: a, error } => {
+                ids.push(id);
+                attempts.push(a);
+                errors.push(error);
+            }
+            Dead::Emitted { row, error } => emitted.push((row, error)),
+        }
+    }
+    if !ids.is_empty() {
+        sql.dead_rows(client, &ids, &attempts, &errors).await?;
+    }
+    if !emitted.is_empty() {
+        let col = |f: fn(&OutboxRow) -> String| emitted.iter().map(|(r, _)| f(r)).collect::<Vec<_>>();
+        let (types, aggregates, event_types) = (
+            col(|r| r.aggregate_type.clone()),
+            col(|r| r.aggregate_id.clone()),
+            col(|r| r.event_type.clone()),
+        );
+        let event_ids: Vec<_> = emitted.iter().map(|(r, _)| r.event_id).collect();
+        let payloads: Vec<_> = emitted.iter().map(|(r, _)| r.payload.clone()).collect();
+        let headers: Vec<_> = emitted.iter().map(|(r, _)| r.headers.clone()).collect();
+        let created_at: Vec<_> = emitted.iter().map(|(r, _)| r.created_at).collect();
+        let attempts: Vec<_> = emitted.iter().map(|(r, _)| r.attempts).collect();
+        let errors: Vec<_> = emitted.iter().map(|(_, e)| e.clone()).collect();
+        sql.dead_emitted(
+            client,
+            &outbox::sql::EmittedDead {
+                event_ids: &event_ids,
+                aggregate_types: &types,
+                aggregate_ids: &aggregates,
+                event_types: &event_types,
+                payloads: &payloads,
+                headers: &headers,
+                created_at: &created_at,
+                attempts: &attempts,
+                errors: &errors,
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+impl Source for WalSource {
+    async fn claim(&mut self, cancel: &CancellationToken) -> Result<Claim, SourceError> {
+        loop {
+            if cancel.is_cancelled() {
+                return Ok(Claim::Cancelled);
+            }
+            if !self.ensure_reading(cancel).await? {
+                return Ok(Claim::Cancelled);
+            }
+            if !self.turn_valid() {
+                continue;
+            }
+            self.pull()?;
+            let now = Instant::now();
+            if self.window.has_ready(now) {
+                let batch_size = self.config.batch_size as usize;
+                let (rows, unreadable) = self.window.next_batch(now, batch_size, self.config.batch_max_bytes);
+                if !rows.is_empty() {
+                    let rows: Arc<[OutboxRow]> = rows.into();
+                    self.at_sink = Some((Arc::clone(&rows), now));
+                    let full = self.window.has_ready(now);
+                    return Ok(Claim::Batch(Batch {
+                        rows,
+                        unreadable,
+                        full,
+                        overlapped: false,
+                    }));
+                }
+            }
+            self.flush().await?;
+            self.check_slot().await?;
+            if self.config.drain && self.drained().await? {
+                return Ok(Claim::Drained);
+            }
+            match self.wait(cancel).await {
+                Woke::Cancelled => return Ok(Claim::Cancelled),
+                Woke::Event(event) => self.handle(event)?,
+                Woke::Tick | Woke::Lapsed => {}
+            }
+        }
+    }
+
+    fn may_deliver(&self) -> bool {
+        self.turn_valid()
+    }
+
+    async fn give_back(&mut self) -> Result<(), SourceError> {
+        // Only when the turn ran out: whoever reads next reads it again.
+        self.reset();
+        Ok(())
+    }
+
+    fn lapse(&self) -> BoxFuture<'static, ()> {
+        match &self.turn {
+            Some(t) => t.lapse(),
+            None => futures::future::pending().boxed(),
+        }
+    }
+
+    async fn overlap(&mut self, _full: bool) -> Result<(), SourceError> {
+        // The previous batch's writes, while this one is at the sink.
+        self.flush().await
+    }
+
+    fn settle(&mut self, plan: Plan) {
+        let Some((rows, started)) = self.at_sink.take() else {
+            return;
+        };
+        self.window.settle(&rows, &plan.failures, Instant::now());
+        self.gauges.window.set(self.window.unfinished() as f64);
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .delivered
+            .fetch_add(plan.published as u64, Ordering::Relaxed);
+        self.metrics
+            .committed(rows.len(), started.elapsed().as_secs_f64(), &plan.tallies);
+        debug!(
+            rows = rows.len(),
+            delivered = plan.published,
+            failed = plan.failures.ids.len(),
+            "batch settled"
+        );
+        if !self.signalled_batch {
+            self.signalled_batch = true;
+            outbox::notify::send("OUTBOX_BATCH=committed");
+        }
+    }
+
+    async fn hold(&mut self) -> Result<(), SourceError> {
+        self.flush().await
+    }
+
+    async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
+        let error = error_chain(&error);
+        warn!(%error, "log tailing: reading again from the slot's confirmed position");
+        health::global().postgres(Some(format!("reconnecting: {error}")));
+        self.reset();
+        tokio::select! {
+            () = cancel.cancelled() => false,
+            () = tokio::time::sleep(Duration::from_millis(500)) => true,
+        }
+    }
+
+    async fn finish(mut self) {
+        if let Err(error) = self.flush().await {
+            warn!(error = %error_chain(&error), "the last writes failed; their events will be read again");
+            return;
+        }
+        let Some(mut stream) = self.stream.take() else { return };
+        // The confirmed position goes out with the next status update;
+        // wait for it (briefly) so a restart re-sends as little as possible.
+        let sent = stream.client.metrics();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline && sent.last_applied_lsn().as_u64() < self.confirmed {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = stream.client.shutdown().await;
+    }
+}

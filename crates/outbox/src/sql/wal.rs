@@ -1,0 +1,488 @@
+//! Log tailing's statements with typed parameters and rows: the checks and
+//! objects `outbox migrate --wal` creates (publication, slot), the slot's
+//! state, the table-less `emit`, what the WAL source writes back (dead
+//! letters, deletes of delivered rows), whose turn it is to read the slot,
+//! and the recovery after PostgreSQL invalidated it.
+//!
+//! Replication itself (`START_REPLICATION`) runs on a replication
+//! connection in `outbox-relay`, not here.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use tokio_postgres::types::Type;
+use tokio_postgres::{Error, GenericClient};
+use uuid::Uuid;
+
+use crate::{Config, Ident};
+
+/// `wal_level`, whether the current role may replicate, its name, and the
+/// server's version number.
+const PREREQUISITES: &str = "SELECT current_setting('wal_level'), r.rolreplication OR r.rolsuper, \
+            current_user::text, current_setting('server_version_num')::int4 \
+       FROM pg_roles AS r WHERE r.rolname = current_user";
+
+/// `$1` publication name.
+const PUBLICATION_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)";
+
+/// Inserts only: the WAL source never needs an UPDATE or DELETE, and the
+/// relay's own deletes of delivered rows must not come back to it.
+/// `publish_via_partition_root`: a daily-partitioned outbox publishes its
+/// rows as the outbox's, not as each day's partition.
+const CREATE_PUBLICATION: &str =
+    "CREATE PUBLICATION {p} FOR TABLE {t} WITH (publish = 'insert', publish_via_partition_root = true)";
+
+/// `$1` slot name. The slot's database, plugin, state (`wal_status`: `lost`
+/// once invalidated), the pid reading it, and the WAL bytes it holds back
+/// (from `restart_lsn`) and has not confirmed (from `confirmed_flush_lsn`).
+const SLOT: &str = "SELECT database::text, plugin::text, coalesce(wal_status, ''), active_pid, \
+            coalesce((pg_current_wal_lsn() - restart_lsn)::int8, 0), \
+            coalesce((pg_current_wal_lsn() - confirmed_flush_lsn)::int8, 0), \
+            coalesce(confirmed_flush_lsn::text, ''), current_database()::text \
+       FROM pg_replication_slots WHERE slot_name = $1";
+
+/// `$1` slot name. Waits for the transactions running now to end, so it
+/// must run outside a transaction that wrote.
+const CREATE_SLOT: &str = "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')";
+
+/// `$1` slot name.
+const DROP_SLOT: &str = "SELECT pg_drop_replication_slot($1)";
+
+/// `$1` prefix, `$2..$7` the event. One event as a transactional logical
+/// decoding message: decoded only if the caller's transaction commits, and
+/// no row anywhere. `created_at` is the clock at the call, as the insert's
+/// default is.
+const EMIT: &str = "SELECT pg_logical_emit_message(true, $1::text, json_build_object( \
+        'event_id', $2::uuid, 'aggregate_type', $3::text, 'aggregate_id', $4::text, \
+        'event_type', $5::text, 'payload', $6::jsonb, 'headers', $7::jsonb, \
+        'created_at', clock_timestamp())::text)";
+
+/// The same for arrays of the columns, in the caller's order.
+const EMIT_ALL: &str = "SELECT pg_logical_emit_message(true, $1::text, json_build_object( \
+        'event_id', e.event_id, 'aggregate_type', e.aggregate_type, 'aggregate_id', e.aggregate_id, \
+        'event_type', e.event_type, 'payload', e.payload, 'headers', e.headers, \
+        'created_at', clock_timestamp())::text) \
+       FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::jsonb[], $7::jsonb[]) \
+            WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
+      ORDER BY e.ord";
+
+/// `$1` ids, `$2` attempts, `$3` errors. Rows the WAL source gave up on
+/// become dead letters: no UPDATE is published, so the source never sees
+/// this, and `outbox dlq` finds them as it finds the polling relay's.
+const DEAD_ROWS: &str = "UPDATE {t} AS o SET dead_at = clock_timestamp(), attempts = d.attempts, last_error = d.error, \
+            next_attempt_at = clock_timestamp() \
+       FROM unnest($1::int8[], $2::int4[], $3::text[]) AS d(id, attempts, error) WHERE o.id = d.id";
+
+/// `$1..$9` arrays. Emitted events (no row) the WAL source gave up on are
+/// inserted as dead letters. The insert is published; the source skips
+/// rows that arrive with `dead_at` set.
+const DEAD_EMITTED: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
+            created_at, attempts, last_error, dead_at) \
+     SELECT e.*, clock_timestamp() \
+       FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], \
+                   $7::timestamptz[], $8::int4[], $9::text[]) \
+            AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, last_error)";
+
+/// `$1` ids. Delivered rows go by primary key (`--wal-cleanup delete`):
+/// the table only ever holds what is in flight.
+const DELETE_DELIVERED: &str = "DELETE FROM {t} WHERE id = ANY($1::int8[])";
+
+/// `$1` slot name. Whose turn it is to read the slot: a session advisory
+/// lock keyed by the slot's name, held by the reader for its lifetime.
+const TURN_TRY: &str = "SELECT pg_try_advisory_lock(hashtextextended('outbox wal ' || $1::text, 0))";
+
+/// `$1` slot name. The turn's holder (pid), how long since its session last
+/// changed state (the reader runs a heartbeat query every third of the
+/// lease timeout, so a long silence means frozen or cut off), and the pid
+/// streaming the slot. NULLs when nobody holds the turn, or the holder's
+/// activity is not visible to this role.
+const TURN_HOLDER: &str = "WITH k AS (SELECT hashtextextended('outbox wal ' || $1::text, 0) AS key) \
+     SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change)::float8, \
+            (SELECT s.active_pid FROM pg_replication_slots AS s WHERE s.slot_name = $1::text) \
+       FROM k, pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid \
+      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+        AND l.classid = ((k.key >> 32) & 4294967295)::oid AND l.objid = (k.key & 4294967295)::oid";
+
+/// The reader's heartbeat on the turn's session: any statement updates
+/// its `state_change`, which is what the standbys watch.
+const HEARTBEAT: &str = "SELECT 1";
+
+/// `$1` prefix. A non-transactional message the WAL source reads back once
+/// it has read everything committed before it: how a drain knows it is
+/// done.
+const DRAIN_MARKER: &str = "SELECT pg_logical_emit_message(false, $1::text, '')::text";
+
+/// `$1` pid. Waits up to 1 s for the backend to exit.
+const TERMINATE: &str = "SELECT pg_terminate_backend($1::int4, 1000)";
+
+/// Takes writers out for the recovery's transaction: rows committed while
+/// it re-inserts would otherwise overtake the older ones it re-inserts.
+const LOCK_WRITERS: &str = "LOCK TABLE {t} IN SHARE ROW EXCLUSIVE MODE";
+
+/// `$1` oldest `created_at` to re-send, or NULL for all. After the slot was
+/// recreated: every row not delivered (not dead) is deleted and inserted
+/// again, same id and columns, in id order, so the new slot decodes them.
+/// Returns how many.
+const REINSERT_PENDING: &str = "WITH gone AS ( \
+        DELETE FROM {t} WHERE published_at IS NULL AND dead_at IS NULL \
+           AND ($1::timestamptz IS NULL OR created_at >= $1::timestamptz) RETURNING *), \
+     again AS (INSERT INTO {t} SELECT * FROM gone ORDER BY id RETURNING 1) \
+     SELECT count(*) FROM again";
+
+/// Log tailing's statements for one outbox table, rendered.
+#[derive(Debug, Clone)]
+pub struct WalSql {
+    slot: String,
+    publication: Ident,
+    prefix: String,
+    create_publication: String,
+    dead_rows: String,
+    dead_emitted: String,
+    delete_delivered: String,
+    lock_writers: String,
+    reinsert_pending: String,
+}
+
+/// What the server allows: checked before anything is created or read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prerequisites {
+    /// `wal_level`.
+    pub wal_level: String,
+    /// Whether the role has REPLICATION (or is a superuser).
+    pub may_replicate: bool,
+    /// The role's name.
+    pub role: String,
+    /// `server_version_num`, e.g. 150004.
+    pub server_version: i32,
+}
+
+impl Prerequisites {
+    /// The first thing that stops log tailing, as the error naming its fix.
+    pub fn check(&self) -> Result<(), crate::Error> {
+        if self.wal_level != "logical" {
+            return Err(crate::Error::WalLevel {
+                found: self.wal_level.clone(),
+            });
+        }
+        if !self.may_replicate {
+            return Err(crate::Error::NoReplication {
+                role: self.role.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A replication slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SlotState {
+    /// The slot's name.
+    pub slot: String,
+    /// The database it decodes.
+    pub database: String,
+    /// Its output plugin.
+    pub plugin: String,
+    /// `reserved`, `extended`, `unreserved`, or `lost` once invalidated.
+    pub wal_status: String,
+    /// The backend streaming it, if one is.
+    pub active_pid: Option<i32>,
+    /// WAL bytes it keeps PostgreSQL from removing (from `restart_lsn`).
+    pub retained_bytes: i64,
+    /// WAL bytes written since its confirmed position.
+    pub lag_bytes: i64,
+    /// Its confirmed position, as PostgreSQL prints LSNs.
+    pub confirmed_lsn: String,
+    /// The database this was asked from.
+    pub current_database: String,
+}
+
+impl SlotState {
+    /// Whether PostgreSQL invalidated it.
+    pub fn is_lost(&self) -> bool {
+        self.wal_status == "lost"
+    }
+}
+
+/// Who holds the turn to read the slot.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TurnHolder {
+    /// The session holding the turn.
+    pub pid: i32,
+    /// Seconds since that session last changed state; `None` when its
+    /// activity is not visible to this role.
+    pub silent_secs: Option<f64>,
+    /// The backend streaming the slot, if any.
+    pub streaming_pid: Option<i32>,
+}
+
+/// A dead letter of an event that has no row (emitted), as its columns.
+#[derive(Debug, Clone, Copy)]
+pub struct EmittedDead<'a> {
+    /// The events' ids.
+    pub event_ids: &'a [Uuid],
+    /// Their aggregate types.
+    pub aggregate_types: &'a [String],
+    /// Their aggregate ids.
+    pub aggregate_ids: &'a [String],
+    /// Their event types.
+    pub event_types: &'a [String],
+    /// Their payloads.
+    pub payloads: &'a [Value],
+    /// Their headers.
+    pub headers: &'a [Value],
+    /// When each was emitted.
+    pub created_at: &'a [DateTime<Utc>],
+    /// Attempts spent on each.
+    pub attempts: &'a [i32],
+    /// Each one's last error.
+    pub errors: &'a [String],
+}
+
+impl WalSql {
+    /// Renders the statements for `config`'s table.
+    pub fn new(config: &Config) -> Result<Self, crate::Error> {
+        let t = config.qualified();
+        let publication = config.wal_publication()?;
+        let render = |template: &str| template.replace("{t}", &t).replace("{p}", &publication.quoted());
+        Ok(Self {
+            slot: config.wal_slot()?,
+            prefix: config.wal_prefix(),
+            create_publication: render(CREATE_PUBLICATION),
+            dead_rows: render(DEAD_ROWS),
+            dead_emitted: render(DEAD_EMITTED),
+            delete_delivered: render(DELETE_DELIVERED),
+            lock_writers: render(LOCK_WRITERS),
+            reinsert_pending: render(REINSERT_PENDING),
+            publication,
+        })
+    }
+
+    /// The slot's name.
+    pub fn slot(&self) -> &str {
+        &self.slot
+    }
+
+    /// The publication's name.
+    pub fn publication(&self) -> &str {
+        self.publication.as_str()
+    }
+
+    /// The logical decoding message prefix of emitted events.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// What the server allows.
+    pub async fn prerequisites(&self, client: &impl GenericClient) -> Result<Prerequisites, Error> {
+        let row = client.query_one(PREREQUISITES, &[]).await?;
+        Ok(Prerequisites {
+            wal_level: row.try_get(0)?,
+            may_replicate: row.try_get(1)?,
+            role: row.try_get(2)?,
+            server_version: row.try_get(3)?,
+        })
+    }
+
+    /// Whether the publication exists in this database.
+    pub async fn publication_exists(&self, client: &impl GenericClient) -> Result<bool, Error> {
+        client
+            .query_one(PUBLICATION_EXISTS, &[&self.publication.as_str()])
+            .await?
+            .try_get(0)
+    }
+
+    /// Creates the publication (inserts only).
+    pub async fn create_publication(&self, client: &impl GenericClient) -> Result<(), Error> {
+        client.batch_execute(&self.create_publication).await
+    }
+
+    /// The slot, if it exists.
+    pub async fn slot_state(&self, client: &impl GenericClient) -> Result<Option<SlotState>, Error> {
+        let Some(row) = client.query_opt(SLOT, &[&self.slot]).await? else {
+            return Ok(None);
+        };
+        Ok(Some(SlotState {
+            slot: self.slot.clone(),
+            database: row.try_get(0)?,
+            plugin: row.try_get(1)?,
+            wal_status: row.try_get(2)?,
+            active_pid: row.try_get(3)?,
+            retained_bytes: row.try_get(4)?,
+            lag_bytes: row.try_get(5)?,
+            confirmed_lsn: row.try_get(6)?,
+            current_database: row.try_get(7)?,
+        }))
+    }
+
+    /// Creates the slot; returns its start position. Waits for the
+    /// transactions running now to end.
+    pub async fn create_slot(&self, client: &impl GenericClient) -> Result<String, Error> {
+        client.query_one(CREATE_SLOT, &[&self.slot]).await?.try_get(0)
+    }
+
+    /// Drops the slot (nobody may be streaming it).
+    pub async fn drop_slot(&self, client: &impl GenericClient) -> Result<(), Error> {
+        client.execute(DROP_SLOT, &[&self.slot]).await.map(drop)
+    }
+
+    /// Records dead letters of rows; returns how many rows changed.
+    pub async fn dead_rows(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+        attempts: &[i32],
+        errors: &[String],
+    ) -> Result<u64, Error> {
+        client
+            .execute_typed(
+                &self.dead_rows,
+                &[
+                    (&ids, Type::INT8_ARRAY),
+                    (&attempts, Type::INT4_ARRAY),
+                    (&errors, Type::TEXT_ARRAY),
+                ],
+            )
+            .await
+    }
+
+    /// Records dead letters of emitted events as rows.
+    pub async fn dead_emitted(&self, client: &impl GenericClient, d: &EmittedDead<'_>) -> Result<u64, Error> {
+        client
+            .execute_typed(
+                &self.dead_emitted,
+                &[
+                    (&d.event_ids, Type::UUID_ARRAY),
+                    (&d.aggregate_types, Type::TEXT_ARRAY),
+                    (&d.aggregate_ids, Type::TEXT_ARRAY),
+                    (&d.event_types, Type::TEXT_ARRAY),
+                    (&d.payloads, Type::JSONB_ARRAY),
+                    (&d.headers, Type::JSONB_ARRAY),
+                    (&d.created_at, Type::TIMESTAMPTZ_ARRAY),
+                    (&d.attempts, Type::INT4_ARRAY),
+                    (&d.errors, Type::TEXT_ARRAY),
+                ],
+            )
+            .await
+    }
+
+    /// Deletes delivered rows by id; returns how many were still there.
+    pub async fn delete_delivered(&self, client: &impl GenericClient, ids: &[i64]) -> Result<u64, Error> {
+        client
+            .execute_typed(&self.delete_delivered, &[(&ids, Type::INT8_ARRAY)])
+            .await
+    }
+
+    /// Tries to take the turn to read the slot, for this session's lifetime.
+    pub async fn try_turn(&self, client: &impl GenericClient) -> Result<bool, Error> {
+        client.query_one(TURN_TRY, &[&self.slot]).await?.try_get(0)
+    }
+
+    /// Who holds the turn, if anybody.
+    pub async fn turn_holder(&self, client: &impl GenericClient) -> Result<Option<TurnHolder>, Error> {
+        let Some(row) = client.query_opt(TURN_HOLDER, &[&self.slot]).await? else {
+            return Ok(None);
+        };
+        Ok(Some(TurnHolder {
+            pid: row.try_get(0)?,
+            silent_secs: row.try_get(1)?,
+            streaming_pid: row.try_get(2)?,
+        }))
+    }
+
+    /// Writes the drain marker with `prefix`.
+    pub async fn drain_marker(&self, client: &impl GenericClient, prefix: &str) -> Result<(), Error> {
+        client.query_one(DRAIN_MARKER, &[&prefix]).await.map(drop)
+    }
+
+    /// One heartbeat of the turn's holder.
+    pub async fn heartbeat(&self, client: &impl GenericClient) -> Result<(), Error> {
+        client.batch_execute(HEARTBEAT).await
+    }
+
+    /// Terminates a backend; false if it was gone or not ours to signal.
+    pub async fn terminate(&self, client: &impl GenericClient, pid: i32) -> Result<bool, Error> {
+        client.query_one(TERMINATE, &[&pid]).await?.try_get(0)
+    }
+
+    /// In the recovery's transaction: blocks writers until it commits.
+    pub async fn lock_writers(&self, tx: &impl GenericClient) -> Result<(), Error> {
+        tx.batch_execute(&self.lock_writers).await
+    }
+
+    /// Deletes and re-inserts every undelivered row (created at or after
+    /// `since`, if given) so a new slot decodes them; returns how many.
+    pub async fn reinsert_pending(
+        &self,
+        tx: &impl GenericClient,
+        since: Option<DateTime<Utc>>,
+    ) -> Result<i64, Error> {
+        tx.query_one(&self.reinsert_pending, &[&since]).await?.try_get(0)
+    }
+
+}
+
+/// Emits one event with `prefix` in the caller's transaction.
+pub(crate) async fn emit(client: &impl GenericClient, prefix: &str, e: &crate::Event) -> Result<(), Error> {
+    let headers = Value::Object(e.headers.clone());
+    client
+        .execute_typed(
+            EMIT,
+            &[
+                (&prefix, Type::TEXT),
+                (&e.event_id, Type::UUID),
+                (&e.aggregate_type, Type::TEXT),
+                (&e.aggregate_id, Type::TEXT),
+                (&e.event_type, Type::TEXT),
+                (&e.payload, Type::JSONB),
+                (&headers, Type::JSONB),
+            ],
+        )
+        .await
+        .map(drop)
+}
+
+/// Emits events in order with `prefix` in the caller's transaction, in one
+/// round trip.
+pub(crate) async fn emit_all(
+    client: &impl GenericClient,
+    prefix: &str,
+    c: &crate::writer::Columns,
+) -> Result<(), Error> {
+    client
+        .execute_typed(
+            EMIT_ALL,
+            &[
+                (&prefix, Type::TEXT),
+                (&c.ids, Type::UUID_ARRAY),
+                (&c.types, Type::TEXT_ARRAY),
+                (&c.aggregates, Type::TEXT_ARRAY),
+                (&c.event_types, Type::TEXT_ARRAY),
+                (&c.payloads, Type::JSONB_ARRAY),
+                (&c.headers, Type::JSONB_ARRAY),
+            ],
+        )
+        .await
+        .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_table_and_statements_are_rendered() {
+        let config = Config::new("app", "events").unwrap();
+        let sql = WalSql::new(&config).unwrap();
+        assert_eq!(sql.slot(), "app_events");
+        assert_eq!(sql.publication(), "events_wal");
+        assert_eq!(sql.prefix(), "outbox:app.events");
+        for s in [&sql.create_publication, &sql.dead_rows, &sql.reinsert_pending] {
+            assert!(s.contains("\"app\".\"events\""), "{s}");
+            assert!(!s.contains("{t}") && !s.contains("{p}"), "{s}");
+        }
+        assert!(sql.create_publication.contains("\"events_wal\""));
+        let long = Config::new("a_rather_long_schema_name_here", "and_a_rather_long_table_name_too_yes").unwrap();
+        assert!(WalSql::new(&long).is_err(), "a slot name over 63 bytes is refused");
+    }
+}

@@ -1,0 +1,205 @@
+//! Setting up log tailing, checking it, and recovering from a lost slot.
+//!
+//! `outbox migrate --wal` ([`migrate_wal`]) creates what the WAL source
+//! reads: a publication of the outbox's inserts and a logical replication
+//! slot with the pgoutput plugin. The relay runs [`check_wal`] at startup so
+//! a server without `wal_level = logical`, a role without REPLICATION, or a
+//! missing or invalidated slot is refused with the fix in the message.
+//!
+//! PostgreSQL invalidates a slot that falls more than
+//! `max_slot_wal_keep_size` behind: the WAL it needed is gone.
+//! [`recover_wal`] recreates it and re-inserts every row the table still
+//! holds undelivered, so the new slot decodes them: nothing that was
+//! inserted is lost. Emitted events (no row) in the lost WAL cannot be
+//! recovered; that is why `max_slot_wal_keep_size` defaults to unlimited.
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::Client;
+
+use crate::sql::{SlotState, WalSql};
+use crate::{Config, Error};
+
+/// What [`migrate_wal`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalSetup {
+    /// The slot's name.
+    pub slot: String,
+    /// The publication's name.
+    pub publication: String,
+    /// Whether this call created the publication.
+    pub created_publication: bool,
+    /// Whether this call created the slot.
+    pub created_slot: bool,
+}
+
+/// What [`recover_wal`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalRecovery {
+    /// The slot's name.
+    pub slot: String,
+    /// Whether a lost slot was dropped first.
+    pub dropped: bool,
+    /// Undelivered rows re-inserted for the new slot.
+    pub reinserted: i64,
+}
+
+async fn prerequisites(client: &Client, sql: &WalSql) -> Result<(), Error> {
+    sql.prerequisites(client)
+        .await
+        .map_err(Error::pg("checking wal_level and the role's REPLICATION attribute"))?
+        .check()
+}
+
+/// The slot, refusing one of another database or plugin.
+async fn slot(client: &Client, sql: &WalSql) -> Result<Option<SlotState>, Error> {
+    let state = sql
+        .slot_state(client)
+        .await
+        .map_err(Error::pg("reading the replication slot"))?;
+    if let Some(s) = &state {
+        if s.database != s.current_database {
+            return Err(Error::WalNotSetUp {
+                what: format!(
+                    "the replication slot {} decodes database {}, not {} (slot names are per cluster; use another --schema or --table)",
+                    s.slot, s.database, s.current_database
+                ),
+            });
+        }
+        if s.plugin != "pgoutput" {
+            return Err(Error::WalNotSetUp {
+                what: format!(
+                    "the replication slot {} uses the {} plugin, not pgoutput: drop it",
+                    s.slot, s.plugin
+                ),
+            });
+        }
+    }
+    Ok(state)
+}
+
+/// Creates the publication and the slot for `config`'s outbox, if missing.
+/// Idempotent. The slot starts at the current position: rows committed
+/// before it are not decoded (a new setup has none; see [`recover_wal`]).
+pub async fn migrate_wal(client: &Client, config: &Config) -> Result<WalSetup, Error> {
+    let sql = WalSql::new(config)?;
+    prerequisites(client, &sql).await?;
+    let created_publication = !sql
+        .publication_exists(client)
+        .await
+        .map_err(Error::pg("looking for the publication"))?;
+    if created_publication {
+        sql.create_publication(client)
+            .await
+            .map_err(Error::pg("creating the publication of the outbox's inserts"))?;
+    }
+    let created_slot = match slot(client, &sql).await? {
+        Some(s) if s.is_lost() => return Err(Error::SlotInvalidated { slot: s.slot }),
+        Some(_) => false,
+        None => {
+            sql.create_slot(client)
+                .await
+                .map_err(Error::pg("creating the logical replication slot"))?;
+            true
+        }
+    };
+    Ok(WalSetup {
+        slot: sql.slot().to_owned(),
+        publication: sql.publication().to_owned(),
+        created_publication,
+        created_slot,
+    })
+}
+
+/// What the relay checks before reading: the server, the role, the
+/// publication and a usable slot. Returns the slot's state.
+pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Error> {
+    let sql = WalSql::new(config)?;
+    prerequisites(client, &sql).await?;
+    if !sql
+        .publication_exists(client)
+        .await
+        .map_err(Error::pg("looking for the publication"))?
+    {
+        return Err(Error::WalNotSetUp {
+            what: format!("the publication {} does not exist", sql.publication()),
+        });
+    }
+    match slot(client, &sql).await? {
+        None => Err(Error::WalNotSetUp {
+            what: format!("the replication slot {} does not exist", sql.slot()),
+        }),
+        Some(s) if s.is_lost() => Err(Error::SlotInvalidated { slot: s.slot }),
+        Some(s) => Ok(s),
+    }
+}
+
+/// After PostgreSQL invalidated the slot: drops it, creates it again, and
+/// in one transaction that holds writers off re-inserts every undelivered
+/// row (created at or after `since`, if given) so the new slot decodes
+/// them. Rows committed between the new slot and that transaction are
+/// decoded twice (a duplicate, never a loss). Refuses a healthy slot, and
+/// one a relay is still streaming.
+pub async fn recover_wal(
+    client: &mut Client,
+    config: &Config,
+    since: Option<DateTime<Utc>>,
+) -> Result<WalRecovery, Error> {
+    let sql = WalSql::new(config)?;
+    prerequisites(client, &sql).await?;
+    let dropped = match slot(client, &sql).await? {
+        Some(s) if s.is_lost() => {
+            if let Some(pid) = s.active_pid {
+                return Err(Error::WalNotSetUp {
+                    what: format!(
+                        "the replication slot {} is still streamed by pid {pid}: stop the relay first",
+                        s.slot
+                    ),
+                });
+            }
+            sql.drop_slot(&*client)
+                .await
+                .map_err(Error::pg("dropping the invalidated slot"))?;
+            true
+        }
+        Some(s) => {
+            return Err(Error::WalNotSetUp {
+                what: format!(
+                    "the replication slot {} is healthy (wal_status {}), there is nothing to recover",
+                    s.slot, s.wal_status
+                ),
+            });
+        }
+        None => false,
+    };
+    if !sql
+        .publication_exists(&*client)
+        .await
+        .map_err(Error::pg("looking for the publication"))?
+    {
+        sql.create_publication(&*client)
+            .await
+            .map_err(Error::pg("creating the publication of the outbox's inserts"))?;
+    }
+    sql.create_slot(&*client)
+        .await
+        .map_err(Error::pg("creating the logical replication slot"))?;
+    let tx = client
+        .transaction()
+        .await
+        .map_err(Error::pg("starting the recovery transaction"))?;
+    sql.lock_writers(&tx)
+        .await
+        .map_err(Error::pg("locking writers out of the outbox"))?;
+    let reinserted = sql
+        .reinsert_pending(&tx, since)
+        .await
+        .map_err(Error::pg("re-inserting the undelivered rows"))?;
+    tx.commit()
+        .await
+        .map_err(Error::pg("committing the recovery"))?;
+    Ok(WalRecovery {
+        slot: sql.slot().to_owned(),
+        dropped,
+        reinserted,
+    })
+}
