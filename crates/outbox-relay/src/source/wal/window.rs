@@ -557,11 +557,12 @@ mod tests {
         let (rows, _) = w.next_batch(now, 10, 15);
         assert_eq!(ids(&rows), [1], "the second would pass 15 bytes");
         w.settle(&rows, &Failures::default(), now);
-        assert!(!w.has_room(), "finished, not yet confirmed to the server");
+        assert!(w.has_room(), "one unfinished");
         let (rows, _) = w.next_batch(now, 10, 5);
         assert_eq!(ids(&rows), [2], "always the first");
         w.settle(&rows, &Failures::default(), now);
         assert_eq!(w.take_writes().1, Some(5));
+        assert!(!w.has_room(), "finished, not yet sent to the server");
         assert!(w.awaits_confirmation());
         w.sent(4);
         assert!(!w.has_room());
