@@ -206,3 +206,118 @@ async fn without_wal_level_logical_the_relay_and_migrate_exit_2_naming_the_setti
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("wal_level is replica"), "{}", text(&out.stderr));
 }
+
+/// Sessions of relays' turn connections (readers and standbys).
+async fn turn_sessions(db: &WalDb) -> i64 {
+    db.count("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay turn'")
+        .await
+}
+
+#[tokio::test]
+async fn a_standby_takes_over_when_the_reader_is_killed() {
+    let mut db = WalDb::start().await;
+    let redis = Redis::start().await.unwrap();
+    let args = ["--source", "wal", "--lease-timeout", "3s"];
+    let mut reader = start_relay(&db.url, &redis.url(), &args, &[]).await;
+    db.insert(100, 10).await;
+    wait_until("the reader delivered", LONG, || async { stream_len(&redis).await == 100 }).await;
+    let standby = start_relay(&db.url, &redis.url(), &args, &[]).await;
+    wait_until("the standby waits for its turn", LONG, || async { turn_sessions(&db).await == 2 }).await;
+    reader.kill().unwrap();
+    db.insert(100, 10).await;
+    wait_until("the standby delivered the rest", LONG, || async {
+        distinct_events(&read_stream(&redis.url(), "outbox.event.orders").await) == 200
+    })
+    .await;
+    stop_relay(standby).await;
+}
+
+#[tokio::test]
+async fn a_frozen_reader_loses_its_turn_and_sends_nothing_when_it_wakes() {
+    use nix::sys::signal::Signal;
+    use outbox_testkit::{Receiver, Respond};
+
+    let mut db = WalDb::start().await;
+    // Each relay has a sink of its own, so what each sent can be told apart.
+    let mut first = Receiver::start(Respond::Ok).await.unwrap();
+    let second = Receiver::start(Respond::Ok).await.unwrap();
+    let args = ["--source", "wal", "--lease-timeout", "3s"];
+    let reader = start_relay(&db.url, &first.url(), &args, &[]).await;
+    db.insert(5, 5).await;
+    first.wait_for_count(5, LONG).await.unwrap();
+    // The reader's sink goes away: it reads the next events, finds the sink
+    // unavailable and keeps them in memory while it probes.
+    first.stop().await;
+    db.insert(20, 5).await;
+    let standby = start_relay(&db.url, &second.url(), &args, &[]).await;
+    wait_until("the standby waits for its turn", LONG, || async { turn_sessions(&db).await == 2 }).await;
+    reader.signal(Signal::SIGSTOP).unwrap();
+    // Silent past two thirds of the lease timeout: the standby terminates
+    // the frozen reader's sessions and delivers what it held.
+    second.wait_for_count(20, LONG).await.unwrap();
+    first.restart().await.unwrap();
+    reader.signal(Signal::SIGCONT).unwrap();
+    // The woken relay finds its turn gone and queues up as a standby.
+    wait_until("the woken relay is a standby", LONG, || async { turn_sessions(&db).await == 2 }).await;
+    db.insert(10, 5).await;
+    second.wait_for_count(30, LONG).await.unwrap();
+    assert_eq!(first.count(), 5, "the woken relay sent nothing it held");
+    stop_relay(reader).await;
+    stop_relay(standby).await;
+}
+
+#[tokio::test]
+async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_s_rows() {
+    let pg = Postgres::start_with(
+        PgSettings::default()
+            .set("wal_level", "logical")
+            .set("max_slot_wal_keep_size", "1MB"),
+    )
+    .await
+    .unwrap();
+    let url = pg.fresh_database().await.unwrap();
+    let mut client = connect(&url).await;
+    outbox::migrate(&mut client, &Config::default()).await.unwrap();
+    outbox::wal::migrate_wal(&client, &Config::default()).await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let events: Vec<Event> = (0..50)
+        .map(|i| Event::new("orders", format!("o{}", i % 5), "E", json!({"i": i})))
+        .collect();
+    Outbox::default().enqueue_all(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    // Nobody reads the slot while WAL piles up past max_slot_wal_keep_size.
+    for _ in 0..4 {
+        client
+            .batch_execute("CREATE TABLE IF NOT EXISTS junk (x int); INSERT INTO junk VALUES (1); SELECT pg_switch_wal()")
+            .await
+            .unwrap();
+    }
+    client.batch_execute("CHECKPOINT").await.unwrap();
+    let status: String = client
+        .query_one("SELECT wal_status FROM pg_replication_slots", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "lost");
+    let env = [("DATABASE_URL", url.as_str())];
+    let out = run_cli(&["relay", "--sink", &redis.url(), "--source", "wal"], &env).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("outbox migrate --wal --recover"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run_cli(&["migrate", "--wal", "--recover"], &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("re-inserted 50"), "{}", text(&out.stdout));
+    let relay = start_relay(&url, &redis.url(), WAL, &[]).await;
+    wait_until("the table's rows delivered", LONG, || async {
+        read_stream(&redis.url(), "outbox.event.orders").await.len() == 50
+    })
+    .await;
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    assert_eq!(distinct_events(&events), 50);
+    assert_eq!(order_violations(&events), 0);
+    stop_relay(relay).await;
+}

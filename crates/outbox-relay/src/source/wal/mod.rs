@@ -221,7 +221,13 @@ impl WalSource {
                             said_busy = true;
                         }
                     }
-                    Err(e) => return Err(SourceError::Replication(e)),
+                    Err(e) => {
+                        // A slot PostgreSQL invalidated or someone dropped
+                        // fails every reconnect: stop and say so.
+                        self.slot_checked = None;
+                        self.check_slot().await?;
+                        return Err(SourceError::Replication(e));
+                    }
                 }
                 tokio::select! {
                     () = cancel.cancelled() => return Ok(false),
