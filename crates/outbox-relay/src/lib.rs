@@ -53,8 +53,8 @@ mod wake;
 
 pub use backlog::Backlog;
 pub use backoff::Backoff;
-pub use failpoint::Failpoint;
 pub use config::{SourceKind, WalCleanup, WalSettings};
+pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use retention::Retention;
 pub use sink::{Delivery, DeliveryError, PerSinkOptions, Sink, SinkError, SinkOptions};

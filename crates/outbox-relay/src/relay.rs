@@ -49,8 +49,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::breaker::{Breaker, CircuitState, Probed};
-pub use crate::config::{OrderMode, RelayConfig};
 use crate::config::SourceKind;
+pub use crate::config::{OrderMode, RelayConfig};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
 use crate::metric::{BatchMetrics, DeliveryMetrics};

@@ -61,9 +61,9 @@ pub mod partitions;
 pub mod retention;
 mod schema;
 pub mod sql;
-pub mod webhooks;
 #[cfg(feature = "tokio-postgres")]
 pub mod wal;
+pub mod webhooks;
 #[cfg(feature = "tokio-postgres")]
 pub mod worker;
 mod writer;

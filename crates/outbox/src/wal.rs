@@ -46,7 +46,9 @@ pub struct WalRecovery {
 async fn prerequisites(client: &Client, sql: &WalSql) -> Result<(), Error> {
     sql.prerequisites(client)
         .await
-        .map_err(Error::pg("checking wal_level and the role's REPLICATION attribute"))?
+        .map_err(Error::pg(
+            "checking wal_level and the role's REPLICATION attribute",
+        ))?
         .check()
 }
 
@@ -194,9 +196,7 @@ pub async fn recover_wal(
         .reinsert_pending(&tx, since)
         .await
         .map_err(Error::pg("re-inserting the undelivered rows"))?;
-    tx.commit()
-        .await
-        .map_err(Error::pg("committing the recovery"))?;
+    tx.commit().await.map_err(Error::pg("committing the recovery"))?;
     Ok(WalRecovery {
         slot: sql.slot().to_owned(),
         dropped,

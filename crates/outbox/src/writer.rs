@@ -187,7 +187,11 @@ mod pg {
 
         /// Emits many events in order in one round trip (see
         /// [`Outbox::emit`]); returns their `event_id`s.
-        pub async fn emit_all<C: GenericClient>(&self, client: &C, events: &[Event]) -> Result<Vec<Uuid>, Error> {
+        pub async fn emit_all<C: GenericClient>(
+            &self,
+            client: &C,
+            events: &[Event],
+        ) -> Result<Vec<Uuid>, Error> {
             if events.is_empty() {
                 return Ok(Vec::new());
             }

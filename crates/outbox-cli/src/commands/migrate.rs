@@ -8,7 +8,11 @@ use crate::cli::{Global, MigrateArgs, PartitionBy};
 const PREMAKE: u32 = 3;
 
 /// `--wal`: the publication and slot, or `--recover` a lost slot.
-async fn wal(client: &mut tokio_postgres::Client, config: &outbox::Config, args: &MigrateArgs) -> anyhow::Result<()> {
+async fn wal(
+    client: &mut tokio_postgres::Client,
+    config: &outbox::Config,
+    args: &MigrateArgs,
+) -> anyhow::Result<()> {
     if args.recover {
         let done = outbox::wal::recover_wal(client, config, args.since)
             .await

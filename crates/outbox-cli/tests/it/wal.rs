@@ -30,7 +30,9 @@ impl WalDb {
             .expect("start postgres");
         let url = pg.fresh_database().await.expect("create database");
         let mut client = connect(&url).await;
-        outbox::migrate(&mut client, &Config::default()).await.expect("migrate");
+        outbox::migrate(&mut client, &Config::default())
+            .await
+            .expect("migrate");
         outbox::wal::migrate_wal(&client, &Config::default())
             .await
             .expect("migrate --wal");
@@ -47,7 +49,12 @@ impl WalDb {
         let events: Vec<Event> = (0..n)
             .map(|i| {
                 let agg = i % aggregates;
-                Event::new("orders", format!("order-{agg}"), "Step", json!({"agg": agg, "seq": i / aggregates}))
+                Event::new(
+                    "orders",
+                    format!("order-{agg}"),
+                    "Step",
+                    json!({"agg": agg, "seq": i / aggregates}),
+                )
             })
             .collect();
         for chunk in events.chunks(100) {
@@ -71,7 +78,10 @@ async fn the_wal_source_delivers_5000_events_of_500_aggregates_once_each_in_orde
     let redis = Redis::start().await.unwrap();
     let relay = start_relay(&db.url, &redis.url(), WAL, &[]).await;
     db.insert(5000, 500).await;
-    wait_until("5000 delivered", LONG, || async { stream_len(&redis).await >= 5000 }).await;
+    wait_until("5000 delivered", LONG, || async {
+        stream_len(&redis).await >= 5000
+    })
+    .await;
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     assert_eq!(events.len(), 5000, "each exactly once");
     assert_eq!(distinct_events(&events), 5000);
@@ -80,7 +90,11 @@ async fn the_wal_source_delivers_5000_events_of_500_aggregates_once_each_in_orde
         db.count("SELECT count(*) FROM outbox").await == 0
     })
     .await;
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")
+            .await,
+        0
+    );
     stop_relay(relay).await;
 }
 
@@ -141,7 +155,11 @@ async fn an_emitted_event_is_delivered_once_if_committed_and_never_if_rolled_bac
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     assert_eq!(events.len(), 2);
     assert_eq!(events[0].event_id, kept.event_id.to_string());
-    assert!(events.iter().all(|e| e.event_id != rolled_back.event_id.to_string()));
+    assert!(
+        events
+            .iter()
+            .all(|e| e.event_id != rolled_back.event_id.to_string())
+    );
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0, "no row, ever");
     stop_relay(relay).await;
 }
@@ -153,7 +171,10 @@ async fn kill_9_mid_stream_loses_nothing_and_resends_at_most_the_window() {
     let args = ["--source", "wal", "--wal-window", "200", "--batch-size", "50"];
     let mut relay = start_relay(&db.url, &redis.url(), &args, &[]).await;
     db.insert(3000, 100).await;
-    wait_until("some delivered", LONG, || async { stream_len(&redis).await >= 500 }).await;
+    wait_until("some delivered", LONG, || async {
+        stream_len(&redis).await >= 500
+    })
+    .await;
     relay.kill().unwrap();
     let at_kill = stream_len(&redis).await;
     let relay = start_relay(&db.url, &redis.url(), &args, &[]).await;
@@ -179,7 +200,10 @@ async fn postgres_restarted_mid_stream_loses_nothing() {
     let redis = Redis::start().await.unwrap();
     let relay = start_relay(&db.url, &redis.url(), WAL, &[]).await;
     db.insert(2000, 100).await;
-    wait_until("some delivered", LONG, || async { stream_len(&redis).await >= 200 }).await;
+    wait_until("some delivered", LONG, || async {
+        stream_len(&redis).await >= 200
+    })
+    .await;
     db.pg.restart().await.unwrap();
     db.client = connect(&db.url).await;
     db.insert(1000, 100).await;
@@ -202,9 +226,17 @@ async fn without_wal_level_logical_the_relay_and_migrate_exit_2_naming_the_setti
         stderr.contains("wal_level is replica") && stderr.contains("ALTER SYSTEM SET wal_level = logical"),
         "{stderr}"
     );
-    let out = run_cli(&["relay", "--sink", "redis://127.0.0.1:1", "--source", "wal"], &env).await;
+    let out = run_cli(
+        &["relay", "--sink", "redis://127.0.0.1:1", "--source", "wal"],
+        &env,
+    )
+    .await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
-    assert!(text(&out.stderr).contains("wal_level is replica"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("wal_level is replica"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 /// Sessions of relays' turn connections (readers and standbys).
@@ -220,9 +252,15 @@ async fn a_standby_takes_over_when_the_reader_is_killed() {
     let args = ["--source", "wal", "--lease-timeout", "3s"];
     let mut reader = start_relay(&db.url, &redis.url(), &args, &[]).await;
     db.insert(100, 10).await;
-    wait_until("the reader delivered", LONG, || async { stream_len(&redis).await == 100 }).await;
+    wait_until("the reader delivered", LONG, || async {
+        stream_len(&redis).await == 100
+    })
+    .await;
     let standby = start_relay(&db.url, &redis.url(), &args, &[]).await;
-    wait_until("the standby waits for its turn", LONG, || async { turn_sessions(&db).await == 2 }).await;
+    wait_until("the standby waits for its turn", LONG, || async {
+        turn_sessions(&db).await == 2
+    })
+    .await;
     reader.kill().unwrap();
     db.insert(100, 10).await;
     wait_until("the standby delivered the rest", LONG, || async {
@@ -250,7 +288,10 @@ async fn a_frozen_reader_loses_its_turn_and_sends_nothing_when_it_wakes() {
     first.stop().await;
     db.insert(20, 5).await;
     let standby = start_relay(&db.url, &second.url(), &args, &[]).await;
-    wait_until("the standby waits for its turn", LONG, || async { turn_sessions(&db).await == 2 }).await;
+    wait_until("the standby waits for its turn", LONG, || async {
+        turn_sessions(&db).await == 2
+    })
+    .await;
     reader.signal(Signal::SIGSTOP).unwrap();
     // Silent past two thirds of the lease timeout: the standby terminates
     // the frozen reader's sessions and delivers what it held.
@@ -258,7 +299,10 @@ async fn a_frozen_reader_loses_its_turn_and_sends_nothing_when_it_wakes() {
     first.restart().await.unwrap();
     reader.signal(Signal::SIGCONT).unwrap();
     // The woken relay finds its turn gone and queues up as a standby.
-    wait_until("the woken relay is a standby", LONG, || async { turn_sessions(&db).await == 2 }).await;
+    wait_until("the woken relay is a standby", LONG, || async {
+        turn_sessions(&db).await == 2
+    })
+    .await;
     db.insert(10, 5).await;
     second.wait_for_count(30, LONG).await.unwrap();
     assert_eq!(first.count(), 5, "the woken relay sent nothing it held");
@@ -278,7 +322,9 @@ async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_
     let url = pg.fresh_database().await.unwrap();
     let mut client = connect(&url).await;
     outbox::migrate(&mut client, &Config::default()).await.unwrap();
-    outbox::wal::migrate_wal(&client, &Config::default()).await.unwrap();
+    outbox::wal::migrate_wal(&client, &Config::default())
+        .await
+        .unwrap();
     let redis = Redis::start().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let events: Vec<Event> = (0..50)
@@ -310,7 +356,11 @@ async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_
     );
     let out = run_cli(&["migrate", "--wal", "--recover"], &env).await;
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).contains("re-inserted 50"), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("re-inserted 50"),
+        "{}",
+        text(&out.stdout)
+    );
     let relay = start_relay(&url, &redis.url(), WAL, &[]).await;
     wait_until("the table's rows delivered", LONG, || async {
         read_stream(&redis.url(), "outbox.event.orders").await.len() == 50

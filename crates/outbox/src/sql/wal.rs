@@ -419,7 +419,6 @@ impl WalSql {
     ) -> Result<i64, Error> {
         tx.query_one(&self.reinsert_pending, &[&since]).await?.try_get(0)
     }
-
 }
 
 /// Emits one event with `prefix` in the caller's transaction.
@@ -482,7 +481,14 @@ mod tests {
             assert!(!s.contains("{t}") && !s.contains("{p}"), "{s}");
         }
         assert!(sql.create_publication.contains("\"events_wal\""));
-        let long = Config::new("a_rather_long_schema_name_here", "and_a_rather_long_table_name_too_yes").unwrap();
-        assert!(WalSql::new(&long).is_err(), "a slot name over 63 bytes is refused");
+        let long = Config::new(
+            "a_rather_long_schema_name_here",
+            "and_a_rather_long_table_name_too_yes",
+        )
+        .unwrap();
+        assert!(
+            WalSql::new(&long).is_err(),
+            "a slot name over 63 bytes is refused"
+        );
     }
 }

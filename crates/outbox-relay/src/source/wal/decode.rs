@@ -22,22 +22,20 @@ use uuid::Uuid;
 #[error("malformed pgoutput message: {0}")]
 pub(crate) struct Malformed(String);
 
-/// What one decoded insert or message is.
+/// An event decoded from an insert or a message. `None` where the
+/// decoders return it: not for this relay (another table, a dead letter
+/// recorded as a row, another prefix, a message type the relay does not
+/// need).
 #[derive(Debug)]
-pub(crate) enum Decoded {
-    /// An event to deliver. `unreadable`: its payload or headers could not
-    /// be parsed (why, naming the column): a dead letter, never sent.
-    Event {
-        row: OutboxRow,
-        /// The row's id in the table; `None` for an emitted event.
-        table_id: Option<i64>,
-        unreadable: Option<String>,
-        /// The payload's size as text, for `--batch-max-bytes`.
-        bytes: u64,
-    },
-    /// Not for this relay: another table, a dead letter recorded as a row,
-    /// another prefix, or a message type the relay does not need.
-    Skip,
+pub(crate) struct Decoded {
+    pub(crate) row: OutboxRow,
+    /// The row's id in the table; `None` for an emitted event.
+    pub(crate) table_id: Option<i64>,
+    /// Why its payload or headers could not be parsed (naming the column):
+    /// a dead letter, never sent.
+    pub(crate) unreadable: Option<String>,
+    /// The payload's size as text, for `--batch-max-bytes`.
+    pub(crate) bytes: u64,
 }
 
 /// The outbox's columns, by position in the tuples of its relation.
@@ -133,17 +131,17 @@ impl Decoder {
 
     /// One pgoutput message (an `XLogData` payload other than begin and
     /// commit, which the replication client reports itself).
-    pub(crate) fn data(&mut self, data: &[u8]) -> Result<Decoded, Malformed> {
+    pub(crate) fn data(&mut self, data: &[u8]) -> Result<Option<Decoded>, Malformed> {
         let mut r = Reader(data);
         match r.u8()? {
             b'R' => {
                 self.relation(&mut r)?;
-                Ok(Decoded::Skip)
+                Ok(None)
             }
             b'I' => {
                 let relid = r.u32()?;
                 let Some(Some(columns)) = self.relations.get(&relid) else {
-                    return Ok(Decoded::Skip);
+                    return Ok(None);
                 };
                 let columns = columns.clone();
                 if r.u8()? != b'N' {
@@ -154,19 +152,19 @@ impl Decoder {
             }
             // Updates, deletes, truncates, types and origins: the
             // publication sends only inserts; anything else is not ours.
-            _ => Ok(Decoded::Skip),
+            _ => Ok(None),
         }
     }
 
     /// A logical decoding message: an emitted event if its prefix is this
     /// outbox's. `lsn` names an event that came without an `event_id`, so
     /// a redelivery carries the same one.
-    pub(crate) fn message(&self, prefix: &str, content: &[u8], lsn: u64) -> Decoded {
+    pub(crate) fn message(&self, prefix: &str, content: &[u8], lsn: u64) -> Option<Decoded> {
         if prefix != self.prefix {
-            return Decoded::Skip;
+            return None;
         }
-        match serde_json::from_slice::<Emitted>(content) {
-            Ok(e) => Decoded::Event {
+        Some(match serde_json::from_slice::<Emitted>(content) {
+            Ok(e) => Decoded {
                 row: OutboxRow {
                     id: 0,
                     event_id: e.event_id.unwrap_or_else(|| Uuid::from_u64_pair(lsn, 0)),
@@ -182,7 +180,7 @@ impl Decoder {
                 unreadable: None,
                 bytes: content.len() as u64,
             },
-            Err(error) => Decoded::Event {
+            Err(error) => Decoded {
                 row: OutboxRow {
                     id: 0,
                     event_id: Uuid::from_u64_pair(lsn, 0),
@@ -198,7 +196,7 @@ impl Decoder {
                 unreadable: Some(format!("emitted message: {error}")),
                 bytes: content.len() as u64,
             },
-        }
+        })
     }
 
     fn relation(&mut self, r: &mut Reader<'_>) -> Result<(), Malformed> {
@@ -255,7 +253,7 @@ fn tuple<'a>(r: &mut Reader<'a>) -> Result<Vec<Option<&'a str>>, Malformed> {
     Ok(values)
 }
 
-fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Decoded, Malformed> {
+fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Option<Decoded>, Malformed> {
     let get = |col: Option<usize>, name: &str| -> Result<Option<&str>, Malformed> {
         let i = col.ok_or_else(|| Malformed(format!("the outbox's relation has no {name} column")))?;
         values
@@ -270,10 +268,11 @@ fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Decoded, Malformed> {
     // on) or a row inserted as published is not to be delivered.
     let set = |col: Option<usize>| col.and_then(|i| values.get(i).copied().flatten()).is_some();
     if set(c.dead_at) || set(c.published_at) {
-        return Ok(Decoded::Skip);
+        return Ok(None);
     }
     let parse = |what: &str, text: &str| -> Result<i64, Malformed> {
-        text.parse().map_err(|e| Malformed(format!("{what} {text:?}: {e}")))
+        text.parse()
+            .map_err(|e| Malformed(format!("{what} {text:?}: {e}")))
     };
     let id = parse("id", required(c.id, "id")?)?;
     let mut unreadable = None;
@@ -309,12 +308,12 @@ fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Decoded, Malformed> {
             None => 0,
         },
     };
-    Ok(Decoded::Event {
+    Ok(Some(Decoded {
         row,
         table_id: Some(id),
         unreadable,
         bytes: payload_text.len() as u64,
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -401,19 +400,16 @@ mod tests {
     #[test]
     fn an_insert_of_the_outbox_becomes_its_row() {
         let mut d = Decoder::new("public", "outbox", "outbox:public.outbox");
-        assert!(matches!(
-            d.data(&relation(7, "public", "outbox", COLS)).unwrap(),
-            Decoded::Skip
-        ));
-        let Decoded::Event {
+        assert!(d.data(&relation(7, "public", "outbox", COLS)).unwrap().is_none());
+        let Decoded {
             row,
             table_id,
             unreadable,
             ..
-        } = d.data(&insert_msg(7, &values("{\"n\": 1}", None))).unwrap()
-        else {
-            panic!("an event")
-        };
+        } = d
+            .data(&insert_msg(7, &values("{\"n\": 1}", None)))
+            .unwrap()
+            .expect("an event");
         assert_eq!((row.id, table_id, unreadable), (42, Some(42), None));
         assert_eq!(row.aggregate_id, "7");
         assert_eq!(row.payload, serde_json::json!({"n": 1}));
@@ -426,39 +422,33 @@ mod tests {
         let mut d = Decoder::new("public", "outbox", "outbox:public.outbox");
         d.data(&relation(7, "public", "outbox", COLS)).unwrap();
         d.data(&relation(8, "public", "orders", &["id"])).unwrap();
-        assert!(matches!(
-            d.data(&insert_msg(8, &[Some("1")])).unwrap(),
-            Decoded::Skip
-        ));
+        assert!(d.data(&insert_msg(8, &[Some("1")])).unwrap().is_none());
         let dead = values("{}", Some("2026-12-06 07:23:38+00"));
-        assert!(matches!(d.data(&insert_msg(7, &dead)).unwrap(), Decoded::Skip));
-        let Decoded::Event { unreadable, .. } = d.data(&insert_msg(7, &values("{\"n\": 1e400}", None))).unwrap()
-        else {
-            panic!("an event")
-        };
+        assert!(d.data(&insert_msg(7, &dead)).unwrap().is_none());
+        let Decoded { unreadable, .. } = d
+            .data(&insert_msg(7, &values("{\"n\": 1e400}", None)))
+            .unwrap()
+            .expect("an event");
         assert!(unreadable.unwrap().starts_with("payload: "));
-        assert!(d.data(&insert_msg(7, &values("{}", None))[..20]).is_err(), "truncated");
+        assert!(
+            d.data(&insert_msg(7, &values("{}", None))[..20]).is_err(),
+            "truncated"
+        );
     }
 
     #[test]
     fn an_emitted_message_of_this_outbox_becomes_a_row_without_id() {
         let d = Decoder::new("public", "outbox", "outbox:public.outbox");
         let content = br#"{"event_id":"6f1c2a52-2f0b-4a8e-9a53-0e0c8a4b8f11","aggregate_type":"a","aggregate_id":"1","event_type":"E","payload":{"x":1},"headers":{},"created_at":"2026-12-06T07:23:38.123456+00:00"}"#;
-        let Decoded::Event { row, table_id, .. } = d.message("outbox:public.outbox", content, 99) else {
-            panic!("an event")
-        };
+        let Decoded { row, table_id, .. } = d.message("outbox:public.outbox", content, 99).expect("an event");
         assert_eq!((row.id, table_id), (0, None));
         assert_eq!(row.payload, serde_json::json!({"x": 1}));
-        assert!(matches!(d.message("other", content, 99), Decoded::Skip));
+        assert!(d.message("other", content, 99).is_none());
         // Without an event_id (plain SQL), one derived from the position,
         // the same on every redelivery.
         let bare = br#"{"aggregate_type":"a","aggregate_id":"1","event_type":"E","payload":{}}"#;
-        let (Decoded::Event { row: a, .. }, Decoded::Event { row: b, .. }) = (
-            d.message("outbox:public.outbox", bare, 99),
-            d.message("outbox:public.outbox", bare, 99),
-        ) else {
-            panic!("events")
-        };
-        assert_eq!(a.event_id, b.event_id);
+        let a = d.message("outbox:public.outbox", bare, 99).expect("an event");
+        let b = d.message("outbox:public.outbox", bare, 99).expect("an event");
+        assert_eq!(a.row.event_id, b.row.event_id);
     }
 }

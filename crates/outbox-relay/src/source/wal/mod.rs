@@ -181,7 +181,10 @@ impl WalSource {
     fn reset(&mut self) {
         self.stream = None;
         self.at_sink = None;
-        self.window = Window::new(self.config.wal.window, self.config.wal.cleanup == WalCleanup::Delete);
+        self.window = Window::new(
+            self.config.wal.window,
+            self.config.wal.cleanup == WalCleanup::Delete,
+        );
         self.gauges.window.set(0.0);
     }
 
@@ -192,7 +195,10 @@ impl WalSource {
     /// Holds the turn and streams the slot; false if cancelled first.
     async fn ensure_reading(&mut self, cancel: &CancellationToken) -> Result<bool, SourceError> {
         if self.turn.is_some() && !self.turn_valid() {
-            warn!(slot = self.slot(), "this relay's turn ran out; it stops reading and waits as a standby");
+            warn!(
+                slot = self.slot(),
+                "this relay's turn ran out; it stops reading and waits as a standby"
+            );
             self.turn = None;
             self.reset();
         }
@@ -252,7 +258,9 @@ impl WalSource {
     fn pull(&mut self) -> Result<(), SourceError> {
         self.note_sent();
         while self.window.has_room() {
-            let Some(stream) = &mut self.stream else { return Ok(()) };
+            let Some(stream) = &mut self.stream else {
+                return Ok(());
+            };
             let Some(event) = stream.client.recv().now_or_never() else {
                 return Ok(());
             };
@@ -263,7 +271,9 @@ impl WalSource {
 
     /// One event of the replication stream.
     fn handle(&mut self, event: Result<Option<ReplicationEvent>, PgWireError>) -> Result<(), SourceError> {
-        let Some(stream) = &mut self.stream else { return Ok(()) };
+        let Some(stream) = &mut self.stream else {
+            return Ok(());
+        };
         let event = event
             .map_err(SourceError::Replication)?
             .ok_or(SourceError::ConnectionLost)?;
@@ -290,7 +300,7 @@ impl WalSource {
                 let decoded = stream.decoder.message(&prefix, &content, lsn.as_u64());
                 if transactional {
                     self.push(decoded);
-                } else if matches!(decoded, Decoded::Event { .. }) {
+                } else if decoded.is_some() {
                     // Emitted outside a transaction: its own transaction,
                     // confirmable at its own position.
                     self.window.begin();
@@ -321,15 +331,9 @@ impl WalSource {
         }
     }
 
-    fn push(&mut self, decoded: Decoded) {
-        if let Decoded::Event {
-            row,
-            table_id,
-            unreadable,
-            bytes,
-        } = decoded
-        {
-            self.window.push(row, table_id, unreadable, bytes);
+    fn push(&mut self, decoded: Option<Decoded>) {
+        if let Some(d) = decoded {
+            self.window.push(d.row, d.table_id, d.unreadable, d.bytes);
         }
     }
 
@@ -371,14 +375,16 @@ impl WalSource {
         let sql = Arc::clone(&self.sql);
         let state = sql.slot_state(self.client().await?).await?;
         let Some(state) = state else {
-            return Err(SourceError::Fatal(RelayError::Schema(outbox::Error::WalNotSetUp {
-                what: format!("the replication slot {} was dropped", sql.slot()),
-            })));
+            return Err(SourceError::Fatal(RelayError::Schema(
+                outbox::Error::WalNotSetUp {
+                    what: format!("the replication slot {} was dropped", sql.slot()),
+                },
+            )));
         };
         if state.is_lost() {
-            return Err(SourceError::Fatal(RelayError::Schema(outbox::Error::SlotInvalidated {
-                slot: state.slot,
-            })));
+            return Err(SourceError::Fatal(RelayError::Schema(
+                outbox::Error::SlotInvalidated { slot: state.slot },
+            )));
         }
         // Bytes: exact in an f64 up to 8 PiB.
         #[allow(clippy::cast_precision_loss)]
@@ -452,7 +458,11 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<(), toki
     let mut emitted = Vec::new();
     for dead in writes.dead {
         match dead {
-            Dead::Row { id, attempts: a, error } => {
+            Dead::Row {
+                id,
+                attempts: a,
+                error,
+            } => {
                 ids.push(id);
                 attempts.push(a);
                 errors.push(error);
@@ -511,7 +521,9 @@ impl Source for WalSource {
             let now = Instant::now();
             if self.window.has_ready(now) {
                 let batch_size = self.config.batch_size as usize;
-                let (rows, unreadable) = self.window.next_batch(now, batch_size, self.config.batch_max_bytes);
+                let (rows, unreadable) = self
+                    .window
+                    .next_batch(now, batch_size, self.config.batch_max_bytes);
                 if !rows.is_empty() {
                     let rows: Arc<[OutboxRow]> = rows.into();
                     self.at_sink = Some((Arc::clone(&rows), now));
@@ -603,7 +615,9 @@ impl Source for WalSource {
             warn!(error = %error_chain(&error), "the last writes failed; their events will be read again");
             return;
         }
-        let Some(mut stream) = self.stream.take() else { return };
+        let Some(mut stream) = self.stream.take() else {
+            return;
+        };
         // The confirmed position goes out with the next status update;
         // wait for it (briefly) so a restart re-sends as little as possible.
         let sent = stream.client.metrics();

@@ -42,7 +42,10 @@ pub(crate) fn config(pg: &PgConfig, slot: &str, publication: &str) -> Replicatio
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = postgres.get_dbname().unwrap_or(&user).to_owned();
-    let application = postgres.get_application_name().unwrap_or("outbox-relay").to_owned();
+    let application = postgres
+        .get_application_name()
+        .unwrap_or("outbox-relay")
+        .to_owned();
     let mut tls = TlsConfig::disabled();
     tls.mode = match (pg.ssl_mode(), pg.roots()) {
         (SslMode::Disable, _) => WireSsl::Disable,
@@ -73,7 +76,9 @@ pub(crate) fn config(pg: &PgConfig, slot: &str, publication: &str) -> Replicatio
 
 /// Opens the stream and waits until the server accepted
 /// `START_REPLICATION`: from then on this session holds the slot.
-pub(crate) async fn open(config: ReplicationConfig) -> Result<ReplicationClient, pgwire_replication::PgWireError> {
+pub(crate) async fn open(
+    config: ReplicationConfig,
+) -> Result<ReplicationClient, pgwire_replication::PgWireError> {
     let mut client = ReplicationClient::connect(config).await?;
     client.wait_started().await?;
     Ok(client)

@@ -137,7 +137,10 @@ impl Turn {
                 );
                 for pid in std::iter::once(holder.pid).chain(holder.streaming_pid) {
                     if !sql.terminate(client, pid).await? {
-                        warn!(pid, "could not terminate the silent reader's session (another role?)");
+                        warn!(
+                            pid,
+                            "could not terminate the silent reader's session (another role?)"
+                        );
                     }
                 }
                 // Its sessions are gone: take the lock now.
@@ -153,7 +156,11 @@ impl Turn {
             }
             _ => {
                 if !*said_standby {
-                    info!(slot = sql.slot(), reader_pid = holder.pid, "standby: another relay reads the slot");
+                    info!(
+                        slot = sql.slot(),
+                        reader_pid = holder.pid,
+                        "standby: another relay reads the slot"
+                    );
                     *said_standby = true;
                 }
                 Ok(false)

@@ -114,7 +114,8 @@ struct Building {
 impl Building {
     /// Whether an event of `bytes` joins: always the first.
     fn fits(&self, bytes: u64) -> bool {
-        self.rows.is_empty() || (self.rows.len() < self.max_rows && self.bytes.saturating_add(bytes) <= self.max_bytes)
+        self.rows.is_empty()
+            || (self.rows.len() < self.max_rows && self.bytes.saturating_add(bytes) <= self.max_bytes)
     }
 
     fn take(&mut self, e: Event, out: &mut Vec<Out>) {
@@ -223,7 +224,13 @@ impl Window {
 
     /// An event of the current transaction. Outside one (which pgoutput
     /// never does) it gets a transaction of its own at the next commit.
-    pub(crate) fn push(&mut self, row: OutboxRow, table_id: Option<i64>, unreadable: Option<String>, bytes: u64) {
+    pub(crate) fn push(
+        &mut self,
+        row: OutboxRow,
+        table_id: Option<i64>,
+        unreadable: Option<String>,
+        bytes: u64,
+    ) {
         if !self.in_txn {
             self.begin();
         }
@@ -252,7 +259,11 @@ impl Window {
 
     /// When the next parked aggregate is due, if one waits.
     pub(crate) fn next_due(&self) -> Option<Instant> {
-        self.parked.values().filter(|p| !p.out && !p.queue.is_empty()).map(|p| p.due).min()
+        self.parked
+            .values()
+            .filter(|p| !p.out && !p.queue.is_empty())
+            .map(|p| p.due)
+            .min()
     }
 
     /// Whether a batch could be handed out at `now`.
