@@ -156,6 +156,9 @@ pub(crate) struct Window {
     /// against the window until [`Window::sent`] says the server has it.
     confirming: VecDeque<(u64, usize)>,
     unconfirmed: usize,
+    /// Events read whose position the server has not been sent: what a
+    /// crash now would make it send again.
+    held: usize,
     writes: Writes,
 }
 
@@ -175,14 +178,17 @@ impl Window {
             confirmable: None,
             confirming: VecDeque::new(),
             unconfirmed: 0,
+            held: 0,
             writes: Writes::default(),
         }
     }
 
-    /// Whether the stream may be read: fewer than `limit` events read and
-    /// not confirmed to the server (unfinished, or finished and not sent).
+    /// Whether the stream may be read: fewer than `limit` events read whose
+    /// position the server was not sent, finished or not. Or a transaction
+    /// larger than that is being read and nothing else is held: it can only
+    /// be confirmed once read whole, so it is (a crash re-sends it whole).
     pub(crate) fn has_room(&self) -> bool {
-        self.unfinished + self.unconfirmed < self.limit
+        self.held < self.limit || (self.in_txn && self.txns.len() == 1 && self.unconfirmed == 0)
     }
 
     /// Whether room is only waiting for the server to be sent a position.
@@ -197,6 +203,7 @@ impl Window {
                 break;
             }
             self.unconfirmed -= events;
+            self.held -= events;
             self.confirming.pop_front();
         }
     }
@@ -239,6 +246,7 @@ impl Window {
         current.unfinished += 1;
         current.events += 1;
         self.unfinished += 1;
+        self.held += 1;
         self.fresh.push_back(Event {
             txn,
             row,
@@ -561,14 +569,14 @@ mod tests {
         let now = Instant::now();
         w.begin();
         w.push(row(1, "a"), Some(1), None, 10);
-        assert!(w.has_room());
         w.push(row(2, "b"), Some(2), None, 10);
-        assert!(!w.has_room());
+        assert!(w.has_room(), "a transaction larger than the window is read whole");
         w.commit(5);
+        assert!(!w.has_room());
         let (rows, _) = w.next_batch(now, 10, 15);
         assert_eq!(ids(&rows), [1], "the second would pass 15 bytes");
         w.settle(&rows, &Failures::default(), now);
-        assert!(w.has_room(), "one unfinished");
+        assert!(!w.has_room(), "delivered, but its transaction is not");
         let (rows, _) = w.next_batch(now, 10, 5);
         assert_eq!(ids(&rows), [2], "always the first");
         w.settle(&rows, &Failures::default(), now);
@@ -578,6 +586,24 @@ mod tests {
         w.sent(4);
         assert!(!w.has_room());
         w.sent(5);
+        assert!(w.has_room());
+    }
+
+    #[test]
+    fn small_transactions_fill_the_window_until_the_server_is_sent_their_end() {
+        let mut w = Window::new(2, true);
+        let now = Instant::now();
+        for (id, end) in [(1, 10), (2, 20)] {
+            w.begin();
+            w.push(row(id, "a"), Some(id), None, 1);
+            w.commit(end);
+        }
+        assert!(!w.has_room(), "two read, none confirmed");
+        let (rows, _) = w.next_batch(now, 10, u64::MAX);
+        w.settle(&rows, &Failures::default(), now);
+        assert_eq!(w.take_writes().1, Some(20));
+        assert!(!w.has_room(), "finished is not enough");
+        w.sent(10);
         assert!(w.has_room());
     }
 }
