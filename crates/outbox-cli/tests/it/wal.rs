@@ -382,3 +382,87 @@ async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_
     assert_eq!(order_violations(&events), 0);
     stop_relay(relay).await;
 }
+
+#[tokio::test]
+async fn over_http_too_each_event_once_and_each_aggregate_in_commit_order() {
+    use outbox_testkit::{Receiver, Respond};
+
+    let mut db = WalDb::start().await;
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let relay = start_relay(&db.url, &receiver.url(), WAL, &[]).await;
+    db.insert(5000, 500).await;
+    let received = receiver.wait_for_count(5000, LONG).await.unwrap();
+    let mut last_seq: std::collections::HashMap<i64, i64> = std::collections::HashMap::new();
+    let mut ids = std::collections::HashSet::new();
+    for r in &received {
+        assert!(
+            ids.insert(r.body["event_id"].as_str().unwrap().to_owned()),
+            "sent twice"
+        );
+        let (agg, seq) = (
+            r.body["payload"]["agg"].as_i64().unwrap(),
+            r.body["payload"]["seq"].as_i64().unwrap(),
+        );
+        let prev = last_seq.insert(agg, seq);
+        assert!(
+            prev.is_none_or(|p| p < seq),
+            "aggregate {agg}: {seq} after {prev:?}"
+        );
+    }
+    assert_eq!(last_seq.len(), 500);
+    stop_relay(relay).await;
+}
+
+#[tokio::test]
+async fn a_drain_stops_once_everything_committed_before_it_is_delivered() {
+    let mut db = WalDb::start().await;
+    let redis = Redis::start().await.unwrap();
+    db.insert(300, 30).await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let out = run_cli(
+        &["relay", "--sink", &redis.url(), "--source", "wal", "--drain"],
+        &env,
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(stream_len(&redis).await, 300);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+#[tokio::test]
+async fn with_cleanup_none_delivered_rows_stay_and_no_row_is_ever_updated() {
+    let mut db = WalDb::start().await;
+    let redis = Redis::start().await.unwrap();
+    db.insert(1000, 10).await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let args = [
+        "relay",
+        "--sink",
+        &redis.url(),
+        "--source",
+        "wal",
+        "--drain",
+        "--wal-cleanup",
+        "none",
+    ];
+    let out = run_cli(&args, &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(stream_len(&redis).await, 1000);
+    db.client
+        .batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    let (rows, updated): (i64, i64) = {
+        let r = db
+            .client
+            .query_one(
+                "SELECT (SELECT count(*) FROM outbox), n_tup_upd + n_tup_del FROM pg_stat_user_tables WHERE relname = 'outbox'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(rows, 1000, "left for partition drops");
+    assert_eq!(updated, 0, "not one update or delete");
+}
