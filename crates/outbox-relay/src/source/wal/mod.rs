@@ -59,6 +59,9 @@ const SLOT_CHECK: Duration = Duration::from_secs(5);
 /// flushed and the turn checked at least this often.
 const TICK: Duration = Duration::from_secs(1);
 
+/// The first wait after a failure (see `WalSource::retry_in`).
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+
 /// The replication session and its decoder.
 struct Stream {
     client: ReplicationClient,
@@ -96,6 +99,9 @@ pub(crate) struct WalSource {
     confirmed: u64,
     /// The prefix of the drain marker (see `DRAIN_MARKER`).
     drain_prefix: String,
+    /// How long the next recovery waits: doubling from 100 ms to 5 s while
+    /// failures repeat, back to 100 ms once a batch went through.
+    retry_in: Duration,
 }
 
 /// What a wait ended with.
@@ -151,7 +157,7 @@ impl WalSource {
         };
         health::global().postgres(None);
         Ok(Some(WalSource {
-            window: Window::new(config.wal.window, config.wal.cleanup == WalCleanup::Delete),
+            window: window(&config),
             config,
             pg,
             counters,
@@ -167,6 +173,7 @@ impl WalSource {
             signalled_batch: false,
             confirmed: 0,
             drain_prefix: format!("outbox-drain:{}", sql.slot()),
+            retry_in: FIRST_RETRY,
             sql,
         }))
     }
@@ -181,10 +188,7 @@ impl WalSource {
     fn reset(&mut self) {
         self.stream = None;
         self.at_sink = None;
-        self.window = Window::new(
-            self.config.wal.window,
-            self.config.wal.cleanup == WalCleanup::Delete,
-        );
+        self.window = window(&self.config);
         self.gauges.window.set(0.0);
     }
 
@@ -449,6 +453,13 @@ impl WalSource {
     }
 }
 
+/// An empty window for `config`: unfinished payloads bounded at two
+/// batches' worth (one at the sink, one ready), as a polling relay holds.
+fn window(config: &RelayConfig) -> Window {
+    let bytes = config.batch_max_bytes.saturating_mul(2);
+    Window::new(config.wal.window, bytes, config.wal.cleanup == WalCleanup::Delete)
+}
+
 /// The writes of finished events: deletes, then dead letters.
 async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<(), tokio_postgres::Error> {
     if !writes.delete.is_empty() {
@@ -576,6 +587,7 @@ impl Source for WalSource {
             return;
         };
         self.window.settle(&rows, &plan.failures, Instant::now());
+        self.retry_in = FIRST_RETRY;
         self.gauges.window.set(self.window.unfinished() as f64);
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters
@@ -601,12 +613,18 @@ impl Source for WalSource {
 
     async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
         let error = error_chain(&error);
-        warn!(%error, "log tailing: reading again from the slot's confirmed position");
+        let delay = self.retry_in;
+        self.retry_in = (delay * 2).min(Duration::from_secs(5));
+        warn!(
+            %error,
+            retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            "log tailing: reading again from the slot's confirmed position"
+        );
         health::global().postgres(Some(format!("reconnecting: {error}")));
         self.reset();
         tokio::select! {
             () = cancel.cancelled() => false,
-            () = tokio::time::sleep(Duration::from_millis(500)) => true,
+            () = tokio::time::sleep(delay) => true,
         }
     }
 

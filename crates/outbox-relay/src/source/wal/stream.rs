@@ -23,8 +23,10 @@ use crate::pg::{PgConfig, Roots, SslMode};
 /// window per interval.
 pub(crate) const STATUS_INTERVAL: Duration = Duration::from_millis(10);
 
-/// Events the replication client buffers ahead of the relay.
-const BUFFERED_EVENTS: usize = 1024;
+/// Messages the replication client buffers ahead of the relay: a few
+/// batches' worth. Counted in messages, not bytes, so with very large
+/// events this is what bounds the memory read ahead.
+const BUFFERED_EVENTS: usize = 256;
 
 /// The replication session's settings for `pg`, reading `slot` through
 /// `publication`.

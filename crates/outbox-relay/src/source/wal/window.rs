@@ -136,6 +136,10 @@ impl Building {
 #[derive(Debug)]
 pub(crate) struct Window {
     limit: usize,
+    /// The payload bytes of unfinished events the window may hold: they
+    /// are what is in memory (finished ones are dropped).
+    max_bytes: u64,
+    unfinished_bytes: u64,
     delete_delivered: bool,
     txns: VecDeque<Txn>,
     /// The number of `txns[0]`.
@@ -163,10 +167,13 @@ pub(crate) struct Window {
 }
 
 impl Window {
-    /// A window of at most `limit` unfinished events.
-    pub(crate) fn new(limit: usize, delete_delivered: bool) -> Self {
+    /// A window of at most `limit` events read and not confirmed, and
+    /// `max_bytes` of unfinished payload (always one event).
+    pub(crate) fn new(limit: usize, max_bytes: u64, delete_delivered: bool) -> Self {
         Self {
             limit: limit.max(1),
+            max_bytes,
+            unfinished_bytes: 0,
             delete_delivered,
             txns: VecDeque::new(),
             first_txn: 0,
@@ -188,7 +195,8 @@ impl Window {
     /// larger than that is being read and nothing else is held: it can only
     /// be confirmed once read whole, so it is (a crash re-sends it whole).
     pub(crate) fn has_room(&self) -> bool {
-        self.held < self.limit || (self.in_txn && self.txns.len() == 1 && self.unconfirmed == 0)
+        let memory = self.unfinished_bytes < self.max_bytes;
+        memory && (self.held < self.limit || (self.in_txn && self.txns.len() == 1 && self.unconfirmed == 0))
     }
 
     /// Whether room is only waiting for the server to be sent a position.
@@ -246,6 +254,7 @@ impl Window {
         current.unfinished += 1;
         current.events += 1;
         self.unfinished += 1;
+        self.unfinished_bytes += bytes;
         self.held += 1;
         self.fresh.push_back(Event {
             txn,
@@ -345,7 +354,7 @@ impl Window {
         let mut waiting: HashMap<Key, (Duration, Vec<Event>)> = HashMap::new();
         for (i, (o, row)) in out.into_iter().zip(rows).enumerate() {
             let Some((k, _)) = failed.next_if(|(_, at)| **at == i) else {
-                self.finish(o.txn, o.table_id.filter(|_| self.delete_delivered).map(Ok));
+                self.finish(&o, o.table_id.filter(|_| self.delete_delivered).map(Ok));
                 continue;
             };
             let error = failures.errors[k].clone();
@@ -364,7 +373,7 @@ impl Window {
                         error,
                     },
                 };
-                self.finish(o.txn, Some(Err(dead)));
+                self.finish(&o, Some(Err(dead)));
                 continue;
             }
             let delay = Duration::from_secs_f64(failures.delay_ms[k].max(0.0) / 1000.0);
@@ -412,15 +421,16 @@ impl Window {
 
     /// One event finished: delivered (with the row to delete, if any) or a
     /// dead letter.
-    fn finish(&mut self, txn: u64, write: Option<Result<i64, Dead>>) {
+    fn finish(&mut self, o: &Out, write: Option<Result<i64, Dead>>) {
         match write {
             Some(Ok(id)) => self.writes.delete.push(id),
             Some(Err(dead)) => self.writes.dead.push(dead),
             None => {}
         }
-        let i = usize::try_from(txn - self.first_txn).expect("a transaction in the window");
+        let i = usize::try_from(o.txn - self.first_txn).expect("a transaction in the window");
         self.txns[i].unfinished -= 1;
         self.unfinished -= 1;
+        self.unfinished_bytes -= o.bytes;
         self.advance();
     }
 
@@ -487,7 +497,7 @@ mod tests {
 
     #[test]
     fn a_transaction_is_confirmable_once_every_event_of_it_and_before_it_is_finished() {
-        let mut w = Window::new(100, true);
+        let mut w = Window::new(100, u64::MAX, true);
         let now = Instant::now();
         w.begin();
         w.push(row(1, "a"), Some(1), None, 2);
@@ -516,7 +526,7 @@ mod tests {
 
     #[test]
     fn a_failure_parks_its_aggregate_and_the_others_go_on() {
-        let mut w = Window::new(100, false);
+        let mut w = Window::new(100, u64::MAX, false);
         let now = Instant::now();
         w.begin();
         for (id, a) in [(1, "a"), (2, "a"), (3, "b")] {
@@ -546,7 +556,7 @@ mod tests {
 
     #[test]
     fn a_dead_letter_finishes_its_event_and_lets_its_aggregate_go_on() {
-        let mut w = Window::new(100, true);
+        let mut w = Window::new(100, u64::MAX, true);
         let now = Instant::now();
         w.begin();
         w.push(row(0, "a"), None, None, 1);
@@ -565,7 +575,7 @@ mod tests {
 
     #[test]
     fn the_window_bounds_what_is_read_and_bytes_bound_a_batch() {
-        let mut w = Window::new(2, true);
+        let mut w = Window::new(2, u64::MAX, true);
         let now = Instant::now();
         w.begin();
         w.push(row(1, "a"), Some(1), None, 10);
@@ -591,7 +601,7 @@ mod tests {
 
     #[test]
     fn small_transactions_fill_the_window_until_the_server_is_sent_their_end() {
-        let mut w = Window::new(2, true);
+        let mut w = Window::new(2, u64::MAX, true);
         let now = Instant::now();
         for (id, end) in [(1, 10), (2, 20)] {
             w.begin();
@@ -605,5 +615,17 @@ mod tests {
         assert!(!w.has_room(), "finished is not enough");
         w.sent(10);
         assert!(w.has_room());
+    }
+
+    #[test]
+    fn unfinished_payload_bytes_bound_what_is_read_but_one_event_always_fits() {
+        let mut w = Window::new(100, 25, true);
+        let now = Instant::now();
+        w.begin();
+        w.push(row(1, "a"), Some(1), None, 30);
+        assert!(!w.has_room(), "30 bytes unfinished, over 25");
+        let (rows, _) = w.next_batch(now, 10, u64::MAX);
+        w.settle(&rows, &Failures::default(), now);
+        assert!(w.has_room(), "delivered: its bytes are no longer held");
     }
 }
