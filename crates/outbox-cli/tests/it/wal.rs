@@ -466,3 +466,23 @@ async fn with_cleanup_none_delivered_rows_stay_and_no_row_is_ever_updated() {
     assert_eq!(rows, 1000, "left for partition drops");
     assert_eq!(updated, 0, "not one update or delete");
 }
+
+#[tokio::test]
+async fn a_daily_partitioned_outbox_is_published_as_the_outbox() {
+    let pg = Postgres::start_with(PgSettings::default().set("wal_level", "logical"))
+        .await
+        .unwrap();
+    let url = pg.fresh_database().await.unwrap();
+    let env = [("DATABASE_URL", url.as_str())];
+    let out = run_cli(&["migrate", "--partition-by", "day", "--wal"], &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let client = connect(&url).await;
+    let events: Vec<Event> = (0..50).map(|i| Event::new("orders", "p", "E", json!({"i": i}))).collect();
+    Outbox::default().enqueue_all(&client, &events).await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let out = run_cli(&["relay", "--sink", &redis.url(), "--source", "wal", "--drain"], &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let delivered = read_stream(&redis.url(), "outbox.event.orders").await;
+    assert_eq!(delivered.len(), 50);
+    assert_eq!(order_violations(&delivered), 0);
+}
