@@ -48,8 +48,11 @@ pub(crate) fn config(pg: &PgConfig, slot: &str, publication: &str) -> Replicatio
         .get_application_name()
         .unwrap_or("outbox-relay")
         .to_owned();
+    let unix = matches!(postgres.get_hosts().first(), Some(Host::Unix(_)));
     let mut tls = TlsConfig::disabled();
     tls.mode = match (pg.ssl_mode(), pg.roots()) {
+        // As libpq: no TLS over a Unix socket, whatever sslmode says.
+        _ if unix => WireSsl::Disable,
         (SslMode::Disable, _) => WireSsl::Disable,
         (SslMode::Prefer, _) => WireSsl::Prefer,
         // As libpq: `require` with a root certificate checks the chain.
