@@ -14,7 +14,7 @@
 //! recovered; that is why `max_slot_wal_keep_size` defaults to unlimited.
 
 use chrono::{DateTime, Utc};
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::sql::{SlotState, WalSql};
 use crate::{Config, Error};
@@ -46,7 +46,9 @@ pub struct WalRecovery {
 async fn prerequisites(client: &Client, sql: &WalSql) -> Result<(), Error> {
     sql.prerequisites(client)
         .await
-        .map_err(Error::pg("checking wal_level and the role's REPLICATION attribute"))?
+        .map_err(Error::pg(
+            "checking wal_level and the role's REPLICATION attribute",
+        ))?
         .check()
 }
 
@@ -75,6 +77,21 @@ async fn slot(client: &Client, sql: &WalSql) -> Result<Option<SlotState>, Error>
         }
     }
     Ok(state)
+}
+
+/// The slot of `config`'s outbox as `outbox stats`, `outbox relays` and the
+/// console report it: `None` when log tailing is not set up (no slot of
+/// that name in this database, or a table whose name cannot be a slot's).
+pub async fn slot_state(
+    client: &impl GenericClient,
+    config: &Config,
+) -> Result<Option<SlotState>, tokio_postgres::Error> {
+    let Ok(sql) = WalSql::new(config) else {
+        return Ok(None);
+    };
+    let state = sql.slot_state(client).await?;
+    // Slot names are per cluster: one of another database is not ours.
+    Ok(state.filter(|s| s.database == s.current_database))
 }
 
 /// Creates the publication and the slot for `config`'s outbox, if missing.
@@ -194,9 +211,7 @@ pub async fn recover_wal(
         .reinsert_pending(&tx, since)
         .await
         .map_err(Error::pg("re-inserting the undelivered rows"))?;
-    tx.commit()
-        .await
-        .map_err(Error::pg("committing the recovery"))?;
+    tx.commit().await.map_err(Error::pg("committing the recovery"))?;
     Ok(WalRecovery {
         slot: sql.slot().to_owned(),
         dropped,
