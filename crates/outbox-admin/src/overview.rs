@@ -1,6 +1,7 @@
 //! `GET /`: the backlog and its oldest age per aggregate type, events
 //! published over the last ten minutes, dead letters per aggregate type and
-//! error, and the live relays with the partitions each holds.
+//! error, and the live relays with the partitions each holds; with log
+//! tailing set up, the replication slot's retained WAL and lag.
 
 use axum::Extension;
 use axum::extract::State;
@@ -49,6 +50,9 @@ pub(crate) async fn page(
         .partition_backlog(&*client)
         .await
         .map_err(fail("reading the partition backlog"))?;
+    let slot = outbox::wal::slot_state(&*client, &state.outbox)
+        .await
+        .map_err(fail("reading the replication slot"))?;
 
     let backlog: i64 = stats.iter().map(|s| s.unpublished).sum();
     let dead_total: i64 = stats.iter().map(|s| s.dead_letters).sum();
@@ -73,6 +77,9 @@ pub(crate) async fn page(
                 @if let Some(oldest) = oldest { ", oldest " (view::relative(oldest, now)) }
                 " · dead letters: " span #dead-total { (dead_total) }
                 " · live relays: " span #relay-count { (relays.len()) }
+            }
+            @if let Some(slot) = &slot {
+                p #wal-slot { "Log tailing: " (slot) }
             }
         }
         h2 { "Backlog per aggregate type" }

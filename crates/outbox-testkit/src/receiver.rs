@@ -105,6 +105,9 @@ struct Shared {
     /// Bodies containing this text get no answer: the connection is
     /// dropped (not recorded), as by a receiver that crashes on them.
     poison: Mutex<Option<String>>,
+    /// Bodies containing this text get this status (recorded), whatever
+    /// the script says.
+    refuse: Mutex<Option<(String, u16)>>,
     /// How many requests are in `log`; waiters watch it.
     count: watch::Sender<usize>,
 }
@@ -131,6 +134,7 @@ impl Receiver {
             retry_after: Mutex::new(None),
             max_body: Mutex::new(None),
             poison: Mutex::new(None),
+            refuse: Mutex::new(None),
             count: watch::Sender::new(0),
         });
         let mut receiver = Receiver {
@@ -213,6 +217,14 @@ impl Receiver {
         *lock(&self.state.poison) = text.map(str::to_owned);
     }
 
+    /// Answers `status` (and records it) to every POST whose body contains
+    /// `text` from now on, whatever the script says (`None` stops it): a
+    /// consumer that refuses one event while it takes the others. The
+    /// script does not count these requests.
+    pub fn set_refuse(&self, refuse: Option<(&str, u16)>) {
+        *lock(&self.state.refuse) = refuse.map(|(text, status)| (text.to_owned(), status));
+    }
+
     /// `http://127.0.0.1:<port>/events` (any path is accepted).
     pub fn url(&self) -> String {
         format!("http://{}/events", self.addr)
@@ -287,9 +299,8 @@ async fn record(
     if method != Method::POST {
         return StatusCode::METHOD_NOT_ALLOWED.into_response();
     }
-    let poisoned = lock(&state.poison)
-        .as_deref()
-        .is_some_and(|text| body.windows(text.len().max(1)).any(|w| w == text.as_bytes()));
+    let contains = |text: &str| body.windows(text.len().max(1)).any(|w| w == text.as_bytes());
+    let poisoned = lock(&state.poison).as_deref().is_some_and(contains);
     if poisoned {
         // Unwinding out of the handler ends the connection's task, so the
         // client sees the connection closed before any answer. Not a panic:
@@ -298,8 +309,13 @@ async fn record(
     }
     let at = Instant::now();
     let too_large = lock(&state.max_body).is_some_and(|max| body.len() > max);
+    let refused = lock(&state.refuse)
+        .as_ref()
+        .and_then(|(text, status)| contains(text).then_some(*status));
     let wanted = if too_large {
         413
+    } else if let Some(status) = refused {
+        status
     } else {
         let mut script = lock(&state.script);
         let wanted = script.respond.status_for(script.answered);

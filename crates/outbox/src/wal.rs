@@ -14,7 +14,7 @@
 //! recovered; that is why `max_slot_wal_keep_size` defaults to unlimited.
 
 use chrono::{DateTime, Utc};
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::sql::{SlotState, WalSql};
 use crate::{Config, Error};
@@ -77,6 +77,21 @@ async fn slot(client: &Client, sql: &WalSql) -> Result<Option<SlotState>, Error>
         }
     }
     Ok(state)
+}
+
+/// The slot of `config`'s outbox as `outbox stats`, `outbox relays` and the
+/// console report it: `None` when log tailing is not set up (no slot of
+/// that name in this database, or a table whose name cannot be a slot's).
+pub async fn slot_state(
+    client: &impl GenericClient,
+    config: &Config,
+) -> Result<Option<SlotState>, tokio_postgres::Error> {
+    let Ok(sql) = WalSql::new(config) else {
+        return Ok(None);
+    };
+    let state = sql.slot_state(client).await?;
+    // Slot names are per cluster: one of another database is not ours.
+    Ok(state.filter(|s| s.database == s.current_database))
 }
 
 /// Creates the publication and the slot for `config`'s outbox, if missing.

@@ -1,5 +1,6 @@
 //! `outbox relays`: the live relays, the partitions each holds, and the
-//! backlog of every partition.
+//! backlog of every partition; with log tailing set up, the replication
+//! slot and who reads it (the WAL source holds no partitions).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -29,6 +30,8 @@ struct Relays {
     unowned: Vec<i32>,
     relays: Vec<LiveRelay>,
     by_partition: Vec<outbox::sql::PartitionRow>,
+    /// The replication slot of `relay --source wal`; null without one.
+    slot: Option<outbox::sql::SlotState>,
 }
 
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
@@ -64,12 +67,16 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         .filter(|p| p.owner.is_none_or(|o| !relays.iter().any(|r| r.relay_id == o)))
         .map(|p| p.partition)
         .collect();
+    let slot = outbox::wal::slot_state(&client, &config)
+        .await
+        .context("reading the replication slot")?;
     let report = Relays {
         table: config.display_name(),
         partitions: by_partition.len(),
         unowned,
         relays,
         by_partition,
+        slot,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -81,6 +88,11 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         report.partitions,
         report.relays.len()
     );
+    if let Some(slot) = &report.slot {
+        // A relay reading the slot is the backend streaming it; standbys
+        // wait for its turn and show nowhere.
+        println!("log tailing: {slot}");
+    }
     println!();
     println!(
         "  {:<36} {:<24} {:>10} {:>10} {:>9}  partitions",

@@ -1,10 +1,11 @@
-//! `outbox stats`: what is waiting, what is dead, and how old the oldest is.
+//! `outbox stats`: what is waiting, what is dead, and how old the oldest is;
+//! with log tailing set up, the replication slot too.
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use outbox::sql::TypeStats;
+use outbox::sql::{SlotState, TypeStats};
 
 use crate::cli::{Global, StatsArgs};
 
@@ -18,6 +19,8 @@ struct Stats {
     oldest_unpublished: Option<DateTime<Utc>>,
     oldest_unpublished_age_seconds: Option<f64>,
     by_aggregate_type: Vec<TypeStats>,
+    /// The replication slot of `relay --source wal`; null without one.
+    slot: Option<SlotState>,
 }
 
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
@@ -26,6 +29,9 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     let by_type = sql.stats(&client).await.context("reading outbox statistics")?;
+    let slot = outbox::wal::slot_state(&client, &config)
+        .await
+        .context("reading the replication slot")?;
     let oldest = by_type.iter().filter_map(|t| t.oldest_unpublished).min();
     let stats = Stats {
         table: config.display_name(),
@@ -36,6 +42,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         oldest_unpublished: oldest,
         oldest_unpublished_age_seconds: oldest.map(|o| (Utc::now() - o).num_milliseconds() as f64 / 1000.0),
         by_aggregate_type: by_type,
+        slot,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&stats)?);
@@ -52,6 +59,15 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     match stats.oldest_unpublished_age_seconds {
         Some(age) => println!("  oldest unpublished  {age:.1}s ago"),
         None => println!("  oldest unpublished  -"),
+    }
+    if let Some(slot) = &stats.slot {
+        println!("  log tailing      {slot}");
+        // The WAL source never marks rows published: it deletes them once
+        // delivered (--wal-cleanup delete) or leaves them (none).
+        println!(
+            "                   (unpublished counts rows not yet deleted; with --wal-cleanup none, every row: \
+             what waits is the slot's WAL not confirmed)"
+        );
     }
     if !stats.by_aggregate_type.is_empty() {
         println!();

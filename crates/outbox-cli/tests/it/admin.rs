@@ -18,7 +18,7 @@ const SCRIPT: &str = "<script>alert(1)</script>";
 const IMG: &str = "\"><img src=x onerror=alert(1)>";
 
 /// `outbox admin` on a free loopback port, ready (`READY=1`).
-async fn start_admin(url: &str, token: Option<&str>) -> (Spawned, String) {
+pub async fn start_admin(url: &str, token: Option<&str>) -> (Spawned, String) {
     let port = outbox_testkit::free_port();
     let mut cmd = outbox_cmd();
     cmd.args(["admin", "--listen", &format!("127.0.0.1:{port}")])

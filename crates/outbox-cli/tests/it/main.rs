@@ -31,4 +31,5 @@ mod scale;
 mod support;
 mod tls;
 mod wal;
+mod wal_ops;
 mod webhooks;

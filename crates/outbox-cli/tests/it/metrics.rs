@@ -13,12 +13,12 @@ use serde_json::json;
 use crate::support::{Db, LONG, relay_without_postgres, start_relay, stop_relay, text, wait_until};
 
 /// `127.0.0.1:<free port>` for `--http`.
-fn http_addr() -> String {
+pub fn http_addr() -> String {
     format!("127.0.0.1:{}", outbox_testkit::free_port())
 }
 
 /// GET `http://<addr><path>`: status and body; None while nothing answers.
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+pub async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .build()
@@ -29,7 +29,7 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
 }
 
 /// `/readyz`: status (0 while nothing answers) and body.
-async fn ready(addr: &str) -> (u16, serde_json::Value) {
+pub async fn ready(addr: &str) -> (u16, serde_json::Value) {
     let (status, body) = get(addr, "/readyz").await.unwrap_or((0, "null".to_owned()));
     (
         status,
@@ -38,7 +38,7 @@ async fn ready(addr: &str) -> (u16, serde_json::Value) {
 }
 
 /// `/metrics`, parsed.
-async fn scrape(addr: &str) -> (String, Scrape) {
+pub async fn scrape(addr: &str) -> (String, Scrape) {
     let (status, body) = get(addr, "/metrics").await.expect("/metrics answers");
     assert_eq!(status, 200, "{body}");
     let scrape = Scrape::parse(body.lines().map(|l| Ok(l.to_owned()))).expect("Prometheus text format");
@@ -47,7 +47,7 @@ async fn scrape(addr: &str) -> (String, Scrape) {
 
 /// The value of `metric` with exactly these `labels` (a counter, gauge or
 /// a histogram's `_count`); None if absent.
-fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
+pub fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
     scrape
         .samples
         .iter()
@@ -60,7 +60,7 @@ fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> Option<f64> 
 }
 
 /// Whether `promtool` is on the PATH; says why a check is skipped if not.
-fn promtool() -> bool {
+pub fn promtool() -> bool {
     let found = std::process::Command::new("promtool")
         .arg("--version")
         .output()
@@ -74,7 +74,7 @@ fn promtool() -> bool {
 }
 
 /// Runs `promtool <args>` with `stdin`; panics with its output on failure.
-fn promtool_check(args: &[&str], stdin: &str) {
+pub fn promtool_check(args: &[&str], stdin: &str) {
     use std::io::Write;
     let mut child = std::process::Command::new("promtool")
         .args(args)

@@ -118,6 +118,7 @@ async fn dead_letters_stay_dead_whatever_the_next_relay_s_limit_and_requeue_deli
         (stats["dead_letters"].as_i64(), stats["unpublished"].as_i64()),
         (Some(3), Some(0))
     );
+    assert!(stats["slot"].is_null(), "no log tailing set up: {stats}");
 
     let dry = run_cli(&["dlq", "requeue", "--all", "--dry-run"], &env).await;
     assert!(

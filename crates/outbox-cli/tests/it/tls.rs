@@ -21,21 +21,21 @@ use crate::support::{LONG, outbox_cmd, run_cli, text};
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A certificate authority, and PEM files in a directory of their own.
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
+pub struct Ca {
+    pub issuer: CertifiedIssuer<'static, KeyPair>,
     dir: TempDir,
 }
 
 /// A certificate and its key, as PEM text and as files.
-struct Issued {
-    cert_pem: String,
-    key_pem: String,
-    cert: PathBuf,
-    key: PathBuf,
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 impl Ca {
-    fn new(name: &str) -> Ca {
+    pub fn new(name: &str) -> Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.distinguished_name.push(DnType::CommonName, name);
@@ -46,12 +46,12 @@ impl Ca {
     }
 
     /// The CA's certificate file (`sslrootcert`).
-    fn root(&self) -> String {
+    pub fn root(&self) -> String {
         self.dir.path().join("root.crt").display().to_string()
     }
 
     /// A server certificate for `localhost` (and no IP address).
-    fn server(&self) -> Issued {
+    pub fn server(&self) -> Issued {
         let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
         params.distinguished_name.push(DnType::CommonName, "localhost");
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
@@ -59,7 +59,7 @@ impl Ca {
     }
 
     /// A client certificate for the database user `user` (its CN).
-    fn client(&self, user: &str) -> Issued {
+    pub fn client(&self, user: &str) -> Issued {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.distinguished_name.push(DnType::CommonName, user);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
@@ -102,7 +102,7 @@ async fn cert_only_cluster(ca: &Ca) -> (Postgres, String) {
 }
 
 /// `postgres://postgres@{host}:{port}/{db}?{params}`.
-fn url(pg: &Postgres, host: &str, db: &str, params: &str) -> String {
+pub fn url(pg: &Postgres, host: &str, db: &str, params: &str) -> String {
     format!("postgres://postgres@{host}:{}/{db}?{params}", pg.port())
 }
 
@@ -110,7 +110,7 @@ fn config(url: &str) -> PgConfig {
     pg::parse_url(url, TIMEOUT).unwrap_or_else(|e| panic!("{url}: {}", chain(&e)))
 }
 
-async fn connect(url: &str) -> Result<Client, ConnectError> {
+pub async fn connect(url: &str) -> Result<Client, ConnectError> {
     pg::connect(&config(url)).await
 }
 

@@ -477,10 +477,16 @@ async fn a_daily_partitioned_outbox_is_published_as_the_outbox() {
     let out = run_cli(&["migrate", "--partition-by", "day", "--wal"], &env).await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     let client = connect(&url).await;
-    let events: Vec<Event> = (0..50).map(|i| Event::new("orders", "p", "E", json!({"i": i}))).collect();
+    let events: Vec<Event> = (0..50)
+        .map(|i| Event::new("orders", "p", "E", json!({"i": i})))
+        .collect();
     Outbox::default().enqueue_all(&client, &events).await.unwrap();
     let redis = Redis::start().await.unwrap();
-    let out = run_cli(&["relay", "--sink", &redis.url(), "--source", "wal", "--drain"], &env).await;
+    let out = run_cli(
+        &["relay", "--sink", &redis.url(), "--source", "wal", "--drain"],
+        &env,
+    )
+    .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     let delivered = read_stream(&redis.url(), "outbox.event.orders").await;
     assert_eq!(delivered.len(), 50);

@@ -204,6 +204,56 @@ impl SlotState {
     }
 }
 
+/// One line for people (`outbox stats`, `outbox relays`, the console):
+/// `slot public_outbox, read by pid 4242, wal_status reserved: retains
+/// 1.5 MiB of WAL, 0 B not confirmed, confirmed up to 0/1A2B3C8`.
+impl std::fmt::Display for SlotState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "slot {}, ", self.slot)?;
+        match self.active_pid {
+            Some(pid) => write!(f, "read by pid {pid}")?,
+            None => f.write_str("read by nobody")?,
+        }
+        write!(
+            f,
+            ", wal_status {}: retains {} of WAL, {} not confirmed, confirmed up to {}",
+            if self.wal_status.is_empty() {
+                "-"
+            } else {
+                &self.wal_status
+            },
+            Bytes(self.retained_bytes),
+            Bytes(self.lag_bytes),
+            if self.confirmed_lsn.is_empty() {
+                "-"
+            } else {
+                &self.confirmed_lsn
+            },
+        )
+    }
+}
+
+/// A byte count in binary units, one decimal past KiB.
+struct Bytes(i64);
+
+impl std::fmt::Display for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+        if self.0.unsigned_abs() < 1024 {
+            return write!(f, "{} B", self.0);
+        }
+        // Display only: the f64 is exact well past any WAL size.
+        #[allow(clippy::cast_precision_loss)]
+        let mut value = self.0 as f64 / 1024.0;
+        let mut unit = 0;
+        while value.abs() >= 1024.0 && unit < UNITS.len() - 1 {
+            value /= 1024.0;
+            unit += 1;
+        }
+        write!(f, "{value:.1} {}", UNITS[unit])
+    }
+}
+
 /// Who holds the turn to read the slot.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TurnHolder {
@@ -489,6 +539,36 @@ mod tests {
         assert!(
             WalSql::new(&long).is_err(),
             "a slot name over 63 bytes is refused"
+        );
+    }
+
+    #[test]
+    fn a_slot_reads_as_one_line() {
+        let mut state = SlotState {
+            slot: "public_outbox".to_owned(),
+            database: "app".to_owned(),
+            plugin: "pgoutput".to_owned(),
+            wal_status: "reserved".to_owned(),
+            active_pid: Some(4242),
+            retained_bytes: 1_572_864,
+            lag_bytes: 0,
+            confirmed_lsn: "0/1A2B3C8".to_owned(),
+            current_database: "app".to_owned(),
+        };
+        assert_eq!(
+            state.to_string(),
+            "slot public_outbox, read by pid 4242, wal_status reserved: retains 1.5 MiB of WAL, \
+             0 B not confirmed, confirmed up to 0/1A2B3C8"
+        );
+        state.active_pid = None;
+        state.retained_bytes = 3 << 30;
+        state.lag_bytes = 1023;
+        assert!(state.to_string().contains("read by nobody"), "{state}");
+        assert!(
+            state
+                .to_string()
+                .contains("retains 3.0 GiB of WAL, 1023 B not confirmed"),
+            "{state}"
         );
     }
 }
