@@ -71,7 +71,8 @@ const EMIT_ALL: &str = "SELECT pg_logical_emit_message(true, $1::text, json_buil
 /// this, and `outbox dlq` finds them as it finds the polling relay's.
 const DEAD_ROWS: &str = "UPDATE {t} AS o SET dead_at = clock_timestamp(), attempts = d.attempts, last_error = d.error, \
             next_attempt_at = clock_timestamp() \
-       FROM unnest($1::int8[], $2::int4[], $3::text[]) AS d(id, attempts, error) WHERE o.id = d.id";
+       FROM unnest($1::int8[], $2::int4[], $3::text[]) AS d(id, attempts, error) WHERE o.id = d.id \
+     RETURNING o.id";
 
 /// `$1..$9` arrays. Emitted events (no row) the WAL source gave up on are
 /// inserted as dead letters. The insert is published; the source skips
@@ -85,7 +86,12 @@ const DEAD_EMITTED: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregate
 
 /// `$1` ids. Delivered rows go by primary key (`--wal-cleanup delete`):
 /// the table only ever holds what is in flight.
-const DELETE_DELIVERED: &str = "DELETE FROM {t} WHERE id = ANY($1::int8[])";
+///
+/// Returns the ids it found: logical decoding sends a commit as soon as
+/// its record is flushed, a moment before the transaction is visible to
+/// other sessions, so a row delivered that fast may not be found yet; the
+/// source tries those again (as it does the dead letters of `DEAD_ROWS`).
+const DELETE_DELIVERED: &str = "DELETE FROM {t} WHERE id = ANY($1::int8[]) RETURNING id";
 
 /// `$1` slot name. Whose turn it is to read the slot: a session advisory
 /// lock keyed by the slot's name, held by the reader for its lifetime.
@@ -376,16 +382,17 @@ impl WalSql {
         client.execute(DROP_SLOT, &[&self.slot]).await.map(drop)
     }
 
-    /// Records dead letters of rows; returns how many rows changed.
+    /// Records dead letters of rows; returns the ids it found (see
+    /// `DELETE_DELIVERED` for why one may not be found yet).
     pub async fn dead_rows(
         &self,
         client: &impl GenericClient,
         ids: &[i64],
         attempts: &[i32],
         errors: &[String],
-    ) -> Result<u64, Error> {
-        client
-            .execute_typed(
+    ) -> Result<Vec<i64>, Error> {
+        let rows = client
+            .query_typed(
                 &self.dead_rows,
                 &[
                     (&ids, Type::INT8_ARRAY),
@@ -393,7 +400,8 @@ impl WalSql {
                     (&errors, Type::TEXT_ARRAY),
                 ],
             )
-            .await
+            .await?;
+        rows.iter().map(|r| r.try_get(0)).collect()
     }
 
     /// Records dead letters of emitted events as rows.
@@ -416,11 +424,12 @@ impl WalSql {
             .await
     }
 
-    /// Deletes delivered rows by id; returns how many were still there.
-    pub async fn delete_delivered(&self, client: &impl GenericClient, ids: &[i64]) -> Result<u64, Error> {
-        client
-            .execute_typed(&self.delete_delivered, &[(&ids, Type::INT8_ARRAY)])
-            .await
+    /// Deletes delivered rows by id; returns the ids it found.
+    pub async fn delete_delivered(&self, client: &impl GenericClient, ids: &[i64]) -> Result<Vec<i64>, Error> {
+        let rows = client
+            .query_typed(&self.delete_delivered, &[(&ids, Type::INT8_ARRAY)])
+            .await?;
+        rows.iter().map(|r| r.try_get(0)).collect()
     }
 
     /// Tries to take the turn to read the slot, for this session's lifetime.

@@ -25,6 +25,7 @@ mod stream;
 mod turn;
 mod window;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -58,6 +59,12 @@ const SLOT_CHECK: Duration = Duration::from_secs(5);
 /// The longest wait without looking at anything: pending writes are
 /// flushed and the turn checked at least this often.
 const TICK: Duration = Duration::from_secs(1);
+
+/// How long a delivered row may stay invisible to the relay's delete (or
+/// a dead letter's update) before the relay stops waiting for it: the gap
+/// between a commit being decoded and its transaction becoming visible is
+/// far shorter; past this the row must be gone.
+const UNFOUND_GRACE: Duration = Duration::from_secs(5);
 
 /// The first wait after a failure (see `WalSource::retry_in`).
 const FIRST_RETRY: Duration = Duration::from_millis(100);
@@ -99,6 +106,8 @@ pub(crate) struct WalSource {
     confirmed: u64,
     /// The prefix of the drain marker (see `DRAIN_MARKER`).
     drain_prefix: String,
+    /// Since when writes have not found their rows (see `UNFOUND_GRACE`).
+    unfound_since: Option<Instant>,
     /// How long the next recovery waits: doubling from 100 ms to 5 s while
     /// failures repeat, back to 100 ms once a batch went through.
     retry_in: Duration,
@@ -174,6 +183,7 @@ impl WalSource {
             confirmed: 0,
             drain_prefix: format!("outbox-drain:{}", sql.slot()),
             retry_in: FIRST_RETRY,
+            unfound_since: None,
             sql,
         }))
     }
@@ -351,7 +361,22 @@ impl WalSource {
         }
         if !writes.is_empty() {
             let sql = Arc::clone(&self.sql);
-            write(&sql, self.client().await?, writes).await?;
+            let unfound = write(&sql, self.client().await?, writes).await?;
+            if !unfound.is_empty() {
+                let since = *self.unfound_since.get_or_insert_with(Instant::now);
+                if since.elapsed() < UNFOUND_GRACE {
+                    // Not visible yet: hold the position until they are.
+                    self.window.restore(unfound, confirmable);
+                    return Ok(());
+                }
+                warn!(
+                    deletes = ?unfound.delete,
+                    dead_letters = unfound.dead.len(),
+                    "rows the relay delivered or gave up on were not found for {} s (deleted by someone else?); going on without them",
+                    UNFOUND_GRACE.as_secs()
+                );
+            }
+            self.unfound_since = None;
         }
         if let (Some(lsn), Some(stream)) = (confirmable, &self.stream) {
             stream.client.update_applied_lsn(Lsn::from_u64(lsn));
@@ -460,20 +485,19 @@ fn window(config: &RelayConfig) -> Window {
     Window::new(config.wal.window, bytes, config.wal.cleanup == WalCleanup::Delete)
 }
 
-/// The writes of finished events: deletes, then dead letters.
-async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<(), tokio_postgres::Error> {
+/// The writes of finished events: deletes, then dead letters. Returns
+/// those that did not find their row (see `DELETE_DELIVERED`).
+async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<Writes, tokio_postgres::Error> {
+    let mut unfound = Writes::default();
     if !writes.delete.is_empty() {
-        sql.delete_delivered(client, &writes.delete).await?;
+        let found: HashSet<i64> = sql.delete_delivered(client, &writes.delete).await?.into_iter().collect();
+        unfound.delete = writes.delete.into_iter().filter(|id| !found.contains(id)).collect();
     }
     let (mut ids, mut attempts, mut errors) = (Vec::new(), Vec::new(), Vec::new());
     let mut emitted = Vec::new();
     for dead in writes.dead {
         match dead {
-            Dead::Row {
-                id,
-                attempts: a,
-                error,
-            } => {
+            Dead::Row { id, attempts: a, error } => {
                 ids.push(id);
                 attempts.push(a);
                 errors.push(error);
@@ -482,16 +506,18 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<(), toki
         }
     }
     if !ids.is_empty() {
-        sql.dead_rows(client, &ids, &attempts, &errors).await?;
+        let found: HashSet<i64> = sql.dead_rows(client, &ids, &attempts, &errors).await?.into_iter().collect();
+        for ((id, attempts), error) in ids.into_iter().zip(attempts).zip(errors) {
+            if !found.contains(&id) {
+                unfound.dead.push(Dead::Row { id, attempts, error });
+            }
+        }
     }
     if !emitted.is_empty() {
-        let col = |f: fn(&OutboxRow) -> String| emitted.iter().map(|(r, _)| f(r)).collect::<Vec<_>>();
-        let (types, aggregates, event_types) = (
-            col(|r| r.aggregate_type.clone()),
-            col(|r| r.aggregate_id.clone()),
-            col(|r| r.event_type.clone()),
-        );
         let event_ids: Vec<_> = emitted.iter().map(|(r, _)| r.event_id).collect();
+        let types: Vec<_> = emitted.iter().map(|(r, _)| r.aggregate_type.clone()).collect();
+        let aggregates: Vec<_> = emitted.iter().map(|(r, _)| r.aggregate_id.clone()).collect();
+        let event_types: Vec<_> = emitted.iter().map(|(r, _)| r.event_type.clone()).collect();
         let payloads: Vec<_> = emitted.iter().map(|(r, _)| r.payload.clone()).collect();
         let headers: Vec<_> = emitted.iter().map(|(r, _)| r.headers.clone()).collect();
         let created_at: Vec<_> = emitted.iter().map(|(r, _)| r.created_at).collect();
@@ -513,7 +539,7 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<(), toki
         )
         .await?;
     }
-    Ok(())
+    Ok(unfound)
 }
 
 impl Source for WalSource {

@@ -419,6 +419,15 @@ impl Window {
         (std::mem::take(&mut self.writes), self.confirmable.take())
     }
 
+    /// Puts back writes that did not find their rows yet, with the
+    /// position they were to confirm: it is confirmed once they do.
+    pub(crate) fn restore(&mut self, writes: Writes, confirmable: Option<u64>) {
+        let later = std::mem::replace(&mut self.writes, writes);
+        self.writes.delete.extend(later.delete);
+        self.writes.dead.extend(later.dead);
+        self.confirmable = self.confirmable.max(confirmable);
+    }
+
     /// One event finished: delivered (with the row to delete, if any) or a
     /// dead letter.
     fn finish(&mut self, o: &Out, write: Option<Result<i64, Dead>>) {
