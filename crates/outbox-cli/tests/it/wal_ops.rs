@@ -193,16 +193,11 @@ async fn sink_down_10_s_makes_no_dead_letter_while_the_slot_keeps_and_reports_th
     );
 }
 
-/// Issue 17: the relay's slot gauges (and `--wal-retained-warn`) should
-/// follow the slot while the sink is down, which is when the slot grows.
-/// They do not: the slot is checked only between claims, and while the
-/// sink's breaker is open the relay probes the sink and claims nothing, so
-/// `/metrics` shows the values from before the outage until the sink is
-/// back. Ignored until fixed (the check belongs to the WAL source, outside
-/// this change); run with `--run-ignored all` to see it fail.
+/// The relay's slot gauges (and `--wal-retained-warn`) follow the slot
+/// while the sink is down, which is when the slot grows: the relay loop
+/// claims nothing then, so the slot is watched by a task of its own.
 #[tokio::test]
-#[ignore = "known bug: the WAL gauges freeze while the sink's breaker is open"]
-async fn issue_17_the_wal_gauges_follow_the_slot_while_the_sink_is_down() {
+async fn the_wal_gauges_follow_the_slot_while_the_sink_is_down() {
     let mut db = WalDb::start().await;
     let mut redis = Redis::start().await.unwrap();
     let addr = http_addr();

@@ -425,7 +425,11 @@ impl WalSql {
     }
 
     /// Deletes delivered rows by id; returns the ids it found.
-    pub async fn delete_delivered(&self, client: &impl GenericClient, ids: &[i64]) -> Result<Vec<i64>, Error> {
+    pub async fn delete_delivered(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+    ) -> Result<Vec<i64>, Error> {
         let rows = client
             .query_typed(&self.delete_delivered, &[(&ids, Type::INT8_ARRAY)])
             .await?;

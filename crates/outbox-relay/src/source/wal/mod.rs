@@ -8,6 +8,8 @@
 //!   behind failures, and decides what position may be confirmed.
 //! - [`turn`] lets one relay read and keeps the others as standbys.
 //! - [`stream`] opens the replication connection.
+//! - [`watch`] reads the slot's state for the gauges and the warning, and
+//!   notices when PostgreSQL invalidated it.
 //!
 //! Nothing here holds a transaction open: the slot is the claim. A batch
 //! is rows handed out of the window; settling it finishes or parks them;
@@ -23,6 +25,7 @@
 mod decode;
 mod stream;
 mod turn;
+mod watch;
 mod window;
 
 use std::collections::HashSet;
@@ -43,6 +46,7 @@ use tracing::{debug, info, warn};
 
 use self::decode::{Decoded, Decoder};
 use self::turn::{Timing, Turn};
+use self::watch::{Problem, SlotWatch};
 use self::window::{Dead, Window, Writes};
 use super::{Batch, Claim, Source, SourceError};
 use crate::config::{RelayConfig, WalCleanup};
@@ -52,9 +56,6 @@ use crate::health;
 use crate::metric::{self, BatchMetrics};
 use crate::pg::{PgConfig, Startup};
 use crate::plan::Plan;
-
-/// How often the slot's state is read for the metrics and the warning.
-const SLOT_CHECK: Duration = Duration::from_secs(5);
 
 /// The longest wait without looking at anything: pending writes are
 /// flushed and the turn checked at least this often.
@@ -75,10 +76,8 @@ struct Stream {
     decoder: Decoder,
 }
 
-/// The slot's gauges.
+/// The window's gauge (the slot's are the watch's).
 struct SlotGauges {
-    retained: Gauge,
-    lag: Gauge,
     window: Gauge,
 }
 
@@ -97,8 +96,7 @@ pub(crate) struct WalSource {
     window: Window,
     /// The batch at the sink, and when it was handed out.
     at_sink: Option<(Arc<[OutboxRow]>, Instant)>,
-    slot_checked: Option<Instant>,
-    warned_retained: bool,
+    watch: SlotWatch,
     /// `drain`: the marker was emitted, and read back.
     drain_marker: (bool, bool),
     signalled_batch: bool,
@@ -160,11 +158,14 @@ impl WalSource {
             "log tailing: the slot is ready"
         );
         let gauges = SlotGauges {
-            retained: metrics::gauge!(metric::WAL_RETAINED, "slot" => slot.slot.clone()),
-            lag: metrics::gauge!(metric::WAL_LAG, "slot" => slot.slot.clone()),
             window: metrics::gauge!(metric::WAL_WINDOW),
         };
         health::global().postgres(None);
+        let mut watch_pg = pg.clone();
+        watch_pg
+            .postgres_mut()
+            .application_name("outbox-relay slot watch");
+        let watch = SlotWatch::start(watch_pg, Arc::clone(&sql), config.wal.retained_warn);
         Ok(Some(WalSource {
             window: window(&config),
             config,
@@ -176,8 +177,7 @@ impl WalSource {
             turn: None,
             stream: None,
             at_sink: None,
-            slot_checked: None,
-            warned_retained: false,
+            watch,
             drain_marker: (false, false),
             signalled_batch: false,
             confirmed: 0,
@@ -244,8 +244,11 @@ impl WalSource {
                     Err(e) => {
                         // A slot PostgreSQL invalidated or someone dropped
                         // fails every reconnect: stop and say so.
-                        self.slot_checked = None;
-                        self.check_slot().await?;
+                        let sql = Arc::clone(&self.sql);
+                        let state = sql.slot_state(self.client().await?).await?;
+                        if let Some(problem) = Problem::of(state.as_ref()) {
+                            return Err(fatal(&problem, sql.slot()));
+                        }
                         return Err(SourceError::Replication(e));
                     }
                 }
@@ -393,49 +396,6 @@ impl WalSource {
         Ok(self.client.as_ref().expect("connected"))
     }
 
-    /// Reads the slot's state every few seconds: the gauges, the warning
-    /// above `--wal-retained-warn`, and an invalidated slot, which stops
-    /// the relay.
-    async fn check_slot(&mut self) -> Result<(), SourceError> {
-        if self.slot_checked.is_some_and(|at| at.elapsed() < SLOT_CHECK) {
-            return Ok(());
-        }
-        self.slot_checked = Some(Instant::now());
-        let sql = Arc::clone(&self.sql);
-        let state = sql.slot_state(self.client().await?).await?;
-        let Some(state) = state else {
-            return Err(SourceError::Fatal(RelayError::Schema(
-                outbox::Error::WalNotSetUp {
-                    what: format!("the replication slot {} was dropped", sql.slot()),
-                },
-            )));
-        };
-        if state.is_lost() {
-            return Err(SourceError::Fatal(RelayError::Schema(
-                outbox::Error::SlotInvalidated { slot: state.slot },
-            )));
-        }
-        // Bytes: exact in an f64 up to 8 PiB.
-        #[allow(clippy::cast_precision_loss)]
-        {
-            self.gauges.retained.set(state.retained_bytes as f64);
-            self.gauges.lag.set(state.lag_bytes as f64);
-        }
-        let over = u64::try_from(state.retained_bytes).unwrap_or(0) > self.config.wal.retained_warn;
-        if over && !self.warned_retained {
-            warn!(
-                slot = %state.slot,
-                retained_bytes = state.retained_bytes,
-                limit = self.config.wal.retained_warn,
-                "the slot holds back more WAL than --wal-retained-warn: is the sink down, or the relay too slow?"
-            );
-        } else if !over && self.warned_retained {
-            info!(slot = %state.slot, retained_bytes = state.retained_bytes, "the slot's retained WAL is below --wal-retained-warn again");
-        }
-        self.warned_retained = over;
-        Ok(())
-    }
-
     /// Whether a drain is done: everything committed before the drain
     /// looked was read and finished. Emits the marker the first time.
     async fn drained(&mut self) -> Result<bool, SourceError> {
@@ -478,6 +438,11 @@ impl WalSource {
     }
 }
 
+/// What the relay stops with when the slot is gone.
+fn fatal(problem: &Problem, slot: &str) -> SourceError {
+    SourceError::Fatal(RelayError::Schema(problem.error(slot)))
+}
+
 /// An empty window for `config`: unfinished payloads bounded at two
 /// batches' worth (one at the sink, one ready), as a polling relay holds.
 fn window(config: &RelayConfig) -> Window {
@@ -490,14 +455,26 @@ fn window(config: &RelayConfig) -> Window {
 async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<Writes, tokio_postgres::Error> {
     let mut unfound = Writes::default();
     if !writes.delete.is_empty() {
-        let found: HashSet<i64> = sql.delete_delivered(client, &writes.delete).await?.into_iter().collect();
-        unfound.delete = writes.delete.into_iter().filter(|id| !found.contains(id)).collect();
+        let found: HashSet<i64> = sql
+            .delete_delivered(client, &writes.delete)
+            .await?
+            .into_iter()
+            .collect();
+        unfound.delete = writes
+            .delete
+            .into_iter()
+            .filter(|id| !found.contains(id))
+            .collect();
     }
     let (mut ids, mut attempts, mut errors) = (Vec::new(), Vec::new(), Vec::new());
     let mut emitted = Vec::new();
     for dead in writes.dead {
         match dead {
-            Dead::Row { id, attempts: a, error } => {
+            Dead::Row {
+                id,
+                attempts: a,
+                error,
+            } => {
                 ids.push(id);
                 attempts.push(a);
                 errors.push(error);
@@ -506,7 +483,11 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<Writes, 
         }
     }
     if !ids.is_empty() {
-        let found: HashSet<i64> = sql.dead_rows(client, &ids, &attempts, &errors).await?.into_iter().collect();
+        let found: HashSet<i64> = sql
+            .dead_rows(client, &ids, &attempts, &errors)
+            .await?
+            .into_iter()
+            .collect();
         for ((id, attempts), error) in ids.into_iter().zip(attempts).zip(errors) {
             if !found.contains(&id) {
                 unfound.dead.push(Dead::Row { id, attempts, error });
@@ -574,7 +555,9 @@ impl Source for WalSource {
                 }
             }
             self.flush().await?;
-            self.check_slot().await?;
+            if let Some(problem) = self.watch.problem() {
+                return Err(fatal(&problem, self.sql.slot()));
+            }
             if self.config.drain && self.drained().await? {
                 return Ok(Claim::Drained);
             }

@@ -1,0 +1,166 @@
+//! Watching the slot: its state read every few seconds on a connection of
+//! its own, for the gauges (`outbox_wal_retained_bytes`,
+//! `outbox_wal_lag_bytes`), the warning above `--wal-retained-warn`, and
+//! the one problem reconnecting cannot fix: the slot invalidated or
+//! dropped, which stops the relay.
+//!
+//! A task of its own because the relay loop stops calling the source while
+//! a sink is down, which is exactly when the retained WAL grows and the
+//! warning must fire.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::Gauge;
+use outbox::sql::{SlotState, WalSql};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::error::error_chain;
+use crate::metric;
+use crate::pg::PgConfig;
+
+/// How often the slot's state is read.
+const EVERY: Duration = Duration::from_secs(5);
+
+/// Why the relay cannot go on reading the slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Problem {
+    /// PostgreSQL invalidated it (`wal_status = lost`).
+    Lost,
+    /// Somebody dropped it.
+    Dropped,
+}
+
+impl Problem {
+    /// What the relay stops with.
+    pub(crate) fn error(&self, slot: &str) -> outbox::Error {
+        match self {
+            Problem::Lost => outbox::Error::SlotInvalidated {
+                slot: slot.to_owned(),
+            },
+            Problem::Dropped => outbox::Error::WalNotSetUp {
+                what: format!("the replication slot {slot} was dropped"),
+            },
+        }
+    }
+
+    /// The problem `state` shows, if any.
+    pub(crate) fn of(state: Option<&SlotState>) -> Option<Problem> {
+        match state {
+            None => Some(Problem::Dropped),
+            Some(s) if s.is_lost() => Some(Problem::Lost),
+            Some(_) => None,
+        }
+    }
+}
+
+/// The running watch. Dropping it stops the task.
+pub(crate) struct SlotWatch {
+    problem: watch::Receiver<Option<Problem>>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Drop for SlotWatch {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.task.abort();
+    }
+}
+
+impl SlotWatch {
+    /// Starts watching `sql`'s slot; warns above `retained_warn` bytes.
+    pub(crate) fn start(pg: PgConfig, sql: Arc<WalSql>, retained_warn: u64) -> SlotWatch {
+        let (tx, rx) = watch::channel(None);
+        let stop = CancellationToken::new();
+        let gauges = Gauges {
+            retained: metrics::gauge!(metric::WAL_RETAINED, "slot" => sql.slot().to_owned()),
+            lag: metrics::gauge!(metric::WAL_LAG, "slot" => sql.slot().to_owned()),
+        };
+        let task = tokio::spawn(run(pg, sql, retained_warn, gauges, tx, stop.clone()));
+        SlotWatch {
+            problem: rx,
+            stop,
+            task,
+        }
+    }
+
+    /// The problem found, if any.
+    pub(crate) fn problem(&self) -> Option<Problem> {
+        self.problem.borrow().clone()
+    }
+}
+
+struct Gauges {
+    retained: Gauge,
+    lag: Gauge,
+}
+
+async fn run(
+    pg: PgConfig,
+    sql: Arc<WalSql>,
+    retained_warn: u64,
+    gauges: Gauges,
+    problem: watch::Sender<Option<Problem>>,
+    stop: CancellationToken,
+) {
+    let mut client: Option<Client> = None;
+    let mut over = false;
+    loop {
+        if client.as_ref().is_none_or(Client::is_closed) {
+            client = crate::pg::connect_once(&pg).await.ok();
+        }
+        if let Some(c) = &client {
+            match sql.slot_state(c).await {
+                Ok(state) => {
+                    if let Some(p) = Problem::of(state.as_ref()) {
+                        problem.send_replace(Some(p));
+                        return;
+                    }
+                    if let Some(state) = state {
+                        over = show(&state, &gauges, retained_warn, over);
+                    }
+                }
+                Err(error) => {
+                    warn!(error = %error_chain(&error), "reading the replication slot's state failed");
+                    client = None;
+                }
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(EVERY) => {}
+        }
+    }
+}
+
+/// Sets the gauges and warns when the retained WAL crosses the limit;
+/// returns whether it is over.
+fn show(state: &SlotState, gauges: &Gauges, retained_warn: u64, was_over: bool) -> bool {
+    // Bytes: exact in an f64 up to 8 PiB.
+    #[allow(clippy::cast_precision_loss)]
+    {
+        gauges.retained.set(state.retained_bytes as f64);
+        gauges.lag.set(state.lag_bytes as f64);
+    }
+    let over = u64::try_from(state.retained_bytes).unwrap_or(0) > retained_warn;
+    if over && !was_over {
+        warn!(
+            slot = %state.slot,
+            retained_bytes = state.retained_bytes,
+            limit = retained_warn,
+            "the slot holds back more WAL than --wal-retained-warn: is the sink down, or the relay too slow?"
+        );
+    } else if !over && was_over {
+        info!(
+            slot = %state.slot,
+            retained_bytes = state.retained_bytes,
+            "the slot's retained WAL is below --wal-retained-warn again"
+        );
+    }
+    over
+}
