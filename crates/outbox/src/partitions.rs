@@ -10,6 +10,14 @@
 //! unpublished one, between the check and the drop. The lock is taken with a
 //! short `lock_timeout` and retried, so maintenance waiting behind a long
 //! batch never queues the application's writers behind it for long.
+//!
+//! With log tailing and `--wal-cleanup none`, delivered rows are never
+//! marked published. Such a day goes once the slot has confirmed past a
+//! *mark*: the WAL position and the day's highest id, taken under that
+//! same lock, when every transaction that wrote into the day had ended (a
+//! comment on the partition keeps it). A row inserted after the mark (an
+//! explicit `created_at` in the past) has a higher id and moves the mark.
+//! Days holding dead letters are kept, as always.
 
 use std::time::Duration;
 
@@ -37,6 +45,9 @@ pub struct Maintenance {
     pub kept: Vec<(String, i64)>,
     /// Past partitions not dropped because the outbox stayed locked by others.
     pub busy: Vec<String>,
+    /// Past partitions of a log-tailing outbox kept until the slot has
+    /// confirmed past their mark (their rows may not be delivered yet).
+    pub awaiting_slot: Vec<String>,
     /// Rows in the default partition: a day that had no partition yet when
     /// they were written. They are delivered as usual; the partition for
     /// their day cannot be created while they are there.
@@ -139,8 +150,20 @@ async fn drop_if_published(
             .await
             .map_err(Error::pg("counting a partition's unpublished rows"))?;
         if unpublished > 0 {
-            done.kept.push((name.to_string(), unpublished));
-            return Ok(());
+            match delivered_from_wal(&tx, config, &partition).await? {
+                Wal::Delivered => {}
+                Wal::Awaiting => {
+                    tx.commit()
+                        .await
+                        .map_err(Error::pg("committing a partition's mark"))?;
+                    done.awaiting_slot.push(name.to_string());
+                    return Ok(());
+                }
+                Wal::NoSlot | Wal::Dead => {
+                    done.kept.push((name.to_string(), unpublished));
+                    return Ok(());
+                }
+            }
         }
         catalog::drop_partition(&tx, &table, &partition)
             .await
@@ -153,6 +176,66 @@ async fn drop_if_published(
     }
     done.busy.push(name.to_string());
     Ok(())
+}
+
+/// What log tailing says of a past day with unpublished rows.
+enum Wal {
+    /// No usable slot: unpublished means undelivered.
+    NoSlot,
+    /// It holds dead letters: kept for `outbox dlq`.
+    Dead,
+    /// Not yet confirmed past its mark (which may have just been taken).
+    Awaiting,
+    /// The slot confirmed past its mark: every row was delivered.
+    Delivered,
+}
+
+/// Under the drop's lock: whether the slot delivered every row of
+/// `partition` (see the module docs).
+async fn delivered_from_wal(
+    tx: &impl tokio_postgres::GenericClient,
+    config: &Config,
+    partition: &str,
+) -> Result<Wal, Error> {
+    let sql = crate::sql::WalSql::new(config)?;
+    let slot = sql
+        .slot_state(tx)
+        .await
+        .map_err(Error::pg("reading the replication slot"))?;
+    if slot.is_none_or(|s| s.is_lost() || s.database != s.current_database) {
+        return Ok(Wal::NoSlot);
+    }
+    if catalog::dead_count(tx, partition)
+        .await
+        .map_err(Error::pg("counting a partition's dead letters"))?
+        > 0
+    {
+        return Ok(Wal::Dead);
+    }
+    let now = sql
+        .mark_now(tx, partition)
+        .await
+        .map_err(Error::pg("reading a partition's mark"))?;
+    let mark = sql
+        .partition_mark(tx, partition)
+        .await
+        .map_err(Error::pg("reading a partition's mark"))?;
+    match mark {
+        Some(mark) if mark.max_id == now.max_id => {
+            let confirmed = sql
+                .confirmed_past(tx, &mark.lsn)
+                .await
+                .map_err(Error::pg("comparing the slot's position with a partition's mark"))?;
+            Ok(if confirmed { Wal::Delivered } else { Wal::Awaiting })
+        }
+        // No mark yet, or rows came in after it: mark it now.
+        _ => {
+            sql.set_partition_mark(tx, partition, &now)
+                .await
+                .map_err(Error::pg("marking a partition"))?;
+            Ok(Wal::Awaiting)
+        }
+    }
 }
 
 fn partition_name(config: &Config, day: NaiveDate) -> Result<Ident, Error> {

@@ -40,6 +40,11 @@ pub(crate) fn report(config: &outbox::Config, done: &outbox::partitions::Mainten
              deliver, requeue or delete them and it goes at the next run"
         );
     }
+    for name in &done.awaiting_slot {
+        println!(
+            "{table}: kept partition {name}: log tailing has not confirmed past it yet; it goes at a later run"
+        );
+    }
     for name in &done.busy {
         eprintln!(
             "warning: {table}: kept partition {name}: the outbox stayed locked by other sessions; it goes at the next run"
@@ -52,7 +57,12 @@ pub(crate) fn report(config: &outbox::Config, done: &outbox::partitions::Mainten
             done.in_default
         );
     }
-    if done.created.is_empty() && done.dropped.is_empty() && done.kept.is_empty() && done.busy.is_empty() {
+    if done.created.is_empty()
+        && done.dropped.is_empty()
+        && done.kept.is_empty()
+        && done.busy.is_empty()
+        && done.awaiting_slot.is_empty()
+    {
         println!("{table}: partitions up to date");
     }
 }

@@ -492,3 +492,68 @@ async fn a_daily_partitioned_outbox_is_published_as_the_outbox() {
     assert_eq!(delivered.len(), 50);
     assert_eq!(order_violations(&delivered), 0);
 }
+
+#[tokio::test]
+async fn with_cleanup_none_a_past_day_is_dropped_once_the_slot_confirmed_past_it_and_kept_with_a_dead_letter()
+{
+    let pg = Postgres::start_with(PgSettings::default().set("wal_level", "logical"))
+        .await
+        .unwrap();
+    let url = pg.fresh_database().await.unwrap();
+    let env = [("DATABASE_URL", url.as_str())];
+    let out = run_cli(&["migrate", "--partition-by", "day", "--wal"], &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let client = connect(&url).await;
+    let today = chrono::Utc::now().date_naive();
+    let (delivered_day, dead_day) = (today - chrono::Days::new(3), today - chrono::Days::new(4));
+    for (day, dead) in [(delivered_day, 0), (dead_day, 1)] {
+        let next = day + chrono::Days::new(1);
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE outbox_p{d} PARTITION OF outbox FOR VALUES FROM ('{day} 00:00+00') TO ('{next} 00:00+00');
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at)
+                 SELECT 'orders', 'o' || g, 'E', '{{}}', '{day} 12:00+00' FROM generate_series(1, 20) g;
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, attempts, dead_at)
+                 SELECT 'orders', 'dead', 'E', '{{}}', '{day} 12:00+00', 5, now() FROM generate_series(1, {dead}) g;",
+                d = day.format("%Y%m%d")
+            ))
+            .await
+            .unwrap();
+    }
+    let redis = Redis::start().await.unwrap();
+    let relay = start_relay(
+        &url,
+        &redis.url(),
+        &["--source", "wal", "--wal-cleanup", "none"],
+        &[],
+    )
+    .await;
+    wait_until("40 delivered", LONG, || async {
+        read_stream(&redis.url(), "outbox.event.orders").await.len() == 40
+    })
+    .await;
+    let exists = async |day: chrono::NaiveDate| -> bool {
+        let name = format!("outbox_p{}", day.format("%Y%m%d"));
+        client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let maintain = ["partitions", "maintain", "--keep", "1d"];
+    let out = run_cli(&maintain, &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("log tailing has not confirmed past it yet"),
+        "the first run only marks: {}",
+        text(&out.stdout)
+    );
+    assert!(exists(delivered_day).await);
+    wait_until("the delivered day dropped", LONG, || async {
+        run_cli(&maintain, &env).await;
+        !exists(delivered_day).await
+    })
+    .await;
+    assert!(exists(dead_day).await, "a day with a dead letter stays");
+    stop_relay(relay).await;
+}

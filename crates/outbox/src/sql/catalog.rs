@@ -121,6 +121,17 @@ pub(crate) async fn counts(client: &impl GenericClient, table: &str) -> Result<(
     Ok((row.try_get(0)?, row.try_get(1)?))
 }
 
+/// Dead letters in `table` (given up on or not).
+pub(crate) async fn dead_count(client: &impl GenericClient, table: &str) -> Result<i64, Error> {
+    client
+        .query_one(
+            &format!("SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL"),
+            &[],
+        )
+        .await?
+        .try_get(0)
+}
+
 /// The names of `qualified`'s partitions, in name order.
 pub(crate) async fn partitions_of(
     client: &impl GenericClient,

@@ -27,7 +27,7 @@ pub use relay::{
     TickRow, TickStatement, backend_identity, setup_batch_session,
 };
 #[cfg(feature = "tokio-postgres")]
-pub use wal::{EmittedDead, Prerequisites, SlotState, TurnHolder, WalSql};
+pub use wal::{EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
 const ROW_COLUMNS: &str =

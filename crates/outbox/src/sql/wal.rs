@@ -136,6 +136,58 @@ const REINSERT_PENDING: &str = "WITH gone AS ( \
      again AS (INSERT INTO {t} SELECT * FROM gone ORDER BY id RETURNING 1) \
      SELECT count(*) FROM again";
 
+/// `$1` a partition (qualified). Its comment, where a partition drop keeps
+/// its log-tailing mark (see `outbox::partitions`).
+const PARTITION_COMMENT: &str = "SELECT obj_description(to_regclass($1), 'pg_class')";
+
+/// `$1` a partition (qualified). Its highest id and the current WAL
+/// position, read together for a mark.
+const MARK_NOW: &str = "SELECT (SELECT max(id) FROM {partition}), pg_current_wal_lsn()::text";
+
+/// `$1` slot, `$2` position. Whether the slot is healthy and has confirmed
+/// at least that position.
+const CONFIRMED_PAST: &str = "SELECT coalesce(bool_or(wal_status <> 'lost' AND confirmed_flush_lsn >= $2::text::pg_lsn), false) \
+       FROM pg_replication_slots WHERE slot_name = $1";
+
+/// The prefix of a partition's comment that holds its mark.
+const MARK_PREFIX: &str = "outbox wal mark ";
+
+/// A past day's partition as log tailing last saw it: its highest id, and
+/// a WAL position every transaction that wrote into it committed before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionMark {
+    /// `pg_current_wal_lsn()` when the mark was taken.
+    pub lsn: String,
+    /// The partition's highest id then (`None`: it was empty).
+    pub max_id: Option<i64>,
+}
+
+impl PartitionMark {
+    fn parse(comment: &str) -> Option<PartitionMark> {
+        let mut parts = comment.strip_prefix(MARK_PREFIX)?.split(' ');
+        let lsn = parts.next().filter(|l| is_lsn(l))?.to_owned();
+        let max_id = match parts.next()? {
+            "-" => None,
+            id => Some(id.parse().ok()?),
+        };
+        Some(PartitionMark { lsn, max_id })
+    }
+
+    fn render(&self) -> String {
+        let id = self.max_id.map_or_else(|| "-".to_owned(), |i| i.to_string());
+        format!("{MARK_PREFIX}{} {id}", self.lsn)
+    }
+}
+
+/// `X/Y` in hex, as PostgreSQL prints an LSN: safe inside a literal.
+fn is_lsn(s: &str) -> bool {
+    s.split_once('/').is_some_and(|(a, b)| {
+        [a, b]
+            .iter()
+            .all(|p| !p.is_empty() && p.len() <= 8 && p.bytes().all(|c| c.is_ascii_hexdigit()))
+    })
+}
+
 /// Log tailing's statements for one outbox table, rendered.
 #[derive(Debug, Clone)]
 pub struct WalSql {
@@ -436,6 +488,56 @@ impl WalSql {
         rows.iter().map(|r| r.try_get(0)).collect()
     }
 
+    /// The mark a partition drop left on `partition` (qualified), if any.
+    pub async fn partition_mark(
+        &self,
+        client: &impl GenericClient,
+        partition: &str,
+    ) -> Result<Option<PartitionMark>, Error> {
+        let comment: Option<String> = client
+            .query_one(PARTITION_COMMENT, &[&partition])
+            .await?
+            .try_get(0)?;
+        Ok(comment.as_deref().and_then(PartitionMark::parse))
+    }
+
+    /// `partition`'s highest id and the current position, now.
+    pub async fn mark_now(
+        &self,
+        client: &impl GenericClient,
+        partition: &str,
+    ) -> Result<PartitionMark, Error> {
+        let row = client
+            .query_one(&MARK_NOW.replace("{partition}", partition), &[])
+            .await?;
+        Ok(PartitionMark {
+            max_id: row.try_get(0)?,
+            lsn: row.try_get(1)?,
+        })
+    }
+
+    /// Leaves `mark` on `partition` (its comment).
+    pub async fn set_partition_mark(
+        &self,
+        client: &impl GenericClient,
+        partition: &str,
+        mark: &PartitionMark,
+    ) -> Result<(), Error> {
+        // COMMENT takes no parameters; the text is an LSN and a number.
+        debug_assert!(is_lsn(&mark.lsn));
+        client
+            .batch_execute(&format!("COMMENT ON TABLE {partition} IS '{}'", mark.render()))
+            .await
+    }
+
+    /// Whether the slot is healthy and confirmed `lsn`.
+    pub async fn confirmed_past(&self, client: &impl GenericClient, lsn: &str) -> Result<bool, Error> {
+        client
+            .query_one(CONFIRMED_PAST, &[&self.slot, &lsn])
+            .await?
+            .try_get(0)
+    }
+
     /// Tries to take the turn to read the slot, for this session's lifetime.
     pub async fn try_turn(&self, client: &impl GenericClient) -> Result<bool, Error> {
         client.query_one(TURN_TRY, &[&self.slot]).await?.try_get(0)
@@ -531,6 +633,28 @@ pub(crate) async fn emit_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partition_mark_reads_back_and_refuses_anything_else() {
+        let mark = PartitionMark {
+            lsn: "0/1A2B3C8".to_owned(),
+            max_id: Some(42),
+        };
+        assert_eq!(PartitionMark::parse(&mark.render()), Some(mark));
+        let empty = PartitionMark {
+            lsn: "1/0".to_owned(),
+            max_id: None,
+        };
+        assert_eq!(PartitionMark::parse(&empty.render()), Some(empty));
+        for bad in [
+            "",
+            "outbox wal mark 0/1'; DROP 42",
+            "outbox wal mark x/1 1",
+            "a comment",
+        ] {
+            assert_eq!(PartitionMark::parse(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn names_follow_the_table_and_statements_are_rendered() {
