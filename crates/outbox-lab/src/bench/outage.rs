@@ -105,8 +105,12 @@ pub(crate) async fn measure(
     let warm = u64::from(rate / 10).max(1);
     let deadline = Instant::now() + LONG;
     while xlen(&mut redis).await? < warm {
-        if Instant::now() > deadline || writer.is_finished() {
-            bail!("no event reached the sink before the outage");
+        if writer.is_finished() {
+            writer.await.context("the writer task")??;
+            bail!("the writer stopped before the outage");
+        }
+        if Instant::now() > deadline {
+            bail!("no event reached the sink within {LONG:?}, before the outage");
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
