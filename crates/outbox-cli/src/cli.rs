@@ -100,7 +100,8 @@ pub(crate) enum Command {
     /// (or on DATABASE_URL / OUTBOX_SINK when set).
     Demo(DemoArgs),
     /// Measure relay throughput against the no-sink floor and the naive
-    /// per-row relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
+    /// per-row relay, or (--source wal) log tailing beside the polling
+    /// relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
     /// OUTBOX_SINK, in a scratch schema it drops).
     Bench(outbox_lab::bench::BenchArgs),
     /// Reproduce the reference design's experiments (dual write, crash

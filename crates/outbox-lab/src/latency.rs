@@ -1,7 +1,7 @@
 //! What the lab's and the bench's latency and idle measurements share: how
 //! the relay learns about new rows ([`Wakeup`], as relay flags), the wall
-//! clock latencies are measured on, and latency = first arrival minus the
-//! row's `created_at`.
+//! clock latencies are measured on, and latency = first arrival minus when
+//! the event was written.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -19,6 +19,9 @@ pub(crate) enum Wakeup {
     NotifyOrPoll { fallback_ms: u64 },
     /// `--no-notify --poll-interval <ms>`.
     Poll { interval_ms: u64 },
+    /// `--source wal`: the relay reads the WAL stream (a replication slot)
+    /// instead of the table.
+    Wal,
 }
 
 impl Wakeup {
@@ -29,6 +32,7 @@ impl Wakeup {
                 format!("NOTIFY (+{} fallback poll)", seconds_or_ms(fallback_ms))
             }
             Wakeup::Poll { interval_ms } => format!("poll {interval_ms} ms"),
+            Wakeup::Wal => "WAL (--source wal)".to_owned(),
         }
     }
 
@@ -39,6 +43,7 @@ impl Wakeup {
             Wakeup::Notify => Vec::new(),
             Wakeup::NotifyOrPoll { fallback_ms } => interval(fallback_ms),
             Wakeup::Poll { interval_ms } => [vec!["--no-notify".to_owned()], interval(interval_ms)].concat(),
+            Wakeup::Wal => vec!["--source".to_owned(), "wal".to_owned()],
         }
     }
 }
@@ -104,5 +109,6 @@ mod tests {
         let poll = Wakeup::Poll { interval_ms: 200 };
         assert_eq!(poll.label(), "poll 200 ms");
         assert_eq!(poll.relay_args(), ["--no-notify", "--poll-interval", "200ms"]);
+        assert_eq!(Wakeup::Wal.relay_args(), ["--source", "wal"]);
     }
 }

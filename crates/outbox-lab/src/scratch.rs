@@ -47,12 +47,19 @@ pub(crate) struct Postgres {
 }
 
 impl Postgres {
-    /// `DATABASE_URL`, or else a throwaway cluster started here.
-    pub(crate) async fn start(db: &Database) -> anyhow::Result<Self> {
+    /// `DATABASE_URL`, or else a throwaway cluster started here, with
+    /// `wal_level = logical` if `log_tailing` (the runs of `--source wal`
+    /// need it; the others keep the server's default, `replica`, whose WAL
+    /// the earlier figures were measured with).
+    pub(crate) async fn start(db: &Database, log_tailing: bool) -> anyhow::Result<Self> {
         let (url, throwaway) = match &db.url {
             Some(url) => (url.clone(), None),
             None => {
-                let pg = outbox_testkit::Postgres::start()
+                let mut settings = outbox_testkit::PgSettings::default();
+                if log_tailing {
+                    settings = settings.set("wal_level", "logical");
+                }
+                let pg = outbox_testkit::Postgres::start_with(settings)
                     .await
                     .context("starting a throwaway PostgreSQL")?;
                 (pg.url("postgres"), Some(pg))
@@ -103,6 +110,9 @@ pub(crate) struct Scratch {
     pub(crate) inbox: Inbox,
     /// Smaller sizes (`--quick`).
     pub(crate) quick: bool,
+    /// Whether this run created the publication of the WAL source (and so
+    /// drops it at the end; see `bench/slot.rs`).
+    pub(crate) created_publication: bool,
 }
 
 impl Scratch {
@@ -131,6 +141,7 @@ impl Scratch {
             config,
             inbox: Inbox::new(InboxConfig::new(schema, "processed_events")?),
             quick,
+            created_publication: false,
         })
     }
 

@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::support::{outbox_cmd, text};
 
 /// Every experiment `all` runs.
-const EXPERIMENTS: [&str; 12] = [
+const EXPERIMENTS: [&str; 13] = [
     "dual-write",
     "rollback",
     "crash-before-mark",
@@ -24,6 +24,7 @@ const EXPERIMENTS: [&str; 12] = [
     "ordering",
     "cleanup",
     "redis-group",
+    "wal",
 ];
 
 #[tokio::test]
@@ -111,6 +112,14 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
     }
     assert_eq!(ours("cleanup", "rows left: unpublished only"), "50");
     assert_eq!(ours("redis-group", "shipments / orders shipped twice"), "5 / 0");
+    assert_eq!(
+        ours(
+            "wal",
+            "rows left after the drain: polling (published) / WAL source / emit"
+        ),
+        "300 / 0 / 0"
+    );
+    assert_eq!(ours("wal", "emit: dead tuples / rows in the table"), "0 / 0");
 
     let html = std::fs::read_to_string(&report).expect("the report was written");
     check_well_formed(&html, outcomes);

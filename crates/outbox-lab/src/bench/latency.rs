@@ -6,8 +6,12 @@
 //! `DATABASE_URL`, clock skew is part of the figure.
 //!
 //! Run once with LISTEN/NOTIFY (the relay's default) and once polling, so
-//! the report shows what NOTIFY buys.
+//! the report shows what NOTIFY buys; with `--source wal`, NOTIFY beside
+//! the WAL source. The WAL source deletes the rows it delivered, so there
+//! the start of each latency is the writer's own clock just before it sent
+//! the INSERT ([`Clock::Sent`]), for both relays of the pair.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -23,9 +27,20 @@ use crate::latency::{Wakeup, epoch_seconds, latencies_ms};
 use crate::report::percentile;
 use crate::scratch::{LONG, Scratch};
 
+/// Where a latency starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Clock {
+    /// The row's `created_at`, read back by outbox id after the run.
+    CreatedAt,
+    /// The writer's clock just before it sent the INSERT, by event id.
+    Sent,
+}
+
 /// What one latency run measured.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct LatencyRun {
+    pub(super) clock: Clock,
     pub(super) written: u64,
     /// Distinct events the consumer received.
     pub(super) received: u64,
@@ -36,14 +51,21 @@ pub(crate) struct LatencyRun {
 }
 
 /// Writes `rate` events per second for `seconds` with the relay running in
-/// `wakeup` mode, and measures each event's way to the consumer.
+/// `wakeup` mode, and measures each event's way to the consumer, from
+/// `clock`.
 pub(super) async fn measure(
     scratch: &mut Scratch,
     wakeup: Wakeup,
     rate: u32,
     seconds: f64,
+    clock: Clock,
 ) -> anyhow::Result<LatencyRun> {
     scratch.clear().await?;
+    if wakeup == Wakeup::Wal {
+        scratch.fresh_slot().await?;
+    } else {
+        scratch.drop_slot().await?;
+    }
     let args = wakeup.relay_args();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let relay = scratch.spawn_bench_relay(&args).await?;
@@ -59,11 +81,14 @@ pub(super) async fn measure(
     let written = (f64::from(rate) * seconds).round() as u64;
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sent = HashMap::with_capacity(written as usize);
     for i in 0..written {
         tick.tick().await;
+        let event = event(i as usize);
+        sent.insert(event.event_id.to_string(), epoch_seconds());
         // Autocommit: the INSERT is its own transaction, as in an
         // application that writes one business change and one event.
-        scratch.outbox.enqueue(&scratch.db, &event(i as usize)).await?;
+        scratch.outbox.enqueue(&scratch.db, &event).await?;
     }
 
     // Everything written must arrive; a poll interval plus slack is plenty.
@@ -75,10 +100,16 @@ pub(super) async fn measure(
     let arrivals = consumer.await.context("the consumer task")??;
     scratch.stop_relay(relay).await?;
 
-    let created = scratch.created_at::<i64>("id").await?;
     let arrived = arrivals.len();
-    let (latencies, received) = latencies_ms(arrivals, &created);
+    let (latencies, received) = match clock {
+        Clock::CreatedAt => {
+            let created = scratch.created_at::<i64>("id").await?;
+            latencies_ms(arrivals.into_iter().map(|a| (a.outbox_id, a.at)), &created)
+        }
+        Clock::Sent => latencies_ms(arrivals.into_iter().map(|a| (a.event_id, a.at)), &sent),
+    };
     Ok(LatencyRun {
+        clock,
         written,
         received: received as u64,
         duplicates: (arrived - received) as u64,
@@ -88,13 +119,21 @@ pub(super) async fn measure(
     })
 }
 
-/// Reads the stream from the start until `stop`, noting (outbox id, arrival
-/// time in epoch seconds) per entry.
+/// One stream entry as the consumer saw it.
+struct Arrival {
+    outbox_id: i64,
+    event_id: String,
+    /// Epoch seconds.
+    at: f64,
+}
+
+/// Reads the stream from the start until `stop`, noting each entry's ids
+/// and arrival time.
 async fn consume(
     mut redis: redis::aio::MultiplexedConnection,
     received: Arc<AtomicU64>,
     stop: CancellationToken,
-) -> anyhow::Result<Vec<(i64, f64)>> {
+) -> anyhow::Result<Vec<Arrival>> {
     let options = StreamReadOptions::default().block(100).count(1000);
     let mut last = "0".to_owned();
     let mut arrivals = Vec::new();
@@ -105,8 +144,14 @@ async fn consume(
             .context("XREAD on the bench stream")?;
         let now = epoch_seconds();
         for entry in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
-            if let Some(id) = entry.get::<i64>("outbox_id") {
-                arrivals.push((id, now));
+            if let (Some(outbox_id), Some(event_id)) =
+                (entry.get::<i64>("outbox_id"), entry.get::<String>("event_id"))
+            {
+                arrivals.push(Arrival {
+                    outbox_id,
+                    event_id,
+                    at: now,
+                });
             }
             last = entry.id;
         }

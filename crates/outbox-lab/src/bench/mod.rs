@@ -2,40 +2,56 @@
 //! to a baseline measured in the same run, so the figures are ratios.
 //!
 //! Phases (`--phases`):
-//! 1. throughput: N pre-inserted events drained by the relay, by the floor
+//! 1. throughput: N pre-written events drained by the relay, by the floor
 //!    (claim and mark with no sink) and by the naive per-row relay, per batch
-//!    size, with duplicates, distinct deliveries and the relay's peak RSS;
+//!    size, with duplicates, distinct deliveries, the relay's peak RSS, and
+//!    PostgreSQL's CPU and WAL for writing and draining them;
 //! 2. latency: commit to consumer receipt at a steady write rate, NOTIFY vs
 //!    polling;
 //! 3. idle: transactions per second of a relay with nothing to do, NOTIFY vs
 //!    polling;
 //! 4. writer: commit rate of `enqueue` and `enqueue_all`.
 //!
+//! `--source wal` measures log tailing (`relay --source wal`) beside the
+//! polling relay instead: throughput of polling vs the WAL source vs the
+//! WAL source with emitted events, latency NOTIFY vs WAL, and two phases of
+//! its own, 5. dead-tuples (what N delivered events leave for vacuum) and
+//! 6. outage (the WAL a slot retains while the sink is down, and the
+//! catch-up), then the targets beside the figures.
+//!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL and redis-server
 //! (the testkit's: `fsync=off`, so commits are cheaper than on a durable
-//! server; the report says so). With `DATABASE_URL` it works in a scratch
-//! schema `outbox_bench`, dropped at the end. The relay runs as its own
-//! process (this binary's `relay` command), so its memory is its own.
+//! server; the report says so; `wal_level = logical` with `--source wal`).
+//! With `DATABASE_URL` it works in a scratch schema `outbox_bench`, dropped
+//! at the end, with its replication slot. The relay runs as its own process
+//! (this binary's `relay` command), so its memory is its own.
 //!
 //! This module also holds the bench's part of the shared scratch: its
 //! schema, its one Redis stream, and bulk fills.
 
+mod cost;
+pub(crate) mod dead_tuples;
 mod idle;
 mod latency;
 mod naive_sql;
+pub(crate) mod outage;
 mod results;
+mod slot;
 pub(crate) mod throughput;
+mod wal_results;
 mod writer;
 
 use std::time::Duration;
 
 use outbox::Event;
 use redis::AsyncCommands;
+use serde::Serialize;
 use serde_json::json;
 
 use crate::latency::Wakeup;
 use crate::scratch::{Postgres, Scratch, progress_bar};
 use crate::{ConfigError, Database};
+use latency::Clock;
 use results::Report;
 use throughput::Strategy;
 use writer::Shape;
@@ -51,12 +67,16 @@ const AGGREGATES: usize = 500;
 /// `outbox bench`'s arguments.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
+    /// What to measure: `poll`, the polling relay against its baselines;
+    /// `wal`, log tailing (`relay --source wal`) beside the polling relay.
+    #[arg(long, value_enum, default_value = "poll")]
+    pub source: Source,
     /// Events per drain.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub events: u32,
-    /// Batch sizes to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1000",
-          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    /// Batch sizes to measure, comma-separated [default: 1,10,100,1000;
+    /// with --source wal: 100].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub batch_sizes: Vec<u32>,
     /// Repetitions of each figure (reported as median [min–max]).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
@@ -70,8 +90,9 @@ pub struct BenchArgs {
     /// Redis to deliver to (redis://…); without it the bench starts its own.
     #[arg(long = "sink", env = "OUTBOX_SINK")]
     pub redis_url: Option<String>,
-    /// Phases to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "throughput,latency,idle,writer")]
+    /// Phases to run, comma-separated [default: throughput,latency,idle,writer;
+    /// with --source wal: throughput,latency,dead-tuples,outage].
+    #[arg(long, value_delimiter = ',')]
     pub phases: Vec<Phase>,
     /// Events per second the latency phase writes.
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -89,23 +110,60 @@ pub struct BenchArgs {
     /// 100-event shapes commit a hundredth as many transactions).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(10..=1_000_000))]
     pub writer_transactions: u32,
+    /// Events the dead-tuples phase writes and delivers per strategy.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub dead_tuple_events: u32,
+    /// How long the outage phase keeps the sink down.
+    #[arg(long, default_value = "60s", value_parser = crate::positive_duration)]
+    pub outage: Duration,
+    /// Events per second written through the outage phase (transactions
+    /// of a hundredth of it, every 10 ms).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub outage_rate: u32,
+}
+
+/// What `outbox bench` measures (`--source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// The polling relay against its baselines (the floor, the naive relay,
+    /// polling vs NOTIFY).
+    Poll,
+    /// Log tailing (`relay --source wal`, table inserts and emitted events)
+    /// beside the polling relay, in the same run.
+    Wal,
 }
 
 /// A part of `outbox bench`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Phase {
-    /// Drain N events at each batch size: relay, floor, naive.
+    /// Drain N events at each batch size: relay, floor, naive (with
+    /// --source wal: polling, WAL source, emit).
     Throughput,
-    /// Commit-to-consumer latency, NOTIFY and polling.
+    /// Commit-to-consumer latency, NOTIFY and polling (with --source wal:
+    /// NOTIFY and WAL).
     Latency,
     /// Transactions per second of an idle relay.
     Idle,
     /// Commit rate of the writer API.
     Writer,
+    /// Dead tuples after N delivered events: polling, WAL source, emit
+    /// (--source wal).
+    DeadTuples,
+    /// Retained WAL during a sink outage and the catch-up after it,
+    /// polling and WAL source (--source wal).
+    Outage,
+}
+
+impl Phase {
+    fn needs_wal(self) -> bool {
+        matches!(self, Phase::DeadTuples | Phase::Outage)
+    }
 }
 
 /// What to measure, after `--quick` is applied.
 struct Plan {
+    source: Source,
     events: usize,
     reps: usize,
     batch_sizes: Vec<u32>,
@@ -114,6 +172,9 @@ struct Plan {
     idle_seconds: f64,
     writer_transactions: usize,
     poll: Wakeup,
+    dead_tuple_events: usize,
+    outage: Duration,
+    outage_rate: u32,
 }
 
 impl Plan {
@@ -121,45 +182,102 @@ impl Plan {
         let poll = Wakeup::Poll {
             interval_ms: args.poll_interval.as_millis().max(1) as u64,
         };
+        let batch_sizes = match (args.batch_sizes.is_empty(), args.source, args.quick) {
+            (false, _, _) => args.batch_sizes.clone(),
+            (true, Source::Wal, _) => vec![100],
+            (true, Source::Poll, true) => vec![1, 10, 100],
+            (true, Source::Poll, false) => vec![1, 10, 100, 1000],
+        };
         if args.quick {
             return Self {
+                source: args.source,
                 events: 300,
                 reps: 1,
-                batch_sizes: vec![1, 10, 100],
+                batch_sizes,
                 rate: 100,
                 latency_seconds: 1.0,
                 idle_seconds: 1.0,
                 writer_transactions: 50,
                 poll: Wakeup::Poll { interval_ms: 100 },
+                dead_tuple_events: 1000,
+                outage: Duration::from_secs(5),
+                outage_rate: 500,
             };
         }
         Self {
+            source: args.source,
             events: args.events as usize,
             reps: args.reps as usize,
-            batch_sizes: args.batch_sizes.clone(),
+            batch_sizes,
             rate: args.rate,
             latency_seconds: args.latency_duration.as_secs_f64(),
             idle_seconds: args.idle_duration.as_secs_f64(),
             writer_transactions: args.writer_transactions as usize,
             poll,
+            dead_tuple_events: args.dead_tuple_events as usize,
+            outage: args.outage,
+            outage_rate: args.outage_rate,
+        }
+    }
+
+    /// The throughput phase's strategies.
+    fn strategies(&self) -> &'static [Strategy] {
+        match self.source {
+            Source::Poll => &[Strategy::Relay, Strategy::Floor, Strategy::Naive],
+            Source::Wal => &[Strategy::Relay, Strategy::Wal, Strategy::Emit],
+        }
+    }
+
+    /// The latency phase's relays, and where their latencies start.
+    fn latency(&self) -> ([Wakeup; 2], Clock) {
+        match self.source {
+            Source::Poll => ([Wakeup::Notify, self.poll], Clock::CreatedAt),
+            Source::Wal => ([Wakeup::Notify, Wakeup::Wal], Clock::Sent),
+        }
+    }
+
+    /// The batch size of the dead-tuples and outage phases: 100 if
+    /// measured, else the first one given.
+    fn batch(&self) -> u32 {
+        if self.batch_sizes.contains(&100) {
+            100
+        } else {
+            self.batch_sizes[0]
         }
     }
 
     fn steps(&self, phases: &[Phase]) -> u64 {
         let per_phase = |p: &Phase| match p {
-            Phase::Throughput => 3 * self.batch_sizes.len(),
-            Phase::Latency | Phase::Idle => 2,
+            Phase::Throughput => self.strategies().len() * self.batch_sizes.len(),
+            Phase::Latency | Phase::Idle | Phase::Outage => 2,
             Phase::Writer => Shape::ALL.len(),
+            Phase::DeadTuples => DEAD_TUPLES.len(),
         };
         (phases.iter().map(per_phase).sum::<usize>() * self.reps) as u64
     }
 }
+
+/// The dead-tuples phase's strategies.
+const DEAD_TUPLES: [Strategy; 3] = [Strategy::Relay, Strategy::Wal, Strategy::Emit];
+/// The outage phase's relays.
+const OUTAGE: [Strategy; 2] = [Strategy::Relay, Strategy::Wal];
 
 /// Runs `outbox bench`: the phases, then the report; fails (exit 1) only
 /// if a run lost or duplicated an event, never for speed.
 pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     let plan = Plan::new(&args);
     let mut phases = args.phases.clone();
+    if phases.is_empty() {
+        phases = match args.source {
+            Source::Poll => vec![Phase::Throughput, Phase::Latency, Phase::Idle, Phase::Writer],
+            Source::Wal => vec![
+                Phase::Throughput,
+                Phase::Latency,
+                Phase::DeadTuples,
+                Phase::Outage,
+            ],
+        };
+    }
     phases.dedup();
     if let Some(url) = &args.redis_url
         && !(url.starts_with("redis://") || url.starts_with("rediss://"))
@@ -169,18 +287,56 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
-    let pg = Postgres::start(db).await?;
+    if args.source == Source::Poll
+        && let Some(p) = phases.iter().find(|p| p.needs_wal())
+    {
+        return Err(ConfigError(format!(
+            "--phases {}: that phase measures log tailing; add --source wal",
+            clap::ValueEnum::to_possible_value(p).map_or_else(String::new, |v| v.get_name().to_owned())
+        ))
+        .into());
+    }
+    let pg = Postgres::start(db, plan.source == Source::Wal).await?;
     let throwaway_pg = pg.is_throwaway();
     let mut scratch = Scratch::bench(pg.config.clone(), pg.url.clone(), args.redis_url.clone()).await?;
 
     let progress = progress_bar(plan.steps(&phases), "{spinner} {msg:<48} [{bar:30}] {pos}/{len}")?;
-    let mut report = Report::new(plan.events, plan.reps, throwaway_pg);
+    if args.json {
+        progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut report = Report::new(plan.source, plan.events, plan.reps, throwaway_pg);
+    let measured = measure(&mut scratch, &plan, &phases, &progress, &mut report).await;
+    progress.finish_and_clear();
+    // The slot goes also when a phase failed: it would keep WAL forever.
+    let dropped = scratch.drop_all().await;
+    measured?;
+    dropped?;
+    if plan.source == Source::Wal {
+        report.set_targets();
+    }
+
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        report.print();
+    }
+    report.check()
+}
+
+/// Runs the phases into `report`.
+async fn measure(
+    scratch: &mut Scratch,
+    plan: &Plan,
+    phases: &[Phase],
+    progress: &indicatif::ProgressBar,
+    report: &mut Report,
+) -> anyhow::Result<()> {
     let reps = plan.reps;
-    for phase in &phases {
+    for phase in phases {
         match phase {
             Phase::Throughput => {
                 for &batch in &plan.batch_sizes {
-                    for strategy in [Strategy::Relay, Strategy::Floor, Strategy::Naive] {
+                    for &strategy in plan.strategies() {
                         let mut runs = Vec::with_capacity(reps);
                         for rep in 1..=reps {
                             progress
@@ -193,12 +349,13 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
                 }
             }
             Phase::Latency => {
-                for wakeup in [Wakeup::Notify, plan.poll] {
+                let (wakeups, clock) = plan.latency();
+                for wakeup in wakeups {
                     let mut runs = Vec::with_capacity(reps);
                     for rep in 1..=reps {
                         progress.set_message(format!("latency, {} rep {rep}/{reps}", wakeup.label()));
                         runs.push(
-                            latency::measure(&mut scratch, wakeup, plan.rate, plan.latency_seconds).await?,
+                            latency::measure(scratch, wakeup, plan.rate, plan.latency_seconds, clock).await?,
                         );
                         progress.inc(1);
                     }
@@ -210,7 +367,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
                     let mut runs = Vec::with_capacity(reps);
                     for rep in 1..=reps {
                         progress.set_message(format!("idle, {} rep {rep}/{reps}", wakeup.label()));
-                        runs.push(idle::measure(&mut scratch, wakeup, plan.idle_seconds).await?);
+                        runs.push(idle::measure(scratch, wakeup, plan.idle_seconds).await?);
                         progress.inc(1);
                     }
                     report.add_idle(wakeup, runs);
@@ -222,23 +379,43 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
                     let mut runs = Vec::with_capacity(reps);
                     for rep in 1..=reps {
                         progress.set_message(format!("writer, {} rep {rep}/{reps}", shape.label()));
-                        runs.push(writer::measure(&mut scratch, shape, transactions).await?);
+                        runs.push(writer::measure(scratch, shape, transactions).await?);
                         progress.inc(1);
                     }
                     report.add_writer(shape, runs);
                 }
             }
+            Phase::DeadTuples => {
+                for strategy in DEAD_TUPLES {
+                    let mut runs = Vec::with_capacity(reps);
+                    for rep in 1..=reps {
+                        progress.set_message(format!("dead tuples, {} rep {rep}/{reps}", strategy.label()));
+                        runs.push(
+                            dead_tuples::measure(scratch, strategy, plan.dead_tuple_events, plan.batch())
+                                .await?,
+                        );
+                        progress.inc(1);
+                    }
+                    report.add_dead_tuples(strategy, runs);
+                }
+            }
+            Phase::Outage => {
+                for strategy in OUTAGE {
+                    let mut runs = Vec::with_capacity(reps);
+                    for rep in 1..=reps {
+                        progress.set_message(format!("outage, {} rep {rep}/{reps}", strategy.label()));
+                        runs.push(
+                            outage::measure(scratch, strategy, plan.outage, plan.outage_rate, plan.batch())
+                                .await?,
+                        );
+                        progress.inc(1);
+                    }
+                    report.add_outage(strategy, runs);
+                }
+            }
         }
     }
-    progress.finish_and_clear();
-    scratch.drop_all().await?;
-
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        report.print();
-    }
-    report.check()
+    Ok(())
 }
 
 impl Scratch {
@@ -255,15 +432,17 @@ impl Scratch {
         Ok(scratch)
     }
 
-    /// Drops the bench's schema and its stream.
+    /// Drops the bench's replication slot and publication, its schema and
+    /// its stream.
     pub(crate) async fn drop_all(&mut self) -> anyhow::Result<()> {
+        self.drop_wal().await?;
         self.drop_schema().await?;
         self.redis().await?.del::<_, i64>(STREAM).await?;
         Ok(())
     }
 
     /// Empties the table and the stream.
-    async fn clear(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn clear(&mut self) -> anyhow::Result<()> {
         let t = self.table();
         // Separate calls: VACUUM cannot run in the implicit transaction of a
         // multi-statement string.
@@ -273,23 +452,25 @@ impl Scratch {
         Ok(())
     }
 
-    /// Empties the table and the stream, then inserts `n` events.
-    async fn fill(&mut self, n: usize) -> anyhow::Result<()> {
-        self.clear().await?;
-        let events: Vec<Event> = (0..n).map(event).collect();
-        self.insert(&events).await
-    }
-
     /// Starts `outbox relay` to the bench's stream with `args`, and returns
     /// once it is ready.
     async fn spawn_bench_relay(&mut self, args: &[&str]) -> anyhow::Result<outbox_testkit::Spawned> {
         let sink = self.redis_url().await?;
+        self.spawn_bench_relay_to(&sink, args).await
+    }
+
+    /// [`Scratch::spawn_bench_relay`] to the bench's stream on another Redis.
+    async fn spawn_bench_relay_to(
+        &self,
+        sink: &str,
+        args: &[&str],
+    ) -> anyhow::Result<outbox_testkit::Spawned> {
         let args: Vec<&str> = ["--stream-prefix", STREAM_PREFIX]
             .iter()
             .chain(args)
             .copied()
             .collect();
-        self.spawn_relay(&sink, &args, &[]).await
+        self.spawn_relay(sink, &args, &[]).await
     }
 }
 

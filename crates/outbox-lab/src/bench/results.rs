@@ -1,19 +1,23 @@
 //! The bench's figures: medians with ranges per phase, ratios, their
 //! tables (rendered by the shared `report.rs`) and JSON, and the correctness
-//! check that decides the exit code (speed never does).
+//! check that decides the exit code (speed never does). The figures only
+//! `--source wal` measures (dead tuples, outage, the targets) are in
+//! `wal_results.rs`.
 
 use anyhow::bail;
 use serde::Serialize;
 
+use super::Source;
 use super::idle::IdleRun;
-use super::latency::LatencyRun;
+use super::latency::{Clock, LatencyRun};
 use super::throughput::{Run, Strategy};
+use super::wal_results::{DeadTuplesRow, OutageRow, SourceRatio, Target};
 use super::writer::{Shape, WriterRun};
 use crate::latency::Wakeup;
 use crate::report::{Col, Spread, Table};
 
 const LATENCY: [Col; 6] = [
-    Col::Left(14),
+    Col::Left(18),
     Col::Right(6),
     Col::Right(26),
     Col::Right(26),
@@ -23,14 +27,16 @@ const LATENCY: [Col; 6] = [
 /// The last column is the unit.
 const IDLE: [Col; 3] = [Col::Left(14), Col::Right(26), Col::Left(0)];
 const WRITER: [Col; 3] = [Col::Left(34), Col::Right(24), Col::Right(24)];
-const THROUGHPUT: [Col; 7] = [
-    Col::Left(30),
+const THROUGHPUT: [Col; 9] = [
+    Col::Left(32),
     Col::Right(6),
     Col::Right(28),
     Col::Right(9),
     Col::Right(10),
     Col::Right(5),
     Col::Right(10),
+    Col::Right(12),
+    Col::Right(9),
 ];
 
 /// One strategy at one batch size.
@@ -40,6 +46,11 @@ pub(super) struct Row {
     pub(super) batch_size: u32,
     pub(super) events_per_second: Spread,
     pub(super) seconds: Spread,
+    /// PostgreSQL CPU ms per 1,000 events, writing and draining them;
+    /// `None` when the server is not on this host.
+    pub(super) pg_cpu_ms_per_1000: Option<Spread>,
+    /// WAL bytes per event, writing and draining them.
+    pub(super) wal_bytes_per_event: Spread,
     pub(super) runs: Vec<Run>,
     #[serde(skip)]
     events: usize,
@@ -47,11 +58,15 @@ pub(super) struct Row {
 
 impl Row {
     fn new(strategy: Strategy, batch_size: u32, events: usize, runs: Vec<Run>) -> Self {
+        let n = events as u64;
+        let cpu: Option<Vec<f64>> = runs.iter().map(|r| r.cost.cpu_ms_per_1000(n)).collect();
         Self {
             strategy,
             batch_size,
             events_per_second: Spread::of(runs.iter().map(|r| events as f64 / r.seconds)),
             seconds: Spread::of(runs.iter().map(|r| r.seconds)),
+            pg_cpu_ms_per_1000: cpu.map(Spread::of),
+            wal_bytes_per_event: Spread::of(runs.iter().map(|r| r.cost.wal_bytes_per_event(n))),
             runs,
             events,
         }
@@ -97,29 +112,49 @@ pub(super) struct WriterRow {
 
 #[derive(Debug, Serialize)]
 pub(super) struct Report {
+    pub(super) source: Source,
     pub(super) events: usize,
     pub(super) reps: usize,
     /// True when PostgreSQL was the bench's own throwaway cluster (fsync=off).
     pub(super) throwaway_postgres: bool,
     pub(super) throughput: Vec<Row>,
     pub(super) ratios: Vec<Ratio>,
+    /// `--source wal`: the WAL source over the polling relay, per batch size.
+    pub(super) source_ratios: Vec<SourceRatio>,
     pub(super) latency: Vec<LatencyRow>,
     pub(super) idle: Vec<IdleRow>,
     pub(super) writer: Vec<WriterRow>,
+    pub(super) dead_tuples: Vec<DeadTuplesRow>,
+    pub(super) outage: Vec<OutageRow>,
+    /// `--source wal`: each target beside its figure (reported, never
+    /// judged).
+    pub(super) targets: Vec<Target>,
 }
 
 impl Report {
-    pub(super) fn new(events: usize, reps: usize, throwaway_postgres: bool) -> Self {
+    pub(super) fn new(source: Source, events: usize, reps: usize, throwaway_postgres: bool) -> Self {
         Self {
+            source,
             events,
             reps,
             throwaway_postgres,
             throughput: Vec::new(),
             ratios: Vec::new(),
+            source_ratios: Vec::new(),
             latency: Vec::new(),
             idle: Vec::new(),
             writer: Vec::new(),
+            dead_tuples: Vec::new(),
+            outage: Vec::new(),
+            targets: Vec::new(),
         }
+    }
+
+    /// The throughput row of `strategy` at `batch_size`, if measured.
+    pub(super) fn row(&self, strategy: Strategy, batch_size: u32) -> Option<&Row> {
+        self.throughput
+            .iter()
+            .find(|r| r.strategy == strategy && r.batch_size == batch_size)
     }
 
     /// Adds a throughput row; once a batch size has all three strategies,
@@ -127,12 +162,8 @@ impl Report {
     pub(super) fn add_throughput(&mut self, strategy: Strategy, batch_size: u32, runs: Vec<Run>) {
         self.throughput
             .push(Row::new(strategy, batch_size, self.events, runs));
-        let median = |s: Strategy| {
-            self.throughput
-                .iter()
-                .find(|r| r.strategy == s && r.batch_size == batch_size)
-                .map(|r| r.events_per_second.median)
-        };
+        self.add_source_ratio(batch_size);
+        let median = |s: Strategy| self.row(s, batch_size).map(|r| r.events_per_second.median);
         if let (Some(relay), Some(floor), Some(naive)) = (
             median(Strategy::Relay),
             median(Strategy::Floor),
@@ -190,8 +221,18 @@ impl Report {
             self.print_throughput();
         }
         if !self.latency.is_empty() {
+            let sent = self
+                .latency
+                .iter()
+                .flat_map(|r| &r.runs)
+                .any(|r| r.clock == Clock::Sent);
+            let title = if sent {
+                "latency: writer's send → consumer XREAD, one event per transaction"
+            } else {
+                "latency: created_at → consumer XREAD, one event per transaction"
+            };
             let mut t = Table::new(
-                "latency: created_at → consumer XREAD, one event per transaction",
+                title,
                 &["wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"],
             );
             for r in &self.latency {
@@ -233,6 +274,7 @@ impl Report {
             }
             t.print_fixed(&WRITER);
         }
+        self.print_wal();
     }
 
     fn print_throughput(&self) {
@@ -246,6 +288,8 @@ impl Report {
                 "delivered",
                 "dup",
                 "relay RSS",
+                "PG CPU ms/1k",
+                "WAL B/ev",
             ],
         );
         for r in &self.throughput {
@@ -262,16 +306,20 @@ impl Report {
                 r.batch_size.to_string(),
                 r.events_per_second.show(0),
                 format!("{:.3}", r.seconds.median),
-                if r.strategy == Strategy::Floor {
-                    "-".to_owned()
-                } else {
+                if r.strategy.delivers() {
                     delivered.to_string()
+                } else {
+                    "-".to_owned()
                 },
                 dup.to_string(),
                 rss,
+                r.pg_cpu_ms_per_1000
+                    .map_or("-".to_owned(), |s| format!("{:.1}", s.median)),
+                format!("{:.0}", r.wal_bytes_per_event.median),
             ]);
         }
         t.print_fixed(&THROUGHPUT);
+        println!("(PG CPU and WAL: writing and draining the events, medians)");
         println!();
         for ratio in &self.ratios {
             println!(
@@ -279,6 +327,7 @@ impl Report {
                 ratio.batch_size, ratio.relay_over_floor, ratio.relay_over_naive
             );
         }
+        self.print_source_ratios();
     }
 
     /// Fails (exit 1) if any run lost an event, failed to mark one, or the
@@ -288,13 +337,21 @@ impl Report {
         for r in &self.throughput {
             for run in &r.runs {
                 let expected = r.events as u64;
-                let delivered_ok = r.strategy == Strategy::Floor || run.delivered == expected;
-                if run.marked != expected || !delivered_ok {
+                let delivered_ok = !r.strategy.delivers() || run.delivered == expected;
+                // Emitted events have no row to finish; the WAL source
+                // deletes the rows it delivered.
+                let marked_ok = match r.strategy {
+                    Strategy::Emit => run.marked == 0 && run.rows_left == 0,
+                    Strategy::Wal => run.marked == expected && run.rows_left == 0,
+                    _ => run.marked == expected,
+                };
+                if !marked_ok || !delivered_ok {
                     bail!(
-                        "{} at batch {}: {} marked and {} delivered of {expected}",
+                        "{} at batch {}: {} finished, {} rows left and {} delivered of {expected}",
                         r.strategy.label(),
                         r.batch_size,
                         run.marked,
+                        run.rows_left,
                         run.delivered
                     );
                 }
@@ -324,6 +381,6 @@ impl Report {
                 }
             }
         }
-        Ok(())
+        self.check_wal()
     }
 }

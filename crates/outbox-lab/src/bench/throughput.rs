@@ -1,21 +1,28 @@
-//! One drain of N pre-inserted events by one strategy at one batch size.
+//! One drain of N pre-written events by one strategy at one batch size,
+//! and what writing and draining them cost PostgreSQL (`cost.rs`).
 //!
 //! - `Relay`: `outbox relay` as a child process, to Redis Streams.
 //! - `Floor`: one client running `claim_and_mark` (of `naive_sql.rs`) until
 //!   nothing is left: the cost of the claim and the mark alone, no sink.
 //! - `Naive`: the reference relay's shape: claim a batch, then per row one
 //!   XADD round trip and one `UPDATE … WHERE id = $1`.
+//! - `Wal`: `outbox relay --source wal` (a fresh slot, `outbox migrate
+//!   --wal`) reading the same inserts from the WAL and deleting the
+//!   delivered rows (`--wal-cleanup delete`, the default).
+//! - `Emit`: the same relay, the events written with `Outbox::emit_all`
+//!   (logical decoding messages, no row).
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use outbox::OutboxRow;
+use outbox::{Event, OutboxRow};
 use redis::AsyncCommands;
 use serde::Serialize;
 
-use super::STREAM;
+use super::cost::{Cost, Meter};
 use super::naive_sql::NaiveSql;
+use super::{STREAM, event};
 use crate::scratch::{Scratch, connect};
 
 /// How the outbox is drained.
@@ -25,14 +32,37 @@ pub(crate) enum Strategy {
     Relay,
     Floor,
     Naive,
+    Wal,
+    Emit,
 }
 
 impl Strategy {
-    pub(super) fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Strategy::Relay => "relay → redis",
             Strategy::Floor => "floor (claim+mark, no sink)",
             Strategy::Naive => "naive per-row → redis",
+            Strategy::Wal => "relay --source wal → redis",
+            Strategy::Emit => "relay --source wal, emit → redis",
+        }
+    }
+
+    /// Whether the events come through a replication slot.
+    pub(crate) fn reads_wal(self) -> bool {
+        matches!(self, Strategy::Wal | Strategy::Emit)
+    }
+
+    /// Whether anything reaches Redis (the floor has no sink).
+    pub(crate) fn delivers(self) -> bool {
+        self != Strategy::Floor
+    }
+
+    /// The relay's source flags.
+    pub(crate) fn relay_args(self) -> &'static [&'static str] {
+        if self.reads_wal() {
+            &["--source", "wal"]
+        } else {
+            &[]
         }
     }
 }
@@ -45,50 +75,94 @@ pub(crate) struct Run {
     pub(crate) delivered: u64,
     /// Stream entries beyond the distinct ones.
     pub(crate) duplicates: u64,
-    /// Rows marked published.
+    /// Rows the drain finished: marked published, or deleted by the WAL
+    /// source; 0 for emitted events, which have no row.
     pub(crate) marked: u64,
+    /// Rows in the table after the drain.
+    pub(crate) rows_left: u64,
     /// Peak resident memory of the relay process, in bytes.
-    pub(super) peak_rss: Option<u64>,
+    pub(crate) peak_rss: Option<u64>,
+    /// What writing and draining the events cost PostgreSQL.
+    pub(crate) cost: Cost,
 }
 
 impl Scratch {
+    /// Empties the outbox, writes `n` events (inserted, or emitted for
+    /// `Emit`) and drains them with `strategy`.
     pub(crate) async fn drain(&mut self, strategy: Strategy, n: usize, batch: u32) -> anyhow::Result<Run> {
-        self.fill(n).await?;
+        self.prepare(strategy).await?;
+        let meter = Meter::start(&self.db).await?;
+        self.write(strategy, n).await?;
         let (seconds, peak_rss) = match strategy {
-            Strategy::Relay => self.drain_relay(batch).await?,
+            Strategy::Relay | Strategy::Wal | Strategy::Emit => self.drain_relay(strategy, batch).await?,
             Strategy::Floor => (self.drain_floor(batch).await?, None),
             Strategy::Naive => (self.drain_naive(batch).await?, None),
         };
-        let marked = self.published().await? as u64;
-        let (entries, delivered) = if strategy == Strategy::Floor {
-            (0, 0)
-        } else {
+        let cost = meter.stop(&self.db).await?;
+        let rows_left = self.rows().await? as u64;
+        let marked = match strategy {
+            Strategy::Wal => n as u64 - rows_left,
+            Strategy::Emit => 0,
+            _ => self.published().await? as u64,
+        };
+        let (entries, delivered) = if strategy.delivers() {
             self.stream_counts().await?
+        } else {
+            (0, 0)
         };
         Ok(Run {
             seconds,
             delivered,
             duplicates: entries - delivered,
             marked,
+            rows_left,
             peak_rss,
+            cost,
         })
     }
 
-    async fn stream_counts(&mut self) -> anyhow::Result<(u64, u64)> {
-        let reply: redis::streams::StreamRangeReply = self.redis().await?.xrange_all(STREAM).await?;
-        let ids: HashSet<String> = reply
-            .ids
-            .iter()
-            .filter_map(|e| e.get::<String>("event_id"))
-            .collect();
-        Ok((reply.ids.len() as u64, ids.len() as u64))
+    /// Empties the table and the stream; a fresh slot for the WAL source,
+    /// none for the others.
+    pub(crate) async fn prepare(&mut self, strategy: Strategy) -> anyhow::Result<()> {
+        self.clear().await?;
+        if strategy.reads_wal() {
+            self.fresh_slot().await
+        } else {
+            self.drop_slot().await
+        }
     }
 
-    async fn drain_relay(&mut self, batch: u32) -> anyhow::Result<(f64, Option<u64>)> {
+    /// Writes `n` bench events, 1000 per transaction: rows, or for `Emit`
+    /// logical decoding messages.
+    pub(crate) async fn write(&mut self, strategy: Strategy, n: usize) -> anyhow::Result<()> {
+        let events: Vec<Event> = (0..n).map(event).collect();
+        if strategy != Strategy::Emit {
+            return self.insert(&events).await;
+        }
+        for chunk in events.chunks(1000) {
+            let tx = self.db.transaction().await?;
+            self.outbox.emit_all(&tx, chunk).await?;
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+
+    /// Entries in the bench's stream, and distinct event ids among them.
+    pub(crate) async fn stream_counts(&mut self) -> anyhow::Result<(u64, u64)> {
+        stream_counts(&mut self.redis().await?).await
+    }
+
+    /// Runs `outbox relay --drain` (with `strategy`'s source) to the end;
+    /// returns the seconds it reports and its peak RSS.
+    pub(crate) async fn drain_relay(
+        &mut self,
+        strategy: Strategy,
+        batch: u32,
+    ) -> anyhow::Result<(f64, Option<u64>)> {
         let batch = batch.to_string();
-        let relay = self
-            .spawn_bench_relay(&["--batch-size", &batch, "--drain"])
-            .await?;
+        let mut args = vec!["--batch-size", batch.as_str(), "--drain"];
+        args.extend(strategy.relay_args());
+        let relay = self.spawn_bench_relay(&args).await?;
         // The relay times its own drain, from its first claim to its last
         // commit, as the floor is timed: process start-up is not the relay's
         // throughput. Watching for the log line costs the database nothing.
@@ -153,4 +227,18 @@ impl Scratch {
         }
         Ok(started.elapsed().as_secs_f64())
     }
+}
+
+/// Entries in the bench's stream on `redis`, and distinct event ids among
+/// them.
+pub(crate) async fn stream_counts(
+    redis: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<(u64, u64)> {
+    let reply: redis::streams::StreamRangeReply = redis.xrange_all(STREAM).await?;
+    let ids: HashSet<String> = reply
+        .ids
+        .iter()
+        .filter_map(|e| e.get::<String>("event_id"))
+        .collect();
+    Ok((reply.ids.len() as u64, ids.len() as u64))
 }

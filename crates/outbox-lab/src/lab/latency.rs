@@ -24,7 +24,7 @@ fn reference(wakeup: Wakeup) -> &'static str {
     match wakeup {
         Wakeup::Poll { interval_ms: 1000 } => "p50 507.6 ms, max 1003.0 ms",
         Wakeup::Poll { .. } => "p50 ≈ interval/2, max ≈ interval",
-        Wakeup::Notify | Wakeup::NotifyOrPoll { .. } => "about 6 ms",
+        Wakeup::Notify | Wakeup::NotifyOrPoll { .. } | Wakeup::Wal => "about 6 ms",
     }
 }
 

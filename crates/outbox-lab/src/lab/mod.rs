@@ -9,7 +9,8 @@
 //! verdict`, logs and plots.
 //!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL (the testkit's,
-//! `fsync=off`); with it, it works in schema `outbox_lab`, dropped at the end.
+//! `fsync=off`; `wal_level = logical` when `wal` runs); with it, it works in
+//! schema `outbox_lab`, dropped at the end.
 //!
 //! Exit code: 1 if any correctness verdict failed (a lost event, a duplicate
 //! side effect behind the inbox, a row left behind by a rollback); timings
@@ -28,6 +29,7 @@ mod redis_group;
 mod retry;
 mod rollback;
 mod shop;
+mod wal;
 mod watermark;
 
 use std::time::Instant;
@@ -63,7 +65,7 @@ pub struct LabArgs {
 }
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
-const EXPERIMENTS: [(&str, &str); 12] = [
+const EXPERIMENTS: [(&str, &str); 13] = [
     (
         "dual-write",
         "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
@@ -112,6 +114,10 @@ const EXPERIMENTS: [(&str, &str); 12] = [
         "redis-group",
         "a Redis consumer dies before XACK: pending, XAUTOCLAIM, the inbox ships once",
     ),
+    (
+        "wal",
+        "log tailing vs polling: events/s, WAL per event, dead tuples, retained WAL in a sink outage",
+    ),
 ];
 
 /// Runs `outbox lab`: lists the experiments, runs the named ones, or (with
@@ -131,7 +137,7 @@ pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
         return Ok(());
     }
 
-    let pg = Postgres::start(db).await?;
+    let pg = Postgres::start(db, names.contains(&"wal")).await?;
     let throwaway = pg.is_throwaway();
     let mut lab = Scratch::new(
         pg.config.clone(),
@@ -241,6 +247,7 @@ async fn experiment(lab: &mut Scratch, name: &str) -> anyhow::Result<Outcome> {
         "ordering" => ordering::run(lab).await,
         "cleanup" => cleanup::run(lab).await,
         "redis-group" => redis_group::run(lab).await,
+        "wal" => wal::run(lab).await,
         other => bail!("no experiment {other:?}"),
     }
 }
