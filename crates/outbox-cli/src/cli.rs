@@ -219,7 +219,7 @@ pub(crate) struct RelayArgs {
     /// With --source wal: events read and not yet delivered (or dead) at
     /// most; the slot's position stays behind them, so a crash re-sends at
     /// most this many (or one larger transaction).
-    #[arg(long, env = "OUTBOX_WAL_WINDOW", default_value_t = 1000,
+    #[arg(long, env = "OUTBOX_WAL_WINDOW", default_value_t = 5000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub(crate) wal_window: u32,
     /// With --source wal: `delete` delivered rows by primary key, or leave

@@ -97,8 +97,9 @@ pub enum WalCleanup {
 /// Log tailing's settings.
 #[derive(Debug, Clone, Copy)]
 pub struct WalSettings {
-    /// Events read and not yet finished (default 1,000): the most a crash
-    /// re-sends, besides a larger transaction's own events.
+    /// Events read whose position the server was not sent (default
+    /// 5,000): the most a crash re-sends, besides a larger transaction's
+    /// own events.
     pub window: usize,
     /// Delete delivered rows, or leave them.
     pub cleanup: WalCleanup,
@@ -109,7 +110,7 @@ pub struct WalSettings {
 impl Default for WalSettings {
     fn default() -> Self {
         Self {
-            window: 1000,
+            window: 5000,
             cleanup: WalCleanup::Delete,
             retained_warn: 1 << 30,
         }

@@ -125,9 +125,11 @@ impl Config {
         Ident::new("--table", &name).map(|_| name)
     }
 
-    /// The publication of the outbox's inserts: `"<table>_wal"`, quoted.
+    /// The publication of the outbox's inserts: `<schema>_<table>`, like
+    /// the slot. Publications are named per database, not per schema, so
+    /// two outboxes of one name in two schemas need the schema in it.
     pub fn wal_publication(&self) -> Result<Ident, Error> {
-        self.table.suffixed("--table", "_wal")
+        Ident::new("--table", &format!("{}_{}", self.schema, self.table))
     }
 
     /// The prefix `pg_logical_emit_message` is called with for this outbox

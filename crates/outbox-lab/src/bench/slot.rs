@@ -8,10 +8,10 @@
 //! for them. The slot is dropped at the end, also when a phase failed: a
 //! forgotten slot keeps WAL on the server forever.
 //!
-//! The publication is named after the table alone (`outbox_wal`), so a
-//! database whose own outbox is also called `outbox` already has one, for
-//! that table: the bench then refuses to run rather than read the wrong
-//! table, and it never drops a publication it did not create.
+//! The publication is named like the slot (`<schema>_<table>`): should the
+//! database already have one of that name, the bench refuses to run rather
+//! than read the wrong table, and it never drops a publication it did not
+//! create.
 
 use anyhow::{Context, bail};
 use outbox::sql::WalSql;

@@ -661,13 +661,13 @@ mod tests {
         let config = Config::new("app", "events").unwrap();
         let sql = WalSql::new(&config).unwrap();
         assert_eq!(sql.slot(), "app_events");
-        assert_eq!(sql.publication(), "events_wal");
+        assert_eq!(sql.publication(), "app_events");
         assert_eq!(sql.prefix(), "outbox:app.events");
         for s in [&sql.create_publication, &sql.dead_rows, &sql.reinsert_pending] {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             assert!(!s.contains("{t}") && !s.contains("{p}"), "{s}");
         }
-        assert!(sql.create_publication.contains("\"events_wal\""));
+        assert!(sql.create_publication.contains("PUBLICATION \"app_events\""));
         let long = Config::new(
             "a_rather_long_schema_name_here",
             "and_a_rather_long_table_name_too_yes",

@@ -67,6 +67,9 @@ const TICK: Duration = Duration::from_secs(1);
 /// far shorter; past this the row must be gone.
 const UNFOUND_GRACE: Duration = Duration::from_secs(5);
 
+/// Batches whose deletes go in one statement while a backlog lasts.
+const FLUSH_BATCHES: usize = 10;
+
 /// The first wait after a failure (see `WalSource::retry_in`).
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 
@@ -587,8 +590,16 @@ impl Source for WalSource {
     }
 
     async fn overlap(&mut self, _full: bool) -> Result<(), SourceError> {
-        // The previous batch's writes, while this one is at the sink.
-        self.flush().await
+        // The writes of earlier batches, while this one is at the sink: a
+        // delete per batch costs more than the sink's round trip, so they
+        // go in fewer, larger statements (and at once when reading waits
+        // for the position they hold back). An idle source flushes before
+        // it waits.
+        let rows = (self.config.batch_size as usize).saturating_mul(FLUSH_BATCHES);
+        if self.window.should_flush(rows) {
+            self.flush().await?;
+        }
+        Ok(())
     }
 
     fn settle(&mut self, plan: Plan) {

@@ -413,6 +413,13 @@ impl Window {
         });
     }
 
+    /// Whether a flush is worth a round trip while a batch is at the sink:
+    /// dead letters are waiting, `rows` deletes piled up, or reading
+    /// waits for a position to be confirmed.
+    pub(crate) fn should_flush(&self, rows: usize) -> bool {
+        !self.writes.dead.is_empty() || self.writes.delete.len() >= rows || !self.has_room()
+    }
+
     /// The table's pending writes and the position that is confirmable once
     /// they committed.
     pub(crate) fn take_writes(&mut self) -> (Writes, Option<u64>) {
