@@ -413,11 +413,15 @@ impl Window {
         });
     }
 
-    /// Whether a flush is worth a round trip while a batch is at the sink:
-    /// dead letters are waiting, `rows` deletes piled up, or reading
-    /// waits for a position to be confirmed.
+    /// Whether to flush while a batch is at the sink: nothing is to be
+    /// written (confirming a position costs no round trip), dead letters
+    /// are waiting, `rows` deletes piled up, or reading waits for a
+    /// position to be confirmed.
     pub(crate) fn should_flush(&self, rows: usize) -> bool {
-        !self.writes.dead.is_empty() || self.writes.delete.len() >= rows || !self.has_room()
+        self.writes.delete.is_empty()
+            || !self.writes.dead.is_empty()
+            || self.writes.delete.len() >= rows
+            || !self.has_room()
     }
 
     /// The table's pending writes and the position that is confirmable once
