@@ -329,14 +329,16 @@ fn key(row: &OutboxRow) -> (String, String) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use chrono::Utc;
     use serde_json::json;
     use uuid::Uuid;
 
     use super::*;
 
-    fn row(id: i64, aggregate: &str) -> OutboxRow {
+    /// A row of aggregate `orders`/`aggregate` (the WAL window's tests
+    /// share it).
+    pub(crate) fn row(id: i64, aggregate: &str) -> OutboxRow {
         OutboxRow {
             id,
             event_id: Uuid::new_v4(),

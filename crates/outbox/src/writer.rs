@@ -59,6 +59,44 @@ impl Columns {
     }
 }
 
+/// A statement's typed parameter.
+#[cfg(feature = "tokio-postgres")]
+pub(crate) type Typed<'a> = (
+    &'a (dyn tokio_postgres::types::ToSql + Sync),
+    tokio_postgres::types::Type,
+);
+
+/// One event as `INSERT_EVENT` and `EMIT` bind it (`$1..$6`), `headers`
+/// being its headers as one JSON value.
+#[cfg(feature = "tokio-postgres")]
+pub(crate) fn event_params<'a>(e: &'a Event, headers: &'a Value) -> [Typed<'a>; 6] {
+    use tokio_postgres::types::Type;
+    [
+        (&e.event_id, Type::UUID),
+        (&e.aggregate_type, Type::TEXT),
+        (&e.aggregate_id, Type::TEXT),
+        (&e.event_type, Type::TEXT),
+        (&e.payload, Type::JSONB),
+        (headers, Type::JSONB),
+    ]
+}
+
+#[cfg(feature = "tokio-postgres")]
+impl Columns {
+    /// The arrays as `INSERT_EVENTS` and `EMIT_ALL` bind them (`$1..$6`).
+    pub(crate) fn params(&self) -> [Typed<'_>; 6] {
+        use tokio_postgres::types::Type;
+        [
+            (&self.ids, Type::UUID_ARRAY),
+            (&self.types, Type::TEXT_ARRAY),
+            (&self.aggregates, Type::TEXT_ARRAY),
+            (&self.event_types, Type::TEXT_ARRAY),
+            (&self.payloads, Type::JSONB_ARRAY),
+            (&self.headers, Type::JSONB_ARRAY),
+        ]
+    }
+}
+
 impl Outbox {
     /// A writer for `config`'s table.
     pub fn new(config: Config) -> Self {
@@ -81,7 +119,6 @@ impl Outbox {
 mod pg {
     use serde_json::Value;
     use tokio_postgres::GenericClient;
-    use tokio_postgres::types::Type;
     use uuid::Uuid;
 
     use super::{Columns, Outbox};
@@ -110,17 +147,7 @@ mod pg {
             // Typed parameters let the statement be parsed, bound and run in
             // one round trip; an untyped one costs a second for the prepare.
             client
-                .execute_typed(
-                    &self.sql.insert_event,
-                    &[
-                        (&event.event_id, Type::UUID),
-                        (&event.aggregate_type, Type::TEXT),
-                        (&event.aggregate_id, Type::TEXT),
-                        (&event.event_type, Type::TEXT),
-                        (&event.payload, Type::JSONB),
-                        (&headers, Type::JSONB),
-                    ],
-                )
+                .execute_typed(&self.sql.insert_event, &super::event_params(event, &headers))
                 .await
                 .map_err(Error::pg("inserting an event into the outbox"))?;
             Ok(event.event_id)
@@ -138,17 +165,7 @@ mod pg {
             }
             let c = Columns::of(events)?;
             client
-                .execute_typed(
-                    &self.sql.insert_events,
-                    &[
-                        (&c.ids, Type::UUID_ARRAY),
-                        (&c.types, Type::TEXT_ARRAY),
-                        (&c.aggregates, Type::TEXT_ARRAY),
-                        (&c.event_types, Type::TEXT_ARRAY),
-                        (&c.payloads, Type::JSONB_ARRAY),
-                        (&c.headers, Type::JSONB_ARRAY),
-                    ],
-                )
+                .execute_typed(&self.sql.insert_events, &c.params())
                 .await
                 .map_err(Error::pg("inserting events into the outbox"))?;
             Ok(c.ids)

@@ -48,21 +48,21 @@ const CREATE_SLOT: &str = "SELECT lsn::text FROM pg_create_logical_replication_s
 /// `$1` slot name.
 const DROP_SLOT: &str = "SELECT pg_drop_replication_slot($1)";
 
-/// `$1` prefix, `$2..$7` the event. One event as a transactional logical
+/// `$1..$6` the event (as `INSERT_EVENT` binds it), `$7` prefix. One event as a transactional logical
 /// decoding message: decoded only if the caller's transaction commits, and
 /// no row anywhere. `created_at` is the clock at the call, as the insert's
 /// default is.
-const EMIT: &str = "SELECT pg_logical_emit_message(true, $1::text, json_build_object( \
-        'event_id', $2::uuid, 'aggregate_type', $3::text, 'aggregate_id', $4::text, \
-        'event_type', $5::text, 'payload', $6::jsonb, 'headers', $7::jsonb, \
+const EMIT: &str = "SELECT pg_logical_emit_message(true, $7::text, json_build_object( \
+        'event_id', $1::uuid, 'aggregate_type', $2::text, 'aggregate_id', $3::text, \
+        'event_type', $4::text, 'payload', $5::jsonb, 'headers', $6::jsonb, \
         'created_at', clock_timestamp())::text)";
 
 /// The same for arrays of the columns, in the caller's order.
-const EMIT_ALL: &str = "SELECT pg_logical_emit_message(true, $1::text, json_build_object( \
+const EMIT_ALL: &str = "SELECT pg_logical_emit_message(true, $7::text, json_build_object( \
         'event_id', e.event_id, 'aggregate_type', e.aggregate_type, 'aggregate_id', e.aggregate_id, \
         'event_type', e.event_type, 'payload', e.payload, 'headers', e.headers, \
         'created_at', clock_timestamp())::text) \
-       FROM unnest($2::uuid[], $3::text[], $4::text[], $5::text[], $6::jsonb[], $7::jsonb[]) \
+       FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[]) \
             WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
       ORDER BY e.ord";
 
@@ -589,21 +589,9 @@ impl WalSql {
 /// Emits one event with `prefix` in the caller's transaction.
 pub(crate) async fn emit(client: &impl GenericClient, prefix: &str, e: &crate::Event) -> Result<(), Error> {
     let headers = Value::Object(e.headers.clone());
-    client
-        .execute_typed(
-            EMIT,
-            &[
-                (&prefix, Type::TEXT),
-                (&e.event_id, Type::UUID),
-                (&e.aggregate_type, Type::TEXT),
-                (&e.aggregate_id, Type::TEXT),
-                (&e.event_type, Type::TEXT),
-                (&e.payload, Type::JSONB),
-                (&headers, Type::JSONB),
-            ],
-        )
-        .await
-        .map(drop)
+    let mut params = crate::writer::event_params(e, &headers).to_vec();
+    params.push((&prefix, Type::TEXT));
+    client.execute_typed(EMIT, &params).await.map(drop)
 }
 
 /// Emits events in order with `prefix` in the caller's transaction, in one
@@ -613,21 +601,9 @@ pub(crate) async fn emit_all(
     prefix: &str,
     c: &crate::writer::Columns,
 ) -> Result<(), Error> {
-    client
-        .execute_typed(
-            EMIT_ALL,
-            &[
-                (&prefix, Type::TEXT),
-                (&c.ids, Type::UUID_ARRAY),
-                (&c.types, Type::TEXT_ARRAY),
-                (&c.aggregates, Type::TEXT_ARRAY),
-                (&c.event_types, Type::TEXT_ARRAY),
-                (&c.payloads, Type::JSONB_ARRAY),
-                (&c.headers, Type::JSONB_ARRAY),
-            ],
-        )
-        .await
-        .map(drop)
+    let mut params = c.params().to_vec();
+    params.push((&prefix, Type::TEXT));
+    client.execute_typed(EMIT_ALL, &params).await.map(drop)
 }
 
 #[cfg(test)]

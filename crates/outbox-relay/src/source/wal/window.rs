@@ -476,26 +476,9 @@ impl Window {
 
 #[cfg(test)]
 mod tests {
-    use chrono::Utc;
-    use serde_json::json;
-    use uuid::Uuid;
-
     use super::*;
     use crate::plan::Failures;
-
-    fn row(id: i64, aggregate: &str) -> OutboxRow {
-        OutboxRow {
-            id,
-            event_id: Uuid::new_v4(),
-            aggregate_type: "orders".to_owned(),
-            aggregate_id: aggregate.to_owned(),
-            event_type: "E".to_owned(),
-            payload: json!({}),
-            headers: json!({}),
-            created_at: Utc::now(),
-            attempts: 0,
-        }
-    }
+    use crate::plan::tests::row;
 
     /// Rows at `positions` failed with `delay`; the rest were delivered.
     fn failed(positions: &[usize], delay_ms: f64, dead: bool) -> Failures {
