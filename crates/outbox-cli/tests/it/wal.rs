@@ -557,3 +557,40 @@ async fn with_cleanup_none_a_past_day_is_dropped_once_the_slot_confirmed_past_it
     assert!(exists(dead_day).await, "a day with a dead letter stays");
     stop_relay(relay).await;
 }
+
+#[tokio::test]
+async fn a_wal_relay_beside_a_polling_relay_says_each_would_deliver_every_event() {
+    let db = WalDb::start().await;
+    let redis = Redis::start().await.unwrap();
+    let polling = start_relay(&db.url, &redis.url(), &[], &[]).await;
+    wait_until("the polling relay registered", LONG, || async {
+        db.count("SELECT count(*) FROM outbox_relays").await == 1
+    })
+    .await;
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let out = run_cli(
+        &[
+            "relay",
+            "--sink",
+            &redis.url(),
+            "--source",
+            "wal",
+            "--drain",
+            "--ordering",
+            "strict",
+        ],
+        &env,
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stderr) + &text(&out.stdout);
+    assert!(
+        said.contains("polling relays are running on this outbox"),
+        "{said}"
+    );
+    assert!(
+        said.contains("--ordering and --ordering-for do not apply"),
+        "{said}"
+    );
+    stop_relay(polling).await;
+}

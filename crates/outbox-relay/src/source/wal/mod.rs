@@ -153,6 +153,7 @@ impl WalSource {
         let slot = outbox::wal::check_wal(&client, &config.outbox)
             .await
             .map_err(RelayError::Schema)?;
+        warn_about_mixing(&client, &config).await;
         info!(
             slot = %slot.slot,
             publication = sql.publication(),
@@ -438,6 +439,31 @@ impl WalSource {
             () = tokio::time::sleep_until(until) => Woke::Tick,
             () = lapse => Woke::Lapsed,
         }
+    }
+}
+
+/// Says what does not apply or cannot work beside log tailing: the
+/// ordering flags (commit order and parking replace them), and polling
+/// relays running on the same outbox (each source delivers every event).
+async fn warn_about_mixing(client: &Client, config: &RelayConfig) {
+    if config.ordering != crate::config::OrderMode::default() || !config.ordering_for.is_empty() {
+        warn!(
+            "--ordering and --ordering-for do not apply to --source wal: events go in commit order, an aggregate waits behind its failed event"
+        );
+    }
+    let sql = outbox::sql::OutboxSql::new(&config.outbox);
+    let live = config.lease_timeout.as_secs_f64();
+    match sql.relays(client).await {
+        Ok(relays) => {
+            let polling = relays.iter().filter(|r| r.silent_for_seconds < live).count();
+            if polling > 0 {
+                warn!(
+                    polling,
+                    "polling relays are running on this outbox: with a WAL relay as well, every event is delivered twice; stop one kind"
+                );
+            }
+        }
+        Err(error) => debug!(error = %error_chain(&error), "could not list the polling relays"),
     }
 }
 
