@@ -106,13 +106,14 @@ async fn sink_down_10_s_makes_no_dead_letter_while_the_slot_keeps_and_reports_th
 
     redis.stop().await.unwrap();
     let outage = Instant::now();
-    let before = wal_position(&db.client).await;
     db.insert(100, 100).await;
     // Past the first transaction's commit: the slot must not confirm this
-    // far while its events are undelivered.
+    // far while its events are undelivered (it may confirm into it while
+    // idle: its keepalive position), so the WAL it keeps is counted from
+    // here.
     let after_first = wal_position(&db.client).await;
     db.insert(EVENTS - 100, 100).await;
-    let written = wal_since(&db.client, &before).await;
+    let written = wal_since(&db.client, &after_first).await;
     relay
         .wait_for_notification("STATUS=sink redis unavailable", LONG)
         .await
@@ -217,9 +218,12 @@ async fn the_wal_gauges_follow_the_slot_while_the_sink_is_down() {
     let addr = http_addr();
     let relay = start_relay(&db.url, &redis.url(), &["--source", "wal", "--http", &addr], &[]).await;
     redis.stop().await.unwrap();
-    let before = wal_position(&db.client).await;
-    db.insert(1000, 100).await;
-    let written = wal_since(&db.client, &before).await;
+    db.insert(100, 100).await;
+    // The slot may confirm into the first transaction while idle (its
+    // keepalive position), never past its commit: count from there.
+    let after_first = wal_position(&db.client).await;
+    db.insert(900, 100).await;
+    let written = wal_since(&db.client, &after_first).await;
     relay
         .wait_for_notification("STATUS=sink redis unavailable", LONG)
         .await
