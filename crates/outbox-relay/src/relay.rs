@@ -33,6 +33,12 @@
 //! `dead_at` is set in the same commit): the claim no longer sees it until
 //! `outbox dlq requeue` requeues it.
 //!
+//! With `--source wal` the same cycle runs over the WAL source
+//! (`source::wal`): there the claim is the replication slot and the commit
+//! is its confirmed position, which passes a transaction only once every
+//! event of it was acknowledged or recorded as a dead letter (the argument
+//! is in `source::wal::window`).
+//!
 //! A sink that is unavailable (see `breaker`) is not an event failure: the
 //! rows it answered so are given back with their attempts unchanged, and
 //! while its breaker is open the relay commits what it settled, claims
