@@ -114,10 +114,13 @@ const TURN_HOLDER: &str = "WITH k AS (SELECT hashtextextended('outbox wal ' || $
 /// its `state_change`, which is what the standbys watch.
 const HEARTBEAT: &str = "SELECT 1";
 
-/// `$1` prefix. A non-transactional message the WAL source reads back once
-/// it has read everything committed before it: how a drain knows it is
-/// done.
-const DRAIN_MARKER: &str = "SELECT pg_logical_emit_message(false, $1::text, '')::text";
+/// `$1` prefix. A message the WAL source reads back once it has read
+/// everything committed before it: how a drain knows it is done.
+/// Transactional, so its commit flushes the WAL: the walsender decodes only
+/// flushed WAL, and a non-transactional message waits for the WAL writer
+/// (up to `wal_writer_delay`, 200 ms) when nothing else commits, which is
+/// what draining emitted events alone looked like.
+const DRAIN_MARKER: &str = "SELECT pg_logical_emit_message(true, $1::text, '')::text";
 
 /// `$1` pid. Waits up to 1 s for the backend to exit.
 const TERMINATE: &str = "SELECT pg_terminate_backend($1::int4, 1000)";

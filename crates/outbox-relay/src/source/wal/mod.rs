@@ -314,7 +314,7 @@ impl WalSource {
                 prefix,
                 content,
             } => {
-                if !transactional && prefix == self.drain_prefix {
+                if prefix == self.drain_prefix {
                     self.drain_marker.1 = true;
                     return Ok(());
                 }
