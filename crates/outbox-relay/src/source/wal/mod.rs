@@ -79,11 +79,6 @@ struct Stream {
     decoder: Decoder,
 }
 
-/// The window's gauge (the slot's are the watch's).
-struct SlotGauges {
-    window: Gauge,
-}
-
 /// See the [module docs](self).
 pub(crate) struct WalSource {
     config: RelayConfig,
@@ -91,7 +86,8 @@ pub(crate) struct WalSource {
     sql: Arc<WalSql>,
     counters: Arc<Counters>,
     metrics: BatchMetrics,
-    gauges: SlotGauges,
+    /// `outbox_wal_window_events` (the slot's gauges are the watch's).
+    window_gauge: Gauge,
     /// For the writes and the slot's state; `None` after it failed.
     client: Option<Client>,
     turn: Option<Turn>,
@@ -161,9 +157,6 @@ impl WalSource {
             confirmed_lsn = %slot.confirmed_lsn,
             "log tailing: the slot is ready"
         );
-        let gauges = SlotGauges {
-            window: metrics::gauge!(metric::WAL_WINDOW),
-        };
         health::global().postgres(None);
         let mut watch_pg = pg.clone();
         watch_pg
@@ -176,7 +169,7 @@ impl WalSource {
             pg,
             counters,
             metrics,
-            gauges,
+            window_gauge: metrics::gauge!(metric::WAL_WINDOW),
             client: Some(client),
             turn: None,
             stream: None,
@@ -203,7 +196,13 @@ impl WalSource {
         self.stream = None;
         self.at_sink = None;
         self.window = window(&self.config);
-        self.gauges.window.set(0.0);
+        self.show_window();
+    }
+
+    fn show_window(&self) {
+        // Events, a count: exact in an f64.
+        #[allow(clippy::cast_precision_loss)]
+        self.window_gauge.set(self.window.unfinished() as f64);
     }
 
     fn turn_valid(&self) -> bool {
@@ -340,7 +339,7 @@ impl WalSource {
             }
             ReplicationEvent::StoppedAt { .. } => {}
         }
-        self.gauges.window.set(self.window.unfinished() as f64);
+        self.show_window();
         Ok(())
     }
 
@@ -634,7 +633,7 @@ impl Source for WalSource {
         };
         self.window.settle(&rows, &plan.failures, Instant::now());
         self.retry_in = FIRST_RETRY;
-        self.gauges.window.set(self.window.unfinished() as f64);
+        self.show_window();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters
             .delivered
