@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use outbox_relay::{OrderMode, SourceKind, WalCleanup};
+use outbox_relay::{ClaimMode, OrderMode, SourceKind, WalCleanup};
 
 use crate::logging::LogFormat;
 
@@ -230,6 +230,18 @@ pub(crate) struct RelayArgs {
     /// (bytes, or with a unit).
     #[arg(long, env = "OUTBOX_WAL_RETAINED_WARN", default_value = "1GiB", value_parser = byte_size)]
     pub(crate) wal_retained_warn: u64,
+    /// How a batch is claimed: `lock` keeps it locked in a transaction open
+    /// while the sink has it (one round trip per batch); `lease` writes a
+    /// deadline on its rows in a short transaction and delivers with none
+    /// open, so a slow sink holds back no VACUUM. A route's `claim` key in
+    /// --config overrides it for that route.
+    #[arg(long, env = "OUTBOX_CLAIM", value_enum, default_value = "lock")]
+    pub(crate) claim: ClaimMode,
+    /// With --claim lease: how long a claim holds its rows. Rows of a relay
+    /// that died are claimed again once it runs out; a delivery still
+    /// running then is abandoned, so make it longer than the slowest batch.
+    #[arg(long, env = "OUTBOX_CLAIM_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
+    pub(crate) claim_timeout: Duration,
     /// Per-aggregate ordering: `partition` (one relay per partition of
     /// aggregates, id order while nothing fails), `strict` (never past an
     /// undelivered earlier event of the aggregate) or `none` (any relay, any

@@ -57,6 +57,50 @@ pub struct RelayConfig {
     pub source: SourceKind,
     /// Log tailing's settings (`source` = [`SourceKind::Wal`]).
     pub wal: WalSettings,
+    /// How the polling source claims a batch: in the transaction it is
+    /// delivered in (the default), or by a lease it commits first.
+    pub claim: ClaimMode,
+    /// With [`ClaimMode::Lease`]: how long a claim holds its rows (default
+    /// 60 s). A relay that dies leaves rows that are claimed again once it
+    /// runs out; a delivery still running then is abandoned. Longer than
+    /// the slowest batch the sink may take.
+    pub claim_timeout: Duration,
+}
+
+/// How the polling source claims a batch: the value of `outbox relay
+/// --claim`, or of a route's `claim` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimMode {
+    /// Locks the batch (`FOR UPDATE SKIP LOCKED`) in a transaction that
+    /// stays open while it is at the sink and commits its marks: one
+    /// round trip per batch, but the open transaction holds back VACUUM
+    /// in the whole database for as long as the sink takes.
+    #[default]
+    #[value(help = "Lock the batch in a transaction open during delivery (the default)")]
+    Lock,
+    /// Writes a deadline on the batch's rows (`claimed_until`,
+    /// `claimed_by`) in a short transaction, delivers with none open, and
+    /// marks in a second one that checks the claim is still its own: for
+    /// slow sinks.
+    #[value(help = "Claim by a deadline in a short transaction; deliver with none open")]
+    Lease,
+}
+
+impl ClaimMode {
+    /// The name used by `--claim`, logs and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimMode::Lock => "lock",
+            ClaimMode::Lease => "lease",
+        }
+    }
+}
+
+impl fmt::Display for ClaimMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// Where the relay reads events: the value of `outbox relay --source`.
@@ -121,6 +165,9 @@ impl Default for WalSettings {
 /// Kafka's default `message.max.bytes`.
 pub(crate) const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
 
+/// `--claim-timeout`'s default: six times the sinks' default timeout.
+pub(crate) const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// `--batch-max-bytes`' default: 16 MiB, a hundred events of 160 kB.
 pub(crate) const DEFAULT_BATCH_MAX_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -143,6 +190,8 @@ impl Default for RelayConfig {
             failpoint: None,
             source: SourceKind::Poll,
             wal: WalSettings::default(),
+            claim: ClaimMode::Lock,
+            claim_timeout: DEFAULT_CLAIM_TIMEOUT,
         }
     }
 }

@@ -53,7 +53,7 @@ mod wake;
 
 pub use backlog::Backlog;
 pub use backoff::Backoff;
-pub use config::{SourceKind, WalCleanup, WalSettings};
+pub use config::{ClaimMode, SourceKind, WalCleanup, WalSettings};
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use retention::Retention;

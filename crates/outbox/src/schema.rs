@@ -45,6 +45,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "dead_at",
         template: include_str!("../migrations/outbox/0004_dead_at.sql"),
     },
+    Migration {
+        version: 5,
+        name: "lease_claims",
+        template: include_str!("../migrations/outbox/0005_lease_claims.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -58,6 +63,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[1],
     OUTBOX_MIGRATIONS[2],
     OUTBOX_MIGRATIONS[3],
+    OUTBOX_MIGRATIONS[4],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -67,7 +73,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 4;
+pub const OUTBOX_VERSION: i32 = 5;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 

@@ -136,6 +136,8 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
             cleanup: args.wal_cleanup,
             retained_warn: args.wal_retained_warn,
         },
+        claim: args.claim,
+        claim_timeout: args.claim_timeout,
     };
     let retention = args.retention.map(|keep| outbox_relay::Retention {
         keep,
