@@ -319,7 +319,7 @@ impl PollSource {
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
             types: &self.types,
-            lease: self.spec.lease.then(|| LeaseClaim {
+            lease: self.spec.lease.then_some(LeaseClaim {
                 owner: self.owner,
                 timeout_ms: self.config.claim_timeout.as_secs_f64() * 1000.0,
             }),
