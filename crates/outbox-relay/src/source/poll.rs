@@ -654,7 +654,12 @@ impl PollSource {
         // sink (its connection holds locks on rows past the cut), but the
         // next claim follows its commit at once.
         let full = rows.len() == self.config.batch_size as usize;
-        self.pipeline.idle = !full && !cut && !self.config.drain;
+        // Under strict order this batch's commit makes its aggregates' next
+        // events claimable, and nothing notifies about that: without a
+        // claim right after it, each would wait for the next lease tick (an
+        // aggregate with ten queued events took ten ticks, 30 s).
+        let unblocks = self.any_strict() && !rows.is_empty();
+        self.pipeline.idle = !full && !cut && !unblocks && !self.config.drain;
         self.pipeline.at_sink = Some(AtSink {
             conn,
             epoch,
