@@ -728,10 +728,17 @@ impl Source for PollSource {
         let Some(at_sink) = self.pipeline.at_sink.take() else {
             return Ok(());
         };
-        warn!(
-            rows = at_sink.rows,
-            "lease expired before delivery; giving the batch back"
-        );
+        if at_sink.held.is_some() {
+            warn!(
+                rows = at_sink.rows,
+                "the claim's deadline passed before delivery; giving the batch back"
+            );
+        } else {
+            warn!(
+                rows = at_sink.rows,
+                "lease expired before delivery; giving the batch back"
+            );
+        }
         self.pipeline.idle = true;
         self.release(at_sink.conn, at_sink.held.as_ref()).await
     }
