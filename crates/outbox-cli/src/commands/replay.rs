@@ -98,7 +98,7 @@ pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
                 .await
                 .context("counting the events to replay")?;
             let removed = sql
-                .removed(&client, &filter, upto_id)
+                .removed(&client, &filter)
                 .await
                 .context("reading what cleanup removed")?;
             let job = sql
@@ -230,7 +230,7 @@ async fn dry_run(
         .await
         .context("counting the events to replay")?;
     let removed = sql
-        .removed(client, filter, upto_id)
+        .removed(client, filter)
         .await
         .context("reading what cleanup removed")?;
     println!("dry run: would replay {matched} events with ids up to {upto_id} to {target}; nothing sent");
@@ -714,7 +714,7 @@ impl<'a> Replay<'a> {
     async fn removed_meanwhile(&self) -> anyhow::Result<()> {
         let now = self
             .sql
-            .removed(self.client, &self.job.filter, self.job.upto_id)
+            .removed(self.client, &self.job.filter)
             .await
             .context("reading what cleanup removed")?;
         let more = now.count - self.job.removed.count;

@@ -94,7 +94,7 @@ const LIST_JOBS: &str = "SELECT {job_j}, EXISTS (SELECT 1 FROM pg_locks AS l \
       WHERE $1::int8 IS NULL OR j.id = $1::int8 ORDER BY j.id DESC";
 
 /// `$1..$6` the filter (`$2`, the aggregate id, only decides exactness:
-/// the trace has no aggregate ids), `$7` the job's bound. Matching
+/// the trace has no aggregate ids). Matching
 /// published rows retention removed, from the buckets of their aggregate
 /// type, event type and hour, and whether that count is exact: a bucket
 /// only partly inside `since`/`until` is counted whole.
@@ -106,8 +106,7 @@ const REMOVED: &str = "SELECT coalesce(sum(removed), 0)::int8, \
         AND ($3::text IS NULL OR event_type = $3::text) \
         AND ($4::timestamptz IS NULL OR hour + interval '1 hour' > $4::timestamptz) \
         AND ($5::timestamptz IS NULL OR hour < $5::timestamptz) \
-        AND ($6::text[] IS NULL OR aggregate_type <> ALL($6::text[])) \
-        AND min_id <= $7::int8";
+        AND ($6::text[] IS NULL OR aggregate_type <> ALL($6::text[]))";
 
 /// A daily partition about to be dropped (`{partition}`, qualified):
 /// its published rows into the trace, in the drop's transaction.
@@ -376,17 +375,14 @@ impl ReplaySql {
         Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
-    /// Matching rows retention removed, among ids up to `upto_id`.
+    /// Matching published rows retention removed (since migration 0006:
+    /// earlier removals left no trace).
     pub async fn removed(
         &self,
         client: &impl GenericClient,
         filter: &ReplayFilter,
-        upto_id: i64,
     ) -> Result<Removed, Error> {
-        let p = filter.params();
-        let row = client
-            .query_one(&self.removed, &[p[0], p[1], p[2], p[3], p[4], p[5], &upto_id])
-            .await?;
+        let row = client.query_one(&self.removed, &filter.params()).await?;
         Ok(Removed {
             count: row.try_get(0)?,
             exact: row.try_get(1)?,
