@@ -458,22 +458,19 @@ async fn replay_says_how_many_matching_events_cleanup_removed() {
         text(&cleanup.stdout)
     );
 
-    let dry = |extra: &'static [&'static str]| {
-        let env = env;
-        async move {
-            let mut args = vec![
-                "replay",
-                "--to",
-                "redis://127.0.0.1:1",
-                "--aggregate-type",
-                "orders",
-                "--dry-run",
-            ];
-            args.extend_from_slice(extra);
-            let out = run_cli(&args, &env).await;
-            assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-            text(&out.stdout)
-        }
+    let dry = |extra: &'static [&'static str]| async move {
+        let mut args = vec![
+            "replay",
+            "--to",
+            "redis://127.0.0.1:1",
+            "--aggregate-type",
+            "orders",
+            "--dry-run",
+        ];
+        args.extend_from_slice(extra);
+        let out = run_cli(&args, &env).await;
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        text(&out.stdout)
     };
     let exact = dry(&[]).await;
     assert!(exact.contains("would replay 40 events"), "{exact}");
