@@ -578,3 +578,92 @@ async fn a_bad_target_is_refused_before_anything_is_read() {
     assert_eq!(clash.status.code(), Some(2), "{}", text(&clash.stderr));
     assert_eq!(db.count("SELECT count(*) FROM outbox_replays").await, 0);
 }
+
+#[tokio::test]
+async fn a_route_of_the_routes_file_replays_its_own_aggregate_type() {
+    let db = Db::start().await;
+    five_thousand_published(&db).await;
+    let (default, orders) = (Redis::start().await.unwrap(), Redis::start().await.unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("outbox.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[default]\nsink = \"{}\"\n\n[routes.orders]\nsink = \"{}\"\nstream_prefix = \"replayed\"\n",
+            default.url(),
+            orders.url()
+        ),
+    )
+    .unwrap();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let config = file.to_str().unwrap();
+    let out = run_cli(
+        &[
+            "replay",
+            "--to",
+            "route:orders",
+            "--config",
+            config,
+            "--rate",
+            "unlimited",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("matched 1000, sent 1000"),
+        "{}",
+        text(&out.stdout)
+    );
+    let got = read_stream(&orders.url(), "replayed.orders").await;
+    assert_eq!(
+        got.iter().map(|e| e.event_id.clone()).collect::<Vec<_>>(),
+        published_orders(&db).await
+    );
+    assert_eq!(redis_keys(&default).await, Vec::<String>::new());
+
+    // The default route: every type no route names.
+    let out = run_cli(
+        &[
+            "replay",
+            "--to",
+            "route:default",
+            "--config",
+            config,
+            "--rate",
+            "unlimited",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("matched 4000, sent 4000"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(redis_keys(&default).await, ["outbox.event.payments"]);
+
+    let clash = run_cli(
+        &[
+            "replay",
+            "--to",
+            "route:orders",
+            "--config",
+            config,
+            "--aggregate-type",
+            "payments",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(clash.status.code(), Some(2), "{}", text(&clash.stderr));
+    let missing = run_cli(&["replay", "--to", "route:refunds", "--config", config], &env).await;
+    assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
+    assert!(
+        text(&missing.stderr).contains("no [routes.refunds] table"),
+        "{}",
+        text(&missing.stderr)
+    );
+}
