@@ -667,3 +667,103 @@ async fn a_route_of_the_routes_file_replays_its_own_aggregate_type() {
         text(&missing.stderr)
     );
 }
+
+#[tokio::test]
+async fn sigterm_stops_a_replay_at_its_saved_cursor() {
+    let db = Db::start().await;
+    five_thousand_published(&db).await;
+    let redis = Redis::start().await.unwrap();
+    // 100/s: pages of 10, ten seconds for the 1000.
+    let mut replay = Spawned::spawn(replay_cmd(
+        &db,
+        &[
+            "--to",
+            &redis.url(),
+            "--aggregate-type",
+            "orders",
+            "--rate",
+            "100",
+        ],
+    ))
+    .unwrap();
+    wait_until("a first page acknowledged", LONG, || async {
+        db.count("SELECT count(*) FROM outbox_replays WHERE sent > 0")
+            .await
+            == 1
+    })
+    .await;
+    replay.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = replay.wait(LONG).await.unwrap();
+    assert_eq!(status.code(), Some(0), "{:#?}", replay.lines());
+    let (state, cursor, upto, sent) = job(&db).await;
+    assert_eq!(state, "stopped");
+    assert!(sent < 1000 && cursor < upto, "sent {sent}, cursor {cursor}");
+    assert!(
+        replay
+            .lines()
+            .iter()
+            .any(|l| l.contains(&format!("stopped after id {cursor}"))
+                && l.contains("outbox replay --resume 1")),
+        "{:#?}",
+        replay.lines()
+    );
+    // The page at the sink was finished and saved: what the stream holds
+    // is exactly what the job counts, up to its cursor.
+    let got = read_stream(&redis.url(), STREAM).await;
+    assert_eq!(got.len() as i64, sent);
+    assert_eq!(got.last().unwrap().outbox_id, cursor);
+}
+
+#[tokio::test]
+async fn a_refused_event_fails_the_job_before_it_and_a_resume_finishes() {
+    use outbox_testkit::{Receiver, Respond};
+    let db = Db::start().await;
+    five_thousand_published(&db).await;
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    receiver.set_refuse(Some(("\"g\":250}", 422)));
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let args = [
+        "replay",
+        "--to",
+        &receiver.url(),
+        "--aggregate-type",
+        "orders",
+        "--rate",
+        "unlimited",
+    ];
+    let out = run_cli(&args, &env).await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("the sink refused event id 250"), "{stderr}");
+    assert!(stderr.contains("outbox replay --resume 1"), "{stderr}");
+    let (state, cursor, _, sent) = job(&db).await;
+    assert_eq!(
+        (state.as_str(), cursor, sent),
+        ("failed", 245, 49),
+        "just before the refused event"
+    );
+    let error: String = db
+        .client
+        .query_one("SELECT last_error FROM outbox_replays", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(error.contains("event id 250") && error.contains("422"), "{error}");
+
+    receiver.set_refuse(None);
+    let out = run_cli(&["replay", "--resume", "1"], &env).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let (state, _, _, sent) = job(&db).await;
+    assert_eq!((state.as_str(), sent), ("done", 1000));
+    let received = receiver.received();
+    let delivered: HashSet<String> = received
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| r.header("idempotency-key").unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        delivered,
+        published_orders(&db).await.into_iter().collect::<HashSet<_>>()
+    );
+    assert_eq!(received.iter().filter(|r| r.status == 422).count(), 1);
+}
