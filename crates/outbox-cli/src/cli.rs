@@ -17,7 +17,8 @@ use crate::logging::LogFormat;
 ///
 /// Exit codes: 0 success (including a drain after SIGINT/SIGTERM); 1 runtime
 /// failure (e.g. PostgreSQL unreachable; `relay --drain` made a dead letter or
-/// met an unavailable sink; a `dlq` selector matched nothing); 2 usage or
+/// met an unavailable sink; a `dlq` selector matched nothing; a replay's sink
+/// refused an event); 2 usage or
 /// configuration error (bad flag, URL, identifier or duration; schema not
 /// migrated or too new).
 #[derive(Debug, Parser)]
