@@ -767,3 +767,41 @@ async fn a_refused_event_fails_the_job_before_it_and_a_resume_finishes() {
     );
     assert_eq!(received.iter().filter(|r| r.status == 422).count(), 1);
 }
+
+/// The replay rate, for docs/replay.md: 100,000 published events of 1 KiB
+/// payloads to Redis and to the HTTP receiver at `--rate unlimited`. Run
+/// with a release binary:
+/// `OUTBOX_BIN=target/release/outbox cargo nextest run -p outbox-cli --test it --run-ignored only -E 'test(/measure_replay_rate/)' --no-capture`.
+#[tokio::test]
+#[ignore = "a measurement, not a check"]
+async fn measure_replay_rate() {
+    use outbox_testkit::{Receiver, Respond};
+    let db = Db::start().await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'orders', 'agg-' || (g % 1000), 'Step', jsonb_build_object('g', g, 'pad', repeat('x', 1000)),
+                    clock_timestamp()
+               FROM generate_series(1, 100000) g;
+             VACUUM ANALYZE outbox;",
+        )
+        .await
+        .unwrap();
+    let redis = Redis::start().await.unwrap();
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let bin = std::env::var("OUTBOX_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_outbox").to_owned());
+    for to in [redis.url(), receiver.url()] {
+        let out = tokio::process::Command::new(&bin)
+            .args(["replay", "--to", &to, "--rate", "unlimited"])
+            .env("DATABASE_URL", &db.url)
+            .env_remove("OUTBOX_CONFIG")
+            .output()
+            .await
+            .unwrap();
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        let summary = stdout.lines().find(|l| l.contains(" done: ")).unwrap();
+        println!("{bin} to {to}: {summary}");
+    }
+    assert_eq!(receiver.count(), 100_000);
+}
