@@ -782,11 +782,11 @@ async fn measure_replay_rate() {
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, published_at)
              SELECT 'orders', 'agg-' || (g % 1000), 'Step', jsonb_build_object('g', g, 'pad', repeat('x', 1000)),
                     clock_timestamp()
-               FROM generate_series(1, 100000) g;
-             VACUUM ANALYZE outbox;",
+               FROM generate_series(1, 100000) g",
         )
         .await
         .unwrap();
+    db.client.batch_execute("VACUUM ANALYZE outbox").await.unwrap();
     let redis = Redis::start().await.unwrap();
     let receiver = Receiver::start(Respond::Ok).await.unwrap();
     let bin = std::env::var("OUTBOX_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_outbox").to_owned());
