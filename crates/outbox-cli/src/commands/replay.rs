@@ -497,6 +497,10 @@ struct Replay<'a> {
     /// Events acknowledged in this run.
     sent_now: i64,
     started: Instant,
+    /// Test-only (`OUTBOX_FAILPOINT=replay-pause-after-id=N`): park once
+    /// the sink acknowledged a page reaching id N, before its cursor is
+    /// saved, so a test can kill the process with a page sent and unsaved.
+    pause_after_id: Option<i64>,
 }
 
 /// How a run ended, short of an error.
@@ -535,6 +539,9 @@ impl<'a> Replay<'a> {
             progress,
             sent_now: 0,
             started: Instant::now(),
+            pause_after_id: std::env::var("OUTBOX_FAILPOINT")
+                .ok()
+                .and_then(|v| v.strip_prefix("replay-pause-after-id=")?.parse().ok()),
             job,
         }
     }
@@ -639,6 +646,14 @@ impl<'a> Replay<'a> {
             let answers = self.sink.deliver(&rows).await;
             let failed = answers.iter().position(Result::is_err);
             let acked = failed.unwrap_or(rows.len());
+            if let Some(at) = self.pause_after_id
+                && acked > 0
+                && rows[acked - 1].id >= at
+            {
+                tracing::warn!("failpoint replay-pause-after-id reached; parked before saving the cursor");
+                outbox::notify::send("OUTBOX_FAILPOINT=replay-pause-after-id reached");
+                std::future::pending::<()>().await;
+            }
             if acked > 0 {
                 self.job.cursor_id = if failed.is_none() {
                     next

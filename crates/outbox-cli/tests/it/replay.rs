@@ -10,8 +10,8 @@ use outbox_testkit::{Redis, Spawned};
 use redis::AsyncCommands;
 
 use crate::support::{
-    Db, LONG, connect, first_delivery_violations, order_violations, outbox_cmd, read_stream, run_cli,
-    start_relay, stop_relay, text, wait_until,
+    Db, LONG, connect, distinct_events, first_delivery_violations, order_violations, outbox_cmd, read_stream,
+    run_cli, start_relay, stop_relay, text, wait_until,
 };
 
 const STREAM: &str = "outbox.event.orders";
@@ -158,13 +158,7 @@ async fn replay_sends_exactly_the_matching_events_in_order_with_their_event_ids(
 async fn a_replay_killed_at_half_resumes_and_the_inbox_applies_each_event_once() {
     let mut db = Db::start().await;
     five_thousand_published(&db).await;
-    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
-        .await
-        .unwrap();
-    db.client
-        .batch_execute("CREATE TABLE shipments (event_id uuid, order_id text)")
-        .await
-        .unwrap();
+    inbox(&mut db).await;
     let redis = Redis::start().await.unwrap();
     let half: i64 = db
         .count("SELECT id FROM outbox WHERE aggregate_type = 'orders' AND published_at IS NOT NULL ORDER BY id OFFSET 499 LIMIT 1")
@@ -245,6 +239,26 @@ async fn a_replay_killed_at_half_resumes_and_the_inbox_applies_each_event_once()
     );
 
     // The inbox-backed consumer: side effects exactly once.
+    let stopped = consume_all(&db, &redis).await;
+    assert_eq!(stopped["processed"], 1000, "{stopped}");
+    assert_eq!(stopped["duplicates"], duplicates, "{stopped}");
+}
+
+/// An inbox and a `shipments` table for the side effect.
+async fn inbox(db: &mut Db) {
+    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
+        .await
+        .unwrap();
+    db.client
+        .batch_execute("CREATE TABLE shipments (event_id uuid, order_id text)")
+        .await
+        .unwrap();
+}
+
+/// Runs `outbox consume` on the stream until it read and acknowledged every
+/// entry; asserts the side effect ran once per event (1000 events); returns
+/// the consumer's summary fields.
+async fn consume_all(db: &Db, redis: &Redis) -> serde_json::Value {
     let mut cmd = outbox_cmd();
     cmd.args([
         "consume",
@@ -272,9 +286,13 @@ async fn a_replay_killed_at_half_resumes_and_the_inbox_applies_each_event_once()
     let last = last.ids[0].id.clone();
     wait_until("the consumer read and acknowledged every entry", LONG, || async {
         let mut r = r.clone();
+        // The group appears when the consumer first reads.
         let groups: redis::streams::StreamInfoGroupsReply = r.xinfo_groups(STREAM).await.unwrap();
+        let Some(group) = groups.groups.iter().find(|g| g.name == "shipping") else {
+            return false;
+        };
         let pending: redis::streams::StreamPendingReply = r.xpending(STREAM, "shipping").await.unwrap();
-        groups.groups[0].last_delivered_id == last && pending.count() == 0
+        group.last_delivered_id == last && pending.count() == 0
     })
     .await;
     consumer.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
@@ -290,8 +308,56 @@ async fn a_replay_killed_at_half_resumes_and_the_inbox_applies_each_event_once()
         .find(|l| l.contains("consumer stopped"))
         .expect("a summary line");
     let stopped: serde_json::Value = serde_json::from_str(&stopped).unwrap();
-    assert_eq!(stopped["fields"]["processed"], 1000, "{stopped}");
-    assert_eq!(stopped["fields"]["duplicates"], duplicates, "{stopped}");
+    stopped["fields"].clone()
+}
+
+#[tokio::test]
+async fn a_replay_killed_between_send_and_save_resends_one_page_the_inbox_drops() {
+    let mut db = Db::start().await;
+    five_thousand_published(&db).await;
+    inbox(&mut db).await;
+    let redis = Redis::start().await.unwrap();
+    let half: i64 = db
+        .count("SELECT id FROM outbox WHERE aggregate_type = 'orders' AND published_at IS NOT NULL ORDER BY id OFFSET 499 LIMIT 1")
+        .await;
+    let mut cmd = replay_cmd(
+        &db,
+        &[
+            "--to",
+            &redis.url(),
+            "--aggregate-type",
+            "orders",
+            "--rate",
+            "500/s",
+        ],
+    );
+    cmd.env("OUTBOX_FAILPOINT", format!("replay-pause-after-id={half}"));
+    let mut replay = Spawned::spawn_notified(cmd).unwrap();
+    replay
+        .wait_for_notification("OUTBOX_FAILPOINT=replay-pause-after-id reached", LONG)
+        .await
+        .unwrap();
+    replay.kill().unwrap();
+    // The page reaching the half (50 events at 500/s) is in the stream,
+    // not in the cursor.
+    let (state, cursor, _, sent) = job(&db).await;
+    assert_eq!((state.as_str(), sent), ("running", 450));
+    assert!(cursor < half);
+    assert_eq!(read_stream(&redis.url(), STREAM).await.len(), 500);
+
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let resumed = run_cli(&["replay", "--resume", "1"], &env).await;
+    assert_eq!(resumed.status.code(), Some(0), "{}", text(&resumed.stderr));
+    let got = read_stream(&redis.url(), STREAM).await;
+    assert_eq!(got.len(), 1050, "one page sent twice");
+    assert_eq!(distinct_events(&got), 1000);
+    assert_eq!(first_delivery_violations(&got), 0);
+    let stopped = consume_all(&db, &redis).await;
+    assert_eq!(stopped["processed"], 1000, "{stopped}");
+    assert_eq!(
+        stopped["duplicates"], 50,
+        "the inbox dropped the page sent twice: {stopped}"
+    );
 }
 
 #[tokio::test]
