@@ -643,6 +643,40 @@ async fn a_bad_target_is_refused_before_anything_is_read() {
     let clash = run_cli(&["replay", "--resume", "7", "--aggregate-type", "x"], &env).await;
     assert_eq!(clash.status.code(), Some(2), "{}", text(&clash.stderr));
     assert_eq!(db.count("SELECT count(*) FROM outbox_replays").await, 0);
+
+    // A job whose URL held a password: the password was never stored.
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox_replays (target, format, rate, upto_id, state)
+             VALUES ('redis://:***@127.0.0.1:1', 'native', 1000, 10, 'stopped')",
+        )
+        .await
+        .unwrap();
+    let out = run_cli(&["replay", "--resume", "1"], &env).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("held a password, which is never stored: give the URL again with --to"),
+        "{}",
+        text(&out.stderr)
+    );
+    let other = run_cli(
+        &["replay", "--resume", "1", "--to", "redis://:pw@127.0.0.1:2"],
+        &env,
+    )
+    .await;
+    assert_eq!(other.status.code(), Some(2), "{}", text(&other.stderr));
+    assert!(
+        text(&other.stderr).contains("is not replay job 1's target redis://:***@127.0.0.1:1"),
+        "{}",
+        text(&other.stderr)
+    );
+    let stored: String = db
+        .client
+        .query_one("SELECT state FROM outbox_replays", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, "stopped", "refusals change nothing");
 }
 
 #[tokio::test]
