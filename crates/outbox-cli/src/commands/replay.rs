@@ -54,88 +54,81 @@ pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
         let client = connected(g, &config).await?;
         return list(&client, &ReplaySql::new(&config)?, args.json).await;
     }
-    let source = format!("/outbox/{}.{}", g.schema, g.table);
-    let options = args.sink_options.options(|| source.clone());
     match args.resume {
-        Some(id) => {
-            let client = connected(g, &config).await?;
-            let sql = ReplaySql::new(&config)?;
-            resume(
-                g,
-                &client,
-                &sql,
-                id,
-                args.to,
-                args.config.as_deref(),
-                args.rate,
-                options,
-            )
-            .await
-        }
-        None => {
-            let Some(to) = args.to else {
-                unreachable!("clap requires --to without --resume or --list");
-            };
-            let target = Target::parse(&to);
-            let mut filter = ReplayFilter {
-                aggregate_type: args.aggregate_type,
-                aggregate_id: args.aggregate_id,
-                event_type: args.event_type,
-                since: args.since,
-                until: args.until,
-                exclude_types: None,
-            };
-            // Before PostgreSQL: a bad --to touches nothing.
-            let sink = target.sink(args.config.as_deref(), &options, Some(&mut filter))?;
-            let client = connected(g, &config).await?;
-            let sql = ReplaySql::new(&config)?;
-            let rate = args.rate.unwrap_or(DEFAULT_RATE);
-            let format = format_name(&options.formatter);
-            if args.dry_run {
-                return dry_run(&client, &config, &sql, &filter, &target.stored()).await;
-            }
-            let (upto_id, matched) = sql
-                .count_matching(&client, &filter)
-                .await
-                .context("counting the events to replay")?;
-            let removed = sql
-                .removed(&client, &filter)
-                .await
-                .context("reading what cleanup removed")?;
-            let job = sql
-                .create_job(
-                    &client,
-                    &NewReplay {
-                        target: &target.stored(),
-                        format: &format,
-                        filter: &filter,
-                        rate,
-                        upto_id,
-                        matched,
-                        removed,
-                    },
-                )
-                .await
-                .context("creating the replay job")?;
-            // A fresh job: nobody else can hold its lock.
-            sql.lock_job(&client, job.id)
-                .await
-                .context("locking the replay job")?;
-            println!(
-                "replay job {}: {matched} events with ids up to {upto_id} to {} ({format}, {})",
-                job.id,
-                job.target,
-                Rate(rate)
-            );
-            if matched == 0 {
-                explain_nothing(&client, &config, &sql).await?;
-            }
-            say_removed(&job);
-            Replay::new(&client, &sql, sink, job, rate, g.max_attempts)
-                .run()
-                .await
-        }
+        Some(id) => resume(g, &config, id, args).await,
+        None => start(g, &config, args).await,
     }
+}
+
+/// A new job: target and filter checked before PostgreSQL is touched, then
+/// counted, recorded and run (or, with `--dry-run`, only counted).
+async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow::Result<()> {
+    let options = sink_options(g, args.sink_options);
+    let Some(to) = args.to else {
+        unreachable!("clap requires --to without --resume or --list");
+    };
+    let target = Target::parse(&to);
+    let mut filter = ReplayFilter {
+        aggregate_type: args.aggregate_type,
+        aggregate_id: args.aggregate_id,
+        event_type: args.event_type,
+        since: args.since,
+        until: args.until,
+        exclude_types: None,
+    };
+    let sink = target.sink(args.config.as_deref(), &options, Some(&mut filter))?;
+    let client = connected(g, config).await?;
+    let sql = ReplaySql::new(config)?;
+    if args.dry_run {
+        return dry_run(&client, config, &sql, &filter, &target.stored()).await;
+    }
+    let rate = args.rate.unwrap_or(DEFAULT_RATE);
+    let format = format_name(&options.formatter);
+    let (upto_id, matched) = sql
+        .count_matching(&client, &filter)
+        .await
+        .context("counting the events to replay")?;
+    let removed = sql
+        .removed(&client, &filter)
+        .await
+        .context("reading what cleanup removed")?;
+    let job = sql
+        .create_job(
+            &client,
+            &NewReplay {
+                target: &target.stored(),
+                format: &format,
+                filter: &filter,
+                rate,
+                upto_id,
+                matched,
+                removed,
+            },
+        )
+        .await
+        .context("creating the replay job")?;
+    // A fresh job: nobody else can hold its lock.
+    sql.lock_job(&client, job.id)
+        .await
+        .context("locking the replay job")?;
+    println!(
+        "replay job {}: {matched} events with ids up to {upto_id} to {} ({format}, {})",
+        job.id,
+        job.target,
+        Rate(rate)
+    );
+    if matched == 0 {
+        explain_nothing(&client, config, &sql).await?;
+    }
+    say_removed(&job);
+    Replay::new(&client, &sql, sink, job, rate, g.max_attempts)
+        .run()
+        .await
+}
+
+/// The sink flags' options, as the relay builds them.
+fn sink_options(g: &Global, flags: Box<crate::cli::SinkArgs>) -> SinkOptions {
+    flags.options(|| format!("/outbox/{}.{}", g.schema, g.table))
 }
 
 /// A connection to a migrated outbox.
@@ -145,18 +138,11 @@ async fn connected(g: &Global, config: &outbox::Config) -> anyhow::Result<Client
     Ok(client)
 }
 
-/// Continues job `id` from its cursor.
-#[allow(clippy::too_many_arguments)]
-async fn resume(
-    g: &Global,
-    client: &Client,
-    sql: &ReplaySql,
-    id: i64,
-    to: Option<String>,
-    config_path: Option<&Path>,
-    rate: Option<f64>,
-    mut options: SinkOptions,
-) -> anyhow::Result<()> {
+/// Continues job `id` from its cursor, with its filter, target and format.
+async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) -> anyhow::Result<()> {
+    let mut options = sink_options(g, args.sink_options);
+    let client = &connected(g, config).await?;
+    let sql = &ReplaySql::new(config)?;
     let job = sql
         .job(client, id)
         .await
@@ -169,7 +155,7 @@ async fn resume(
         );
         return Ok(());
     }
-    let target = match to {
+    let target = match args.to {
         Some(to) => {
             let given = Target::parse(&to);
             if given.stored() != job.target {
@@ -196,13 +182,13 @@ async fn resume(
     let (format, mode) = parse_format(&job.format)?;
     let (_, _, source) = options.formatter.parts();
     options.formatter = Formatter::new(format, mode, source.to_owned());
-    let sink = target.sink(config_path, &options, None)?;
+    let sink = target.sink(args.config.as_deref(), &options, None)?;
     if !sql.lock_job(client, id).await.context("locking the replay job")? {
         anyhow::bail!(
             "replay job {id} is running in another process (see `outbox replay --list`); stop that one first"
         );
     }
-    let rate = rate.unwrap_or(job.rate);
+    let rate = args.rate.unwrap_or(job.rate);
     println!(
         "replay job {id}: resuming after id {} ({} of {} sent) up to {} to {} ({}, {})",
         job.cursor_id,
