@@ -439,6 +439,12 @@ async fn live_delivery_goes_on_during_a_replay() {
         "{:#?}",
         replay.lines()
     );
+    let summary = replay
+        .lines()
+        .into_iter()
+        .find(|l| l.contains(" done: "))
+        .unwrap();
+    println!("{summary}");
     wait_until("the live relay to deliver every live event", LONG, || async {
         db.count("SELECT count(*) FROM outbox WHERE aggregate_type = 'live' AND published_at IS NULL")
             .await
