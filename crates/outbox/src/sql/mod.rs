@@ -407,9 +407,12 @@ const DELETE_PUBLISHED: &str = "WITH batch AS ( \
 /// type, event type, created at) add to `<table>_removed`: one upsert per
 /// aggregate type, event type and UTC hour of created_at, so `outbox
 /// replay` can say how many matching events were no longer there.
+/// Buckets are upserted in key order, so two cleanups running at once (a
+/// relay's `--retention` and `outbox cleanup`) lock them in the same order
+/// and wait for each other rather than deadlock.
 pub(crate) const TRACE_REMOVED: &str = "INSERT INTO {removed} AS r (aggregate_type, event_type, hour, removed, min_id, max_id) \
         SELECT aggregate_type, event_type, date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
-               count(*), min(id), max(id) FROM gone GROUP BY 1, 2, 3 \
+               count(*), min(id), max(id) FROM gone GROUP BY 1, 2, 3 ORDER BY 1, 2, 3 \
      ON CONFLICT (aggregate_type, event_type, hour) DO UPDATE \
         SET removed = r.removed + EXCLUDED.removed, min_id = least(r.min_id, EXCLUDED.min_id), \
             max_id = greatest(r.max_id, EXCLUDED.max_id), last_removed_at = clock_timestamp()";
