@@ -17,7 +17,8 @@ use crate::logging::LogFormat;
 ///
 /// Exit codes: 0 success (including a drain after SIGINT/SIGTERM); 1 runtime
 /// failure (e.g. PostgreSQL unreachable; `relay --drain` made a dead letter or
-/// met an unavailable sink; a `dlq` selector matched nothing); 2 usage or
+/// met an unavailable sink; a `dlq` selector matched nothing; a replay's sink
+/// refused an event); 2 usage or
 /// configuration error (bad flag, URL, identifier or duration; schema not
 /// migrated or too new).
 #[derive(Debug, Parser)]
@@ -84,6 +85,13 @@ pub(crate) enum Command {
     /// Inspect and requeue dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Re-deliver published events to a sink, with their original event_ids,
+    /// in id order (so in order per aggregate), paced, resumable; live
+    /// delivery is untouched. Exit codes: 0 done, or stopped by
+    /// SIGINT/SIGTERM (resume it with --resume ID); 1 the sink refused an
+    /// event or kept failing (the job is failed, resumable), or the job is
+    /// running elsewhere; 2 a bad --to, filter or job id.
+    Replay(ReplayArgs),
     /// Daily partitions of an outbox migrated with --partition-by day.
     #[command(subcommand)]
     Partitions(PartitionsCommand),
@@ -356,6 +364,57 @@ pub(crate) struct CleanupArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("filter").multiple(true)
+    .args(["aggregate_type", "aggregate_id", "event_type", "since", "until"])))]
+pub(crate) struct ReplayArgs {
+    /// Where to send: a sink URL, as `relay --sink` takes it
+    /// (redis://…, http://…, nats://…, amqp://…, kafka://…), or
+    /// route:<aggregate_type> / route:default for a sink table of --config.
+    /// With --resume, needed again only if the job's URL held a password.
+    #[arg(long, required_unless_present_any = ["resume", "list"])]
+    pub(crate) to: Option<String>,
+    /// The routes file `route:<name>` refers to (the relay's --config).
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub(crate) config: Option<std::path::PathBuf>,
+    /// Only events of this aggregate type.
+    #[arg(long)]
+    pub(crate) aggregate_type: Option<String>,
+    /// Only events of this aggregate id.
+    #[arg(long)]
+    pub(crate) aggregate_id: Option<String>,
+    /// Only events of this event type.
+    #[arg(long)]
+    pub(crate) event_type: Option<String>,
+    /// Only events created at or after this time: RFC 3339
+    /// (2026-12-05T00:00:00Z) or a duration ago (24h).
+    #[arg(long, value_parser = instant)]
+    pub(crate) since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only events created before this time: RFC 3339 or a duration ago.
+    #[arg(long, value_parser = instant)]
+    pub(crate) until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Events per second at most, `N/s` or `N`, or `unlimited`
+    /// [default: 1000/s, or the job's rate with --resume].
+    #[arg(long, value_parser = rate)]
+    pub(crate) rate: Option<f64>,
+    /// Count the matching events (and those cleanup removed); send
+    /// nothing, create no job.
+    #[arg(long, conflicts_with_all = ["resume", "list"])]
+    pub(crate) dry_run: bool,
+    /// Continue job ID from its cursor, with its filter, target and format.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["filter", "list"])]
+    pub(crate) resume: Option<i64>,
+    /// List the replay jobs, newest first.
+    #[arg(long)]
+    pub(crate) list: bool,
+    /// With --list, print JSON instead of a table.
+    #[arg(long, requires = "list")]
+    pub(crate) json: bool,
+    /// The sink flags `outbox relay` takes (--format, --stream-prefix, …).
+    #[command(flatten)]
+    pub(crate) sink_options: Box<SinkArgs>,
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct ConsumeArgs {
     /// What to read: redis://host:port[/db], nats://host:port or
     /// amqp://user:pass@host:port/vhost.
@@ -495,6 +554,33 @@ fn ordering_for(s: &str) -> Result<(String, OrderMode), String> {
     let mode = <OrderMode as clap::ValueEnum>::from_str(mode, false)
         .map_err(|_| format!("unknown ordering {mode:?} for {aggregate_type:?} (partition or strict)"))?;
     Ok((aggregate_type.to_owned(), mode))
+}
+
+/// A replay rate in events per second: `N/s`, `N`, or `unlimited`.
+fn rate(s: &str) -> Result<f64, String> {
+    let s = s.trim();
+    if s == "unlimited" {
+        return Ok(f64::INFINITY);
+    }
+    let n = s.strip_suffix("/s").unwrap_or(s);
+    match n.trim().parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a rate (examples: 500/s, 2000, unlimited)")),
+    }
+}
+
+/// An instant: RFC 3339, or a duration before now (this machine's clock).
+fn instant(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    if let Ok(t) = chrono::DateTime::parse_from_rfc3339(s) {
+        return Ok(t.to_utc());
+    }
+    let ago = humantime::parse_duration(s).map_err(|_| {
+        format!("{s:?} is neither an RFC 3339 time (2026-12-05T00:00:00Z) nor a duration ago (24h)")
+    })?;
+    chrono::Duration::from_std(ago)
+        .ok()
+        .and_then(|ago| chrono::Utc::now().checked_sub_signed(ago))
+        .ok_or_else(|| format!("{s:?} is too far back"))
 }
 
 /// A lease timeout: ticks come every third of it, so below a second the

@@ -3,7 +3,7 @@
 //! | code | meaning |
 //! |---|---|
 //! | 0 | success, including a clean drain after SIGINT/SIGTERM |
-//! | 1 | runtime failure: PostgreSQL unreachable until `--connect-timeout`, a statement failed; `relay --drain` made a dead letter or stopped at an unavailable sink; a `dlq` selector matched nothing |
+//! | 1 | runtime failure: PostgreSQL unreachable until `--connect-timeout`, a statement failed; `relay --drain` made a dead letter or stopped at an unavailable sink; a `dlq` selector matched nothing; a replay's sink refused an event, or its job runs elsewhere |
 //! | 2 | usage or configuration: bad flag, URL, TLS file, identifier, duration, schema not migrated or too new; PostgreSQL refused the login, the database or the certificate; log tailing not possible (`wal_level`, `REPLICATION`, no slot) or its slot invalidated |
 //!
 //! Errors print as `error: …` followed by one `caused by: …` line per source,

@@ -18,6 +18,10 @@
 //! comment on the partition keeps it). A row inserted after the mark (an
 //! explicit `created_at` in the past) has a higher id and moves the mark.
 //! Days holding dead letters are kept, as always.
+//!
+//! A dropped day's published rows are counted into `<table>_removed` (per
+//! aggregate type, event type and hour) in the drop's transaction, so
+//! `outbox replay` can say how many matching events were gone.
 
 use std::time::Duration;
 
@@ -165,6 +169,12 @@ async fn drop_if_published(
                 }
             }
         }
+        // Replay says how many matching events a drop took (see
+        // `sql::ReplaySql`): recorded in the drop's transaction.
+        crate::sql::ReplaySql::new(config)?
+            .trace_dropped(&tx, &partition)
+            .await
+            .map_err(Error::pg("recording what a partition drop removes"))?;
         catalog::drop_partition(&tx, &table, &partition)
             .await
             .map_err(Error::pg("dropping a partition"))?;

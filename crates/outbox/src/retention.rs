@@ -4,7 +4,10 @@
 //! at any point without losing work already done.
 //!
 //! What it never deletes: an unpublished row or a dead letter (their
-//! `published_at` is NULL). Inbox records must outlive any redelivery of
+//! `published_at` is NULL). What it deletes leaves a trace: counts per
+//! aggregate type, event type and hour in `<table>_removed`, written by the
+//! same statement, which `outbox replay` reads to say how many matching
+//! events were no longer there. Inbox records must outlive any redelivery of
 //! their event; keep them longer than the longest outage you retry through.
 
 use std::time::Duration;

@@ -50,6 +50,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "lease_claims",
         template: include_str!("../migrations/outbox/0005_lease_claims.sql"),
     },
+    Migration {
+        version: 6,
+        name: "replays",
+        template: include_str!("../migrations/outbox/0006_replays.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -64,6 +69,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[2],
     OUTBOX_MIGRATIONS[3],
     OUTBOX_MIGRATIONS[4],
+    OUTBOX_MIGRATIONS[5],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -73,7 +79,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 5;
+pub const OUTBOX_VERSION: i32 = 6;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 
@@ -131,6 +137,8 @@ impl Target {
                 ("{relays}", config.companion("_relays")?),
                 ("{default_partition}", config.companion("_default")?),
                 ("{leases}", config.companion("_leases")?),
+                ("{replays}", config.companion("_replays")?),
+                ("{removed}", config.companion("_removed")?),
                 ("{tick_fn}", config.companion("_relay_tick")?),
                 ("{partitions}", config.partitions.to_string()),
                 // A string literal; identifiers cannot contain a quote.
@@ -355,7 +363,8 @@ mod tests {
                 for (placeholder, _) in &target.vars {
                     assert!(!sql.contains(placeholder), "{placeholder} in {sql}");
                 }
-                assert!(sql.contains("\"app\".\"events\""));
+                // The outbox or a companion of it (`events_replays`).
+                assert!(sql.contains("\"app\".\"events"), "{sql}");
                 if m.version == 1 {
                     assert!(sql.contains("('outbox_new')"));
                 }

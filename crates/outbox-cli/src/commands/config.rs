@@ -244,7 +244,7 @@ fn secret_name(name: &str) -> bool {
 
 /// A URL with its password, and any query parameter named like a secret,
 /// replaced.
-fn redact_url(value: &str) -> String {
+pub(crate) fn redact_url(value: &str) -> String {
     let Ok(mut url) = url::Url::parse(value) else {
         return unparsed(value);
     };

@@ -11,6 +11,7 @@ mod migrate;
 mod partitions;
 mod relay;
 mod relays;
+mod replay;
 mod stats;
 
 use anyhow::Context;
@@ -34,6 +35,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cleanup(args) => cleanup::run(g, args).await,
         Command::Consume(args) => consume::run(g, args).await,
         Command::Dlq(command) => dlq::run(g, command).await,
+        Command::Replay(args) => replay::run(g, args).await,
         Command::Partitions(command) => partitions::run(g, command).await,
         Command::Admin(args) => admin::run(g, args).await,
         Command::Demo(args) => demo::run(g, args).await,

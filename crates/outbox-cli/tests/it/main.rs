@@ -25,6 +25,7 @@ mod ordering;
 mod outage;
 mod partitions;
 mod relay;
+mod replay;
 mod retention;
 mod retry;
 mod routing;

@@ -14,6 +14,8 @@ pub(crate) mod catalog;
 #[cfg(feature = "tokio-postgres")]
 mod relay;
 #[cfg(feature = "tokio-postgres")]
+mod replay;
+#[cfg(feature = "tokio-postgres")]
 pub(crate) mod wal;
 
 #[cfg(feature = "tokio-postgres")]
@@ -28,6 +30,10 @@ pub use relay::{
     ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, Fence, LeaseClaim, LeaseMarks, MarkFailedParams,
     Partitions, RelayStatements, Strict, TickParams, TickRow, TickStatement, backend_identity,
     setup_batch_session,
+};
+#[cfg(feature = "tokio-postgres")]
+pub use replay::{
+    NewReplay, PageParams, Removed, ReplayFilter, ReplayJob, ReplaySql, ReplayState, SaveReplay,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use wal::{EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
@@ -449,12 +455,29 @@ pub(crate) const RETENTION_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('o
 /// short transaction of published rows older than the cutoff, walked by
 /// primary key so each batch starts where the last ended instead of
 /// rescanning. `published_at < $2` never matches an unpublished row or a
-/// dead letter (their `published_at` is NULL). Returns rows deleted and the
-/// last id.
+/// dead letter (their `published_at` is NULL). What it deleted goes into
+/// the trace replay reads (`TRACE_REMOVED`), in the same statement.
+/// Returns rows deleted and the last id.
 const DELETE_PUBLISHED: &str = "WITH batch AS ( \
         SELECT id FROM {t} WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3), \
-     gone AS (DELETE FROM {t} AS o USING batch WHERE o.id = batch.id RETURNING o.id) \
+     gone AS (DELETE FROM {t} AS o USING batch WHERE o.id = batch.id \
+        RETURNING o.id, o.aggregate_type, o.event_type, o.created_at), \
+     traced AS ({trace}) \
      SELECT count(*), coalesce(max(id), $1) FROM gone";
+
+/// What published rows retention removed (`gone`: their id, aggregate
+/// type, event type, created at) add to `<table>_removed`: one upsert per
+/// aggregate type, event type and UTC hour of created_at, so `outbox
+/// replay` can say how many matching events were no longer there.
+/// Buckets are upserted in key order, so two cleanups running at once (a
+/// relay's `--retention` and `outbox cleanup`) lock them in the same order
+/// and wait for each other rather than deadlock.
+pub(crate) const TRACE_REMOVED: &str = "INSERT INTO {removed} AS r (aggregate_type, event_type, hour, removed, min_id, max_id) \
+        SELECT aggregate_type, event_type, date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
+               count(*), min(id), max(id) FROM gone GROUP BY 1, 2, 3 ORDER BY 1, 2, 3 \
+     ON CONFLICT (aggregate_type, event_type, hour) DO UPDATE \
+        SET removed = r.removed + EXCLUDED.removed, min_id = least(r.min_id, EXCLUDED.min_id), \
+            max_id = greatest(r.max_id, EXCLUDED.max_id), last_removed_at = clock_timestamp()";
 
 /// `$1` cutoff, `$2` batch size. Oldest processed events first, through the
 /// `processed_at` index. Returns rows deleted.
@@ -577,10 +600,11 @@ impl OutboxSql {
         // Companion names are validated by the migration that creates them;
         // a table name too long for them fails the schema check first.
         let companion = |suffix: &str| format!("{}.\"{}{suffix}\"", config.schema.quoted(), config.table);
-        let (leases, relays, tick_fn) = (
+        let (leases, relays, tick_fn, removed) = (
             companion("_leases"),
             companion("_relays"),
             companion("_relay_tick"),
+            companion("_removed"),
         );
         let render = |template: &str| {
             template
@@ -592,6 +616,8 @@ impl OutboxSql {
                 .replace("{leases}", &leases)
                 .replace("{relays}", &relays)
                 .replace("{tick_fn}", &tick_fn)
+                .replace("{trace}", TRACE_REMOVED)
+                .replace("{removed}", &removed)
                 .replace("{dead}", DEAD_FILTER)
                 .replace("{detail}", DETAIL_COLUMNS)
                 .replace("{cols}", ROW_COLUMNS)
