@@ -98,14 +98,29 @@ impl LeaseSettings {
     }
 }
 
-/// The running lease task and what it shares with the relay loop.
+/// The running lease task and what it shares with one relay loop (a lane:
+/// a relay whose routes differ in `claim` runs a loop per claim mode, all
+/// under one relay id and one set of partitions).
 pub(crate) struct Leases {
     relay_id: Uuid,
     view: watch::Receiver<Arc<LeaseView>>,
+    /// This lane's wake-up, and its index among the lanes.
     wake: Arc<Notify>,
-    backends: Arc<Mutex<Backends>>,
+    lane: usize,
+    lanes: Arc<Mutex<Vec<LaneSlot>>>,
+    task: Arc<Task>,
+}
+
+/// What the task keeps per lane: its wake-up and batch connections.
+struct LaneSlot {
+    wake: Arc<Notify>,
+    backends: Backends,
+}
+
+/// The task, stopped by the last lane to leave.
+struct Task {
     stop: CancellationToken,
-    task: JoinHandle<()>,
+    handle: JoinHandle<()>,
 }
 
 impl Leases {
@@ -113,26 +128,46 @@ impl Leases {
     pub(crate) fn start(settings: LeaseSettings, sql: &OutboxSql) -> Self {
         let (tx, view) = watch::channel(Arc::new(LeaseView::default()));
         let wake = Arc::new(Notify::new());
-        let backends = Arc::new(Mutex::new(Backends::new()));
+        let lanes = Arc::new(Mutex::new(vec![LaneSlot {
+            wake: Arc::clone(&wake),
+            backends: Backends::new(),
+        }]));
         let stop = CancellationToken::new();
         let ticker = Ticker {
             relay_id: settings.relay_id,
             settings,
             sql: sql.clone(),
             view: tx,
-            wake: Arc::clone(&wake),
-            backends: Arc::clone(&backends),
+            lanes: Arc::clone(&lanes),
             held: metrics::gauge!(crate::metric::PARTITIONS_HELD),
         };
         let relay_id = ticker.relay_id;
-        let task = tokio::spawn(ticker.run(stop.clone()));
+        let handle = tokio::spawn(ticker.run(stop.clone()));
         Self {
             relay_id,
             view,
             wake,
-            backends,
-            stop,
-            task,
+            lane: 0,
+            lanes,
+            task: Arc::new(Task { stop, handle }),
+        }
+    }
+
+    /// Another lane on the same leases: its own wake-up and connections.
+    pub(crate) fn lane(&self) -> Self {
+        let wake = Arc::new(Notify::new());
+        let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        lanes.push(LaneSlot {
+            wake: Arc::clone(&wake),
+            backends: Backends::new(),
+        });
+        Self {
+            relay_id: self.relay_id,
+            view: self.view.clone(),
+            wake,
+            lane: lanes.len() - 1,
+            lanes: Arc::clone(&self.lanes),
+            task: Arc::clone(&self.task),
         }
     }
 
@@ -146,9 +181,9 @@ impl Leases {
         Arc::clone(&self.view.borrow())
     }
 
-    /// Records the relay's batch connections for the next tick.
+    /// Records the lane's batch connections for the next tick.
     pub(crate) fn set_backends(&self, backends: Backends) {
-        *self.backends.lock().unwrap_or_else(|e| e.into_inner()) = backends;
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner())[self.lane].backends = backends;
     }
 
     /// Whether the other relays may already have declared this one dead, so
@@ -186,12 +221,16 @@ impl Leases {
         self.wake.notified().await;
     }
 
-    /// Stops ticking and hands every partition back, so the others take them
-    /// at their next tick instead of waiting for the heartbeat to expire.
-    /// Call after the last batch committed.
+    /// Once the last lane left: stops ticking and hands every partition
+    /// back, so the others take them at their next tick instead of waiting
+    /// for the heartbeat to expire. Call after the lane's last batch
+    /// committed.
     pub(crate) async fn leave(self) {
-        self.stop.cancel();
-        if let Err(error) = self.task.await {
+        let Some(task) = Arc::into_inner(self.task) else {
+            return;
+        };
+        task.stop.cancel();
+        if let Err(error) = task.handle.await {
             warn!(%error, "lease task failed");
         }
     }
@@ -203,8 +242,7 @@ struct Ticker {
     settings: LeaseSettings,
     sql: OutboxSql,
     view: watch::Sender<Arc<LeaseView>>,
-    wake: Arc<Notify>,
-    backends: Arc<Mutex<Backends>>,
+    lanes: Arc<Mutex<Vec<LaneSlot>>>,
     held: metrics::Gauge,
 }
 
@@ -264,11 +302,11 @@ impl Ticker {
 
     async fn tick(&self, c: &Client, tick: &TickStatement) -> Result<(), tokio_postgres::Error> {
         let (pids, starts): (Vec<i32>, Vec<DateTime<Utc>>) = self
-            .backends
+            .lanes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .copied()
+            .flat_map(|l| l.backends.iter().copied())
             .unzip();
         let sent = Instant::now();
         let rows = tick
@@ -331,7 +369,9 @@ impl Ticker {
         // The first tick always wakes the relay: a `--drain` relay that got
         // no partition learns that it has nothing to do.
         if due || gained || previous.count == 0 {
-            self.wake.notify_one();
+            for lane in self.lanes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                lane.wake.notify_one();
+            }
         }
         Ok(())
     }

@@ -54,6 +54,9 @@ pub const WAL_LAG: &str = "outbox_wal_lag_bytes";
 pub const WAL_WINDOW: &str = "outbox_wal_window_events";
 /// 1 while the relay delivers (after READY, until it stopped).
 pub const RELAY_UP: &str = "outbox_relay_up";
+/// Counter: rows whose lease claim expired and was taken by another relay
+/// before this one marked them (`--claim lease`).
+pub const CLAIMS_LOST: &str = "outbox_claims_lost_total";
 /// Always 1, labelled with the `version`.
 pub const BUILD_INFO: &str = "outbox_build_info";
 
@@ -64,6 +67,10 @@ pub const HISTOGRAMS: [&str; 4] = [BATCH_SIZE, BATCH_DURATION, SINK_REQUEST_DURA
 /// recorder. Call once, after installing it.
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        CLAIMS_LOST,
+        "Rows a lease claim lost before its mark: the claim expired and another relay took them, so they were delivered twice."
+    );
     describe_counter!(
         EVENTS_DELIVERED,
         "Events marked published, per aggregate type and sink."

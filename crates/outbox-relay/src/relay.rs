@@ -55,7 +55,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::breaker::{Breaker, CircuitState, Probed};
-use crate::config::SourceKind;
+use crate::config::{ClaimMode, SourceKind};
 pub use crate::config::{OrderMode, RelayConfig};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
@@ -63,9 +63,10 @@ use crate::metric::{BatchMetrics, DeliveryMetrics};
 use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Plan};
 use crate::sink::{Delivery, DeliveryError, Sink};
-use crate::source::poll::PollSource;
+use crate::source::poll::{self, Lane, PollSource};
 use crate::source::wal::WalSource;
 use crate::source::{Claim, Source, SourceError};
+use outbox::sql::ClaimSpec;
 
 /// How a cycle ended.
 enum Step {
@@ -87,6 +88,16 @@ pub struct Relay {
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
     metrics: DeliveryMetrics,
+    /// Further lanes (see [`Relay::with_lane`]).
+    lanes: Vec<ExtraLane>,
+}
+
+/// A lane besides the relay's own: a sink, how it claims, and the
+/// aggregate types it takes.
+struct ExtraLane {
+    sink: Arc<dyn Sink>,
+    claim: ClaimMode,
+    types: Vec<String>,
 }
 
 impl Relay {
@@ -105,7 +116,21 @@ impl Relay {
             sink,
             counters: Arc::default(),
             config,
+            lanes: Vec::new(),
         }
+    }
+
+    /// Delivers the aggregate types `types` to `sink`, claimed as `claim`
+    /// says, in a loop of their own beside the relay's: for routes whose
+    /// claim mode differs from the relay's (a slow HTTP route on leases, the
+    /// others locked), so a slow route's batches neither hold a transaction
+    /// open nor wait with the others'. The relay's own sink takes every
+    /// type no lane names. The lanes share the relay's partition leases and
+    /// counters. The polling source only: the WAL source has no claim.
+    #[must_use]
+    pub fn with_lane(mut self, sink: Arc<dyn Sink>, claim: ClaimMode, types: Vec<String>) -> Self {
+        self.lanes.push(ExtraLane { sink, claim, types });
+        self
     }
 
     /// Totals shared with the running relay.
@@ -121,30 +146,7 @@ impl Relay {
         let counters = Arc::clone(&self.counters);
         let batch_metrics = BatchMetrics::new(self.sink.name());
         match self.config.source {
-            SourceKind::Poll => {
-                let source = PollSource::open(
-                    self.config.clone(),
-                    self.pg.clone(),
-                    counters,
-                    batch_metrics,
-                    &cancel,
-                );
-                let Some(source) = source.await? else {
-                    return Ok(());
-                };
-                info!(
-                    table = %self.config.outbox.display_name(),
-                    sink = self.sink.name(),
-                    batch_size = self.config.batch_size,
-                    notify = self.config.notify,
-                    ordering = %self.config.ordering,
-                    ordering_for = %self.config.ordering_for_display(),
-                    // A bare UUID, and no field at all under `--ordering none`.
-                    relay_id = source.relay_id().map(tracing::field::display),
-                    "relay ready"
-                );
-                self.drive(source, cancel).await
-            }
+            SourceKind::Poll => self.run_lanes(cancel).await,
             SourceKind::Wal => {
                 let source = WalSource::open(
                     self.config.clone(),
@@ -168,6 +170,93 @@ impl Relay {
                 self.drive(source, cancel).await
             }
         }
+    }
+
+    /// The polling source's loops, one per lane, on shared partition leases;
+    /// the first to fail stops the others.
+    async fn run_lanes(mut self, cancel: CancellationToken) -> Result<(), RelayError> {
+        let leases = poll::start_leases(&self.config, &self.pg);
+        let owner = leases.as_ref().map_or_else(uuid::Uuid::new_v4, |l| l.relay_id());
+        let extra = std::mem::take(&mut self.lanes);
+        let taken: Vec<String> = extra.iter().flat_map(|l| l.types.iter().cloned()).collect();
+        let mut loops = Vec::with_capacity(extra.len() + 1);
+        for lane in extra {
+            let relay = Relay {
+                config: RelayConfig {
+                    claim: lane.claim,
+                    ..self.config.clone()
+                },
+                pg: self.pg.clone(),
+                metrics: DeliveryMetrics::new(lane.sink.name()),
+                sink: lane.sink,
+                counters: Arc::clone(&self.counters),
+                lanes: Vec::new(),
+            };
+            let lane = Lane {
+                spec: ClaimSpec {
+                    lease: lane.claim == ClaimMode::Lease,
+                    types: Some(true),
+                },
+                types: lane.types,
+                leases: leases.as_ref().map(|l| l.lane()),
+                owner,
+            };
+            loops.push((relay, lane));
+        }
+        let own = Lane {
+            spec: ClaimSpec {
+                lease: self.config.claim == ClaimMode::Lease,
+                types: (!taken.is_empty()).then_some(false),
+            },
+            types: taken,
+            leases,
+            owner,
+        };
+        loops.insert(0, (self, own));
+        let stop = cancel.child_token();
+        let runs = loops.into_iter().map(|(relay, lane)| {
+            let stop = stop.clone();
+            async move {
+                let result = relay.run_lane(lane, stop.clone()).await;
+                if result.is_err() {
+                    stop.cancel();
+                }
+                result
+            }
+        });
+        futures::future::join_all(runs).await.into_iter().collect()
+    }
+
+    /// One lane of the polling source: opens it, then the loop.
+    async fn run_lane(self, lane: Lane, cancel: CancellationToken) -> Result<(), RelayError> {
+        let batch_metrics = BatchMetrics::new(self.sink.name());
+        let (claim, types) = (self.config.claim, lane.types.clone());
+        let source = PollSource::open(
+            self.config.clone(),
+            self.pg.clone(),
+            Arc::clone(&self.counters),
+            batch_metrics,
+            lane,
+            &cancel,
+        );
+        let Some(source) = source.await? else {
+            return Ok(());
+        };
+        info!(
+            table = %self.config.outbox.display_name(),
+            sink = self.sink.name(),
+            batch_size = self.config.batch_size,
+            notify = self.config.notify,
+            ordering = %self.config.ordering,
+            ordering_for = %self.config.ordering_for_display(),
+            claim = %claim,
+            // No field at all unless the relay has lanes.
+            types = (!types.is_empty()).then(|| types.join(",")),
+            // A bare UUID, and no field at all under `--ordering none`.
+            relay_id = source.relay_id().map(tracing::field::display),
+            "relay ready"
+        );
+        self.drive(source, cancel).await
     }
 
     /// The loop over cycles, from READY until shutdown.

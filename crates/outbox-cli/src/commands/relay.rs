@@ -6,10 +6,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backlog, Backoff, Counters, Failpoint, Relay, RelayConfig, WalSettings};
+use outbox_relay::{Backlog, Backoff, Counters, Failpoint, Relay, RelayConfig, SourceKind, WalSettings};
 
 use crate::cli::{Global, RelayArgs};
-use crate::config::{ConfigFile, Layered};
+use crate::config::{ConfigFile, Layered, OtherLane};
 use crate::endpoint::Endpoint;
 use crate::exit::ConfigError;
 
@@ -23,6 +23,8 @@ pub(crate) struct Prepared {
     /// None when no sink was given: `outbox config show` says so, the relay
     /// refuses to start.
     sink: Option<Box<dyn outbox_relay::Sink>>,
+    /// Routes claimed the other way (`claim` in their table).
+    lane: Option<OtherLane>,
     retention: Option<outbox_relay::Retention>,
 }
 
@@ -39,6 +41,7 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let Prepared {
         config,
         sink,
+        lane,
         retention,
     } = prepare(&g, args, file)?;
     let sink = sink.ok_or_else(|| {
@@ -60,7 +63,10 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         None => None,
     };
     let drain = config.drain;
-    let relay = Relay::new(pg, Arc::from(sink), config);
+    let mut relay = Relay::new(pg, Arc::from(sink), config);
+    if let Some(lane) = lane {
+        relay = relay.with_lane(Arc::new(lane.router), lane.claim, lane.types);
+    }
     let counters = relay.counters();
     let result = relay.run(cancel.clone()).await.context("running the relay");
     cancel.cancel();
@@ -98,8 +104,16 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         ordering_for.retain(|(t, _)| *t != aggregate_type);
         ordering_for.push((aggregate_type, mode));
     }
+    let mut claim = args.claim;
+    let mut lane = None;
     let sink: Option<Box<dyn outbox_relay::Sink>> = match &args.sink {
-        _ if file.routes() => Some(Box::new(file.router(args.sink.as_deref(), &options)?)),
+        _ if file.routes() => {
+            let split = args.source == SourceKind::Poll;
+            let (router, own, other) = file.lanes(args.sink.as_deref(), &options, claim, split)?;
+            claim = own;
+            lane = other;
+            Some(Box::new(router))
+        }
         Some(url) => Some(outbox_relay::sink::from_url(url, &options)?),
         None => None,
     };
@@ -136,7 +150,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
             cleanup: args.wal_cleanup,
             retained_warn: args.wal_retained_warn,
         },
-        claim: args.claim,
+        claim,
         claim_timeout: args.claim_timeout,
     };
     let retention = args.retention.map(|keep| outbox_relay::Retention {
@@ -146,6 +160,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
     Ok(Prepared {
         config,
         sink,
+        lane,
         retention,
     })
 }

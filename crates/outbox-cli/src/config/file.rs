@@ -95,6 +95,9 @@ pub(super) struct SinkTable {
     pub(super) cloudevents_mode: Option<String>,
     pub(super) cloudevents_source: Option<String>,
     pub(super) http_timeout: Option<String>,
+    /// How the route's batches are claimed (`lock` or `lease`), over
+    /// `--claim`.
+    pub(super) claim: Option<String>,
     /// The [`PerSinkOptions`] keys the table sets.
     pub(super) per_sink: serde_json::Map<String, serde_json::Value>,
     /// Where each key the table sets stands in the file.
@@ -102,11 +105,12 @@ pub(super) struct SinkTable {
 }
 
 /// The keys of a sink table other than [`PerSinkOptions`]'s.
-const SHARED_KEYS: [&str; 5] = [
+const SHARED_KEYS: [&str; 6] = [
     "sink",
     "format",
     "cloudevents_mode",
     "cloudevents_source",
+    "claim",
     "http_timeout",
 ];
 
@@ -247,6 +251,7 @@ impl<'de> Visitor<'de> for TableVisitor {
             cloudevents_mode: None,
             cloudevents_source: None,
             http_timeout: None,
+            claim: None,
             per_sink: serde_json::Map::new(),
             spans: BTreeMap::new(),
         };
@@ -262,6 +267,7 @@ impl<'de> Visitor<'de> for TableVisitor {
                 "cloudevents_mode" => table.cloudevents_mode = string(&mut map)?,
                 "cloudevents_source" => table.cloudevents_source = string(&mut map)?,
                 "http_timeout" => table.http_timeout = string(&mut map)?,
+                "claim" => table.claim = string(&mut map)?,
                 own => {
                     let value = map.next_value_seed(Own(own))?;
                     table.spans.insert(own, value.span());
@@ -411,6 +417,7 @@ impl SinkTable {
             ("cloudevents_mode", self.cloudevents_mode.as_ref()),
             ("cloudevents_source", self.cloudevents_source.as_ref()),
             ("http_timeout", self.http_timeout.as_ref()),
+            ("claim", self.claim.as_ref()),
         ];
         table_keys()
             .iter()

@@ -40,7 +40,7 @@
 //! |---|---|
 //! | `file.rs` | the file's shape, its keys, reading it, `path:line` |
 //! | `layered.rs` | the file under flags and environment, each setting's [`Source`] |
-//! | `router.rs` | the sink tables over the flags' options, the router |
+//! | `router.rs` | the sink tables over the flags' options, the routers (split by claim mode) |
 
 mod file;
 mod layered;
@@ -48,3 +48,4 @@ mod router;
 
 pub(crate) use file::{ConfigFile, setting_keys, table_keys};
 pub(crate) use layered::{Layered, Source};
+pub(crate) use router::OtherLane;

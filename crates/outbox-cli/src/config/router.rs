@@ -12,13 +12,85 @@ use std::time::Duration;
 use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
 use outbox_relay::sink::router::Router;
 use outbox_relay::sink::{self, Sink};
-use outbox_relay::{PerSinkOptions, SinkOptions};
+use outbox_relay::{ClaimMode, PerSinkOptions, SinkOptions};
 use serde::Deserialize;
 
 use super::file::{RelayFile, SinkTable};
 use crate::exit::ConfigError;
 
+/// Routes whose `claim` differs from the default route's: their own
+/// router, their claim mode, and the aggregate types they take.
+pub(crate) struct OtherLane {
+    pub(crate) router: Router,
+    pub(crate) claim: ClaimMode,
+    pub(crate) types: Vec<String>,
+}
+
 impl RelayFile {
+    /// The routers the file describes, split by claim mode: the default
+    /// route with every route claimed as it is (`claim`, the effective
+    /// `--claim`, unless its table sets its own), and the routes claimed
+    /// the other way, if any. With `split` false (the WAL source, which
+    /// has no claim) everything goes in the first.
+    pub(crate) fn lanes(
+        mut self,
+        sink: Option<&str>,
+        flags: &SinkOptions,
+        claim: ClaimMode,
+        split: bool,
+    ) -> anyhow::Result<(Router, ClaimMode, Option<OtherLane>)> {
+        let mode = |name: &str, table: &SinkTable| -> Result<ClaimMode, ConfigError> {
+            match table.claim.as_deref() {
+                None => Ok(claim),
+                Some("lock") => Ok(ClaimMode::Lock),
+                Some("lease") => Ok(ClaimMode::Lease),
+                Some(other) => Err(ConfigError(format!(
+                    "--config {name} claim = {other:?}: expected \"lock\" or \"lease\""
+                ))),
+            }
+        };
+        let own = match &self.default {
+            Some(table) => mode("[default]", table)?,
+            None => claim,
+        };
+        let mut other: Vec<(String, SinkTable)> = Vec::new();
+        for (aggregate_type, table) in std::mem::take(&mut self.routes) {
+            let route_mode = mode(&format!("[routes.{aggregate_type}]"), &table)?;
+            if split && route_mode != own {
+                other.push((aggregate_type, table));
+            } else {
+                self.routes.insert(aggregate_type, table);
+            }
+        }
+        let first = self.router(sink, flags)?;
+        let types: Vec<String> = other.iter().map(|(t, _)| t.clone()).collect();
+        let mut tables = other.into_iter();
+        let Some((first_type, first_table)) = tables.next() else {
+            return Ok((first, own, None));
+        };
+        // The lane claims only its own types, so its first route's sink can
+        // stand as the router's default.
+        let name = |t: &str| format!("[routes.{t}]");
+        let mut router = Router::new(first_table.build(&name(&first_type), flags)?);
+        for (aggregate_type, table) in tables {
+            let sink = table.build(&name(&aggregate_type), flags)?;
+            router = router.route(aggregate_type, sink);
+        }
+        let other_mode = match own {
+            ClaimMode::Lock => ClaimMode::Lease,
+            ClaimMode::Lease => ClaimMode::Lock,
+        };
+        Ok((
+            first,
+            own,
+            Some(OtherLane {
+                router,
+                claim: other_mode,
+                types,
+            }),
+        ))
+    }
+
     /// The router the file describes. `sink` (the effective `--sink`) is
     /// the default route when there is no `[default]`; `flags` are the
     /// options of keys a table leaves out.

@@ -166,6 +166,8 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
 async fn explain_ours(lab: &mut Scratch) -> anyhow::Result<Explained> {
     let defaults = outbox_relay::RelayConfig::default();
     let claim = outbox::sql::ClaimParams {
+        types: &[],
+        lease: None,
         limit: i64::from(defaults.batch_size),
         max_bytes: i64::try_from(defaults.batch_max_bytes)?,
         scope: outbox::sql::ClaimScope::All,

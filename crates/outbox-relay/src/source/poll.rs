@@ -18,6 +18,17 @@
 //! A batch claimed during the previous one's delivery may hold later events
 //! of aggregates that batch failed, which is why [`Batch::overlapped`] tells
 //! the relay to hold them back.
+//!
+//! # Lease claims
+//!
+//! With `--claim lease` the same pipeline runs without transactions: the
+//! claim writes a deadline on its rows and commits at once (it is its own
+//! statement), and the marks of a settled batch are one statement that
+//! checks the claim is still this relay's ([`Fence`]). So no transaction,
+//! and no snapshot, is open while a batch is at the sink. The batch is
+//! vouched for until its deadline rather than by the partition lease: a
+//! partition may move meanwhile, and the claim's probe keeps the new owner
+//! behind this relay's claims (`CLAIM_PROBE` in `outbox::sql`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,7 +37,8 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use outbox::sql::{
-    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, OutboxSql, Partitions, RelayStatements, Strict,
+    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, Fence, LeaseClaim, LeaseMarks, MarkFailedParams,
+    OutboxSql, Partitions, RelayStatements, Strict,
 };
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -63,6 +75,17 @@ struct Claimed {
     rows: ClaimedRows,
     /// The lease epoch it was claimed in (0 without leases).
     epoch: u64,
+    /// When its claim was sent: a lease claim's deadline counts from here.
+    sent: Instant,
+}
+
+/// A lease claim in flight: its fence, its rows, and the local instant
+/// by which it must be marked (before the server's deadline: the claim
+/// was written after it was sent).
+struct Held {
+    fence: Fence,
+    ids: Vec<i64>,
+    deadline: Instant,
 }
 
 /// The batch at the sink.
@@ -71,6 +94,7 @@ struct AtSink {
     epoch: u64,
     rows: usize,
     started: Instant,
+    held: Option<Held>,
 }
 
 /// A batch whose outcomes are known, waiting for its marks and COMMIT.
@@ -81,6 +105,17 @@ struct Settled {
     failures: Failures,
     tallies: Vec<Tally>,
     started: Instant,
+    held: Option<Held>,
+}
+
+/// How a source claims: the statements' rendering, the types it takes or
+/// leaves, the partition leases it shares (if the ordering takes any) and
+/// the id a lease claim is written under.
+pub(crate) struct Lane {
+    pub(crate) spec: ClaimSpec,
+    pub(crate) types: Vec<String>,
+    pub(crate) leases: Option<Leases>,
+    pub(crate) owner: Uuid,
 }
 
 /// The batches in flight across the two connections (see the module docs
@@ -120,6 +155,11 @@ pub(crate) struct PollSource {
     default_strict: bool,
     /// `OUTBOX_BATCH=committed` was sent (for the first batch only).
     signalled_batch: bool,
+    /// What the claims take and how.
+    spec: ClaimSpec,
+    types: Vec<String>,
+    owner: Uuid,
+    claims_lost: metrics::Counter,
 }
 
 impl PollSource {
@@ -130,9 +170,10 @@ impl PollSource {
         pg: PgConfig,
         counters: Arc<Counters>,
         metrics: BatchMetrics,
+        lane: Lane,
         cancel: &CancellationToken,
     ) -> Result<Option<Self>, RelayError> {
-        let sql = OutboxSql::new(&config.outbox);
+        let sql = OutboxSql::with_claims(&config.outbox, lane.spec);
         let exceptions = config
             .ordering_for
             .iter()
@@ -152,11 +193,18 @@ impl PollSource {
             pipeline: Pipeline::default(),
             earliest_retry: None,
             leases: None,
+            spec: lane.spec,
+            types: lane.types,
+            owner: lane.owner,
+            claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST),
         };
         let Some(sessions) = source.connect_at_startup(cancel).await? else {
+            if let Some(leases) = lane.leases {
+                leases.leave().await;
+            }
             return Ok(None);
         };
-        source.start_leases();
+        source.leases = lane.leases;
         source.use_sessions(sessions);
         Ok(Some(source))
     }
@@ -166,25 +214,10 @@ impl PollSource {
         self.leases.as_ref().map(Leases::relay_id)
     }
 
-    fn start_leases(&mut self) {
-        if self.config.ordering == OrderMode::None {
-            return;
-        }
-        health::global().takes_leases();
-        let mut pg = self.pg.clone();
-        pg.postgres_mut().application_name("outbox-relay lease");
-        let settings = LeaseSettings {
-            pg,
-            relay_id: Uuid::new_v4(),
-            name: self.config.name.clone().unwrap_or_else(default_name),
-            timeout: self.config.lease_timeout,
-            poll: self.config.poll_interval,
-        };
-        self.leases = Some(Leases::start(settings, &self.sql));
-    }
-
     fn use_sessions(&mut self, sessions: Sessions) {
-        if let Some(leases) = &self.leases {
+        // A lease claim holds no lock across delivery: nothing for another
+        // relay to terminate if this one is declared dead.
+        if let Some(leases) = self.leases.as_ref().filter(|_| !self.spec.lease) {
             leases.set_backends(sessions.iter().map(|s| s.backend).collect());
         }
         health::global().postgres(None);
@@ -285,6 +318,11 @@ impl PollSource {
         let client = &s.client;
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
+            types: &self.types,
+            lease: self.spec.lease.then(|| LeaseClaim {
+                owner: self.owner,
+                timeout_ms: self.config.claim_timeout.as_secs_f64() * 1000.0,
+            }),
             limit: i64::from(self.config.batch_size),
             max_bytes: i64::try_from(self.config.batch_max_bytes).unwrap_or(i64::MAX),
             scope: match &lease {
@@ -306,6 +344,15 @@ impl PollSource {
             && lease
                 .as_ref()
                 .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid());
+        if self.spec.lease {
+            let (marked, claimed) = tokio::join!(self.mark_leased(s, settled), async {
+                if claim {
+                    return s.statements.claim(client, &params).await.map(Some);
+                }
+                Ok(None)
+            });
+            return Ok((marked?, claimed?));
+        }
         let failures = settled.as_ref().map(|d| &d.failures);
         let (failed, committed, begun, claimed) = tokio::join!(
             async {
@@ -346,6 +393,82 @@ impl PollSource {
         committed?;
         begun?;
         Ok((settled, claimed?))
+    }
+
+    /// A lease claim's marks, in one statement that is its own transaction
+    /// (`MARK_LEASED`). Rows it finds taken by another relay (this claim
+    /// expired) are left to that relay and counted.
+    async fn mark_leased(
+        &self,
+        s: &Session,
+        settled: Option<Settled>,
+    ) -> Result<Option<Settled>, SourceError> {
+        let Some(mut d) = settled else {
+            return Ok(None);
+        };
+        let Some(held) = &d.held else {
+            return Ok(Some(d));
+        };
+        let f = &d.failures;
+        let delivered: Vec<i64> = if f.ids.is_empty() {
+            held.ids.clone()
+        } else {
+            let failed: std::collections::HashSet<i64> = f.ids.iter().copied().collect();
+            held.ids
+                .iter()
+                .copied()
+                .filter(|id| !failed.contains(id))
+                .collect()
+        };
+        let marks = LeaseMarks {
+            failed: MarkFailedParams {
+                ids: &f.ids,
+                errors: &f.errors,
+                attempts: &f.attempts,
+                delay_ms: &f.delay_ms,
+                dead: &f.dead_letter,
+            },
+            delivered: &delivered,
+            fence: held.fence,
+        };
+        let (published, failed) = s.statements.mark_leased(&s.client, &marks).await?;
+        let lost = (held.ids.len() as u64).saturating_sub(published + failed);
+        if lost > 0 {
+            self.claims_lost.increment(lost);
+            warn!(
+                lost,
+                claimed = held.ids.len(),
+                timeout_ms = self.config.claim_timeout.as_millis() as u64,
+                "the claim expired before its mark and another relay took these rows: they were delivered twice (raise --claim-timeout above the slowest batch)"
+            );
+        }
+        d.published = usize::try_from(published).unwrap_or(usize::MAX);
+        Ok(Some(d))
+    }
+
+    /// Gives a lease claim back unsent, due again now; a lock claim is
+    /// given back by its connection's ROLLBACK instead.
+    async fn release(&self, conn: usize, held: Option<&Held>) -> Result<(), SourceError> {
+        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+        let s = &ss[conn];
+        match held {
+            Some(h) => {
+                s.statements.release_leased(&s.client, &h.ids, h.fence).await?;
+            }
+            None if self.spec.lease => {}
+            None => s.client.batch_execute("ROLLBACK").await?,
+        }
+        Ok(())
+    }
+
+    /// Gives back a batch claimed ahead, not handed out.
+    async fn release_claimed(&self, claimed: &Claimed) -> Result<(), SourceError> {
+        let held = claimed.rows.fence.map(|fence| Held {
+            fence,
+            ids: claimed.rows.rows.iter().map(|r| r.id).collect(),
+            deadline: claimed.sent,
+        });
+        self.release(claimed.conn, held.as_ref()).await
     }
 
     /// Books a committed batch: counters, the retry wake-up, a debug line.
@@ -505,12 +628,28 @@ impl PollSource {
     }
 
     /// Hands a claimed batch to the relay.
-    fn hand_out(&mut self, conn: usize, claimed: ClaimedRows, epoch: u64, overlapped: bool) -> Claim {
+    fn hand_out(
+        &mut self,
+        conn: usize,
+        claimed: ClaimedRows,
+        epoch: u64,
+        sent: Instant,
+        overlapped: bool,
+    ) -> Claim {
         let ClaimedRows {
             rows,
             unreadable,
             cut,
+            fence,
         } = claimed;
+        // Stops vouching a little before the server's deadline, so this
+        // relay is done with the batch before another may claim it.
+        let timeout = self.config.claim_timeout;
+        let held = fence.map(|fence| Held {
+            fence,
+            ids: rows.iter().map(|r| r.id).collect(),
+            deadline: sent + timeout - (timeout / 10).min(Duration::from_secs(1)),
+        });
         // A cut batch is not `full`: nothing is claimed while it is at the
         // sink (its connection holds locks on rows past the cut), but the
         // next claim follows its commit at once.
@@ -521,6 +660,7 @@ impl PollSource {
             epoch,
             rows: rows.len(),
             started: Instant::now(),
+            held,
         });
         Claim::Batch(Batch {
             rows: rows.into(),
@@ -537,7 +677,7 @@ impl Source for PollSource {
             return Ok(Claim::Cancelled);
         }
         if let Some(c) = self.pipeline.prefetched.take() {
-            return Ok(self.hand_out(c.conn, c.rows, c.epoch, true));
+            return Ok(self.hand_out(c.conn, c.rows, c.epoch, c.sent, true));
         }
         self.commit_settled().await?;
         if self.pipeline.idle && !self.wait(cancel).await? {
@@ -548,12 +688,13 @@ impl Source for PollSource {
             return Err(SourceError::ConnectionLost);
         }
         let epoch = self.lease_epoch();
+        let sent = Instant::now();
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
         let (_, rows) = self.round_trip(&ss[0], None, true).await?;
         let claimed = rows.is_some();
         let rows = rows.unwrap_or_default();
         if rows.rows.is_empty() {
-            if claimed {
+            if claimed && !self.spec.lease {
                 ss[0].client.batch_execute("COMMIT").await?;
             }
             if self.config.drain && (claimed || self.holds_nothing()) {
@@ -562,10 +703,14 @@ impl Source for PollSource {
             self.pipeline.idle = true;
             return Ok(Claim::Empty);
         }
-        Ok(self.hand_out(0, rows, epoch, false))
+        Ok(self.hand_out(0, rows, epoch, sent, false))
     }
 
     fn may_deliver(&self) -> bool {
+        if let Some(held) = self.pipeline.at_sink.as_ref().and_then(|a| a.held.as_ref()) {
+            // A lease claim is its own warrant, whatever the partitions do.
+            return Instant::now() < held.deadline;
+        }
         let epoch = self.pipeline.at_sink.as_ref().map_or(0, |a| a.epoch);
         // Claimed before the heartbeat lapsed: another relay may own these
         // rows now.
@@ -583,12 +728,13 @@ impl Source for PollSource {
             "lease expired before delivery; giving the batch back"
         );
         self.pipeline.idle = true;
-        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        ss[at_sink.conn].client.batch_execute("ROLLBACK").await?;
-        Ok(())
+        self.release(at_sink.conn, at_sink.held.as_ref()).await
     }
 
     fn lapse(&self) -> BoxFuture<'static, ()> {
+        if let Some(held) = self.pipeline.at_sink.as_ref().and_then(|a| a.held.as_ref()) {
+            return tokio::time::sleep_until(held.deadline.into()).boxed();
+        }
         match &self.leases {
             Some(leases) => leases.lapse().boxed(),
             None => std::future::pending().boxed(),
@@ -606,19 +752,23 @@ impl Source for PollSource {
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
         // Notifications up to here are covered by the next claim.
         let chain = full && ss[0].wakeups.drain();
+        let sent = Instant::now();
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
         let (done, next) = self.round_trip(&ss[other], settled, chain).await?;
         self.account(done);
         self.pipeline.prefetched = match next {
             Some(rows) if rows.rows.is_empty() => {
-                let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-                ss[other].client.batch_execute("COMMIT").await?;
+                if !self.spec.lease {
+                    let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+                    ss[other].client.batch_execute("COMMIT").await?;
+                }
                 None
             }
             Some(rows) => Some(Claimed {
                 conn: other,
                 rows,
                 epoch,
+                sent,
             }),
             None => None,
         };
@@ -636,13 +786,13 @@ impl Source for PollSource {
             failures: plan.failures,
             tallies: plan.tallies,
             started: at_sink.started,
+            held: at_sink.held,
         });
     }
 
     async fn hold(&mut self) -> Result<(), SourceError> {
         if let Some(claimed) = self.pipeline.prefetched.take() {
-            let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-            ss[claimed.conn].client.batch_execute("ROLLBACK").await?;
+            self.release_claimed(&claimed).await?;
         }
         self.commit_settled().await?;
         self.pipeline.idle = false;
@@ -677,9 +827,9 @@ impl Source for PollSource {
     }
 
     async fn finish(mut self) {
-        if let Some(ss) = &self.sessions {
+        if self.sessions.is_some() {
             if let Some(claimed) = self.pipeline.prefetched.take() {
-                let _ = ss[claimed.conn].client.batch_execute("ROLLBACK").await;
+                let _ = self.release_claimed(&claimed).await;
             }
             if let Err(error) = self.commit_settled().await {
                 warn!(error = %error_chain(&error), "committing the last batch failed; it will be redelivered");
@@ -689,6 +839,26 @@ impl Source for PollSource {
             leases.leave().await;
         }
     }
+}
+
+/// The partition leases a relay with `config`'s ordering takes, started;
+/// None under `--ordering none`. Shared by the relay's lanes
+/// ([`Leases::lane`]).
+pub(crate) fn start_leases(config: &RelayConfig, pg: &PgConfig) -> Option<Leases> {
+    if config.ordering == OrderMode::None {
+        return None;
+    }
+    health::global().takes_leases();
+    let mut pg = pg.clone();
+    pg.postgres_mut().application_name("outbox-relay lease");
+    let settings = LeaseSettings {
+        pg,
+        relay_id: Uuid::new_v4(),
+        name: config.name.clone().unwrap_or_else(default_name),
+        timeout: config.lease_timeout,
+        poll: config.poll_interval,
+    };
+    Some(Leases::start(settings, &OutboxSql::new(&config.outbox)))
 }
 
 /// The idle wait when nothing but a notification, a retry or a lease tick

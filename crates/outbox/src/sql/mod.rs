@@ -22,9 +22,12 @@ pub use admin::{
     Throughput, TypeStats, partition_ranges,
 };
 #[cfg(feature = "tokio-postgres")]
+use relay::Shape;
+#[cfg(feature = "tokio-postgres")]
 pub use relay::{
-    ClaimParams, ClaimScope, ClaimedRows, MarkFailedParams, Partitions, RelayStatements, Strict, TickParams,
-    TickRow, TickStatement, backend_identity, setup_batch_session,
+    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, Fence, LeaseClaim, LeaseMarks, MarkFailedParams,
+    Partitions, RelayStatements, Strict, TickParams, TickRow, TickStatement, backend_identity,
+    setup_batch_session,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use wal::{EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
@@ -38,7 +41,7 @@ const ROW_COLUMNS: &str =
 /// comes back NULL and is read in pieces (`FETCH_PAYLOAD`).
 const CLAIMED_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
      CASE WHEN claimed.bytes > {large} THEN NULL ELSE o.payload END AS payload, claimed.bytes, \
-     o.headers, o.created_at, o.attempts, claimed.locked_rows";
+     o.headers, o.created_at, o.attempts, claimed.locked_rows{claim_col}";
 
 /// Payloads larger than this many bytes are not returned by the claim but
 /// read in pieces of this many bytes. A message is read whole into
@@ -76,11 +79,11 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
 /// with the locks. One statement instead of a locking SELECT plus an UPDATE
 /// saves a round trip and a second pass over every row of a good batch.
 /// `RETURNING` order is unspecified: the relay sorts by id.
-const CLAIM_BATCH: &str = "WITH locked AS ( \
-        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} \
-         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
+const CLAIM_BATCH: &str = "WITH {deadline_cte}locked AS ( \
+        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} AS c \
+         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() {type_filter} \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+     UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {claimed_cols}";
 
@@ -153,12 +156,12 @@ const LEASE_GATE: &str = "AND (SELECT held FROM lease) = cardinality($3::int4[])
 
 /// `CLAIM_BATCH` restricted to the partitions this relay holds; `$5` batch
 /// bytes.
-const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} locked AS ( \
-        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} \
+const CLAIM_BATCH_LEASED: &str = "WITH {deadline_cte}{lease_cte} locked AS ( \
+        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} AS c \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-           AND {partition_of} = ANY($3::int4[]) \
+           AND {partition_of} = ANY($3::int4[]) {type_filter} {claim_probe} \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+     UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {claimed_cols}";
 
@@ -177,21 +180,21 @@ const CLAIM_BATCH_LEASED: &str = "WITH {lease_cte} locked AS ( \
 /// filter evaluates before its first row lock: as before, every row is
 /// locked after its partition's lease, so no owner change can pass a batch
 /// in flight. A partition that moved is left out, not the whole batch.
-const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
+const CLAIM_BATCH_FEW_LEASED: &str = "WITH {deadline_cte}peek AS ( \
         SELECT DISTINCT {partition_of_d} AS partition FROM ( \
             SELECT aggregate_id FROM {t} \
              WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-               AND {partition_of} = ANY($3::int4[]) \
+               AND {partition_of} = ANY($3::int4[]) {type_filter_peek} \
              ORDER BY id LIMIT 2 * $1::int8) AS d), \
      lease AS (SELECT coalesce(array_agg(mine.partition), '{}') AS held FROM ( \
         SELECT l.partition FROM {leases} AS l \
          WHERE l.owner = $2 AND l.partition IN (SELECT partition FROM peek) FOR SHARE) AS mine), \
      locked AS ( \
-        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} \
+        SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} AS c \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-           AND {partition_of} = ANY((SELECT held FROM lease)::int4[]) \
+           AND {partition_of} = ANY((SELECT held FROM lease)::int4[]) {type_filter} {claim_probe} \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+     UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
      RETURNING {claimed_cols}";
 
@@ -206,17 +209,74 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH peek AS ( \
 /// is strict; `$7` batch bytes. A row is held to
 /// strict order when exactly one of "its type is listed" and "the default
 /// is strict" holds; the others skip the `NOT EXISTS` probe.
-const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {lease_cte} locked AS ( \
+const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {deadline_cte}{lease_cte} locked AS ( \
         SELECT c.id, c.created_at, c.payload, pg_column_size(c.payload) AS stored FROM {t} AS c \
          WHERE c.published_at IS NULL AND c.dead_at IS NULL AND c.next_attempt_at <= clock_timestamp() \
-           AND {partition_of_c} = ANY($3::int4[]) \
+           AND {partition_of_c} = ANY($3::int4[]) {type_filter} \
            AND ((c.aggregate_type = ANY($5::text[])) = $6::bool OR NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL)) \
          ORDER BY c.id LIMIT $1 FOR UPDATE OF c SKIP LOCKED), {cut} \
-     UPDATE {t} AS o SET published_at = clock_timestamp() FROM claimed \
+     UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {claimed_cols}";
+
+/// What a lease claim (`--claim lease`, migration 0005) puts in the claim
+/// templates in place of the lock claim's mark. `{p_owner}` is the relay's
+/// id, `{p_timeout}` the claim timeout in milliseconds. The claim writes one
+/// deadline, read once (`deadline`), on every row it takes, as
+/// `claimed_until` and as `next_attempt_at`: the claim's walk of the partial
+/// index then skips a held row like any row not yet due and finds it due
+/// again once the claim expired, with no index or scan of its own. The
+/// deadline comes back with the rows: with `claimed_by` it is the fence the
+/// mark checks (`MARK_LEASED`).
+const DEADLINE_CTE: &str =
+    "deadline AS (SELECT clock_timestamp() + {p_timeout}::float8 * interval '1 millisecond' AS at), ";
+const SET_LEASE: &str =
+    "claimed_by = {p_owner}::uuid, claimed_until = deadline.at, next_attempt_at = deadline.at";
+
+/// A lease claim under partition order: a row waits while an earlier event
+/// of its aggregate is held by an unexpired claim. The lock claim needs no
+/// such test, as ownership of a partition cannot move while a batch of it
+/// is in flight (its lease rows are locked `FOR SHARE` until the commit);
+/// a lease claim commits before delivery, so a partition can move to
+/// another relay while its batch is at the sink, and this is what keeps
+/// that relay from overtaking it. One probe of
+/// `<table>_pending_by_aggregate_idx`. (Strict order's own probe already
+/// counts a claimed row as pending.)
+const CLAIM_PROBE: &str = "AND NOT EXISTS (SELECT 1 FROM {t} AS e \
+        WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id AND e.id < c.id \
+          AND e.published_at IS NULL AND e.given_up_at IS NULL AND e.claimed_until > clock_timestamp())";
+
+/// A claim restricted to some aggregate types (a relay whose routes differ
+/// in `claim` runs a claim per mode): `{p_types}` the types, `{p_types_in}`
+/// whether they are the ones to take (true) or to leave (false).
+const TYPE_FILTER: &str = "AND ({a}aggregate_type = ANY({p_types}::text[])) = {p_types_in}::bool";
+
+/// `$1..$5` the failed rows as in `MARK_FAILED`, `$6` the delivered rows'
+/// ids, `$7` the relay's id, `$8` the claim's deadline. A lease claim's
+/// outcomes in one statement, its own short transaction: delivered rows
+/// published, failed ones with their retry time or dead, and the claim
+/// cleared. Only rows still under this claim match: a claim that expired
+/// and was taken by another relay (which wrote its own deadline) is not
+/// marked by this one, whose delivery then counts as a duplicate. Returns
+/// rows published and rows failed.
+const MARK_LEASED: &str = "WITH now AS (SELECT clock_timestamp() AS at), \
+     failed AS (UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
+            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', \
+            dead_at = CASE WHEN f.dead THEN now.at END, claimed_by = NULL, claimed_until = NULL \
+       FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[], $5::bool[]) \
+            AS f(id, error, attempts, delay_ms, dead) \
+      WHERE o.id = f.id AND o.claimed_by = $7::uuid AND o.claimed_until = $8::timestamptz RETURNING 1), \
+     delivered AS (UPDATE {t} AS o SET published_at = now.at, claimed_by = NULL, claimed_until = NULL FROM now \
+      WHERE o.id = ANY($6::int8[]) AND o.claimed_by = $7::uuid AND o.claimed_until = $8::timestamptz RETURNING 1) \
+     SELECT (SELECT count(*) FROM delivered), (SELECT count(*) FROM failed)";
+
+/// `$1` ids, `$2` the relay's id, `$3` the claim's deadline. Gives a lease
+/// claim back unsent (shutdown, a claim found lapsed before delivery): due
+/// again now, attempts unchanged. Only rows still under this claim.
+const RELEASE_LEASED: &str = "UPDATE {t} SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = clock_timestamp() \
+      WHERE id = ANY($1::int8[]) AND claimed_by = $2::uuid AND claimed_until = $3::timestamptz";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
 /// is dead, `$4`/`$5` its batch connections' pids and start times. One
@@ -404,17 +464,79 @@ const DELETE_PROCESSED: &str = "WITH batch AS ( \
 /// `$1` event_id. The inbox's whole trick: a conflict means "seen before".
 const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (event_id) DO NOTHING";
 
+/// A claim template with what `spec` asks for in place: the lock claim's
+/// mark or a lease claim's deadline, the type filter, and each parameter's
+/// number. A shape has fixed parameters (`relay::Shape::FIXED`); the type
+/// filter's two, the lease's two and the byte bound follow, in that order,
+/// each only where used (`relay::claim_params` binds them the same way).
+fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
+    let mut next = shape.fixed_params();
+    let mut param = || {
+        next += 1;
+        format!("${next}")
+    };
+    let (types, types_in) = match spec.types {
+        Some(_) => (param(), param()),
+        None => (String::new(), String::new()),
+    };
+    let (owner, timeout) = if spec.lease {
+        (param(), param())
+    } else {
+        (String::new(), String::new())
+    };
+    let budget = param();
+    let type_filter = |prefix: &str| {
+        if spec.types.is_none() {
+            return String::new();
+        }
+        TYPE_FILTER
+            .replace("{a}", prefix)
+            .replace("{p_types}", &types)
+            .replace("{p_types_in}", &types_in)
+    };
+    let ordered = matches!(shape, Shape::Partitions | Shape::FewPartitions);
+    let (deadline, set, from, col, probe) = if spec.lease {
+        (
+            DEADLINE_CTE.replace("{p_timeout}", &timeout),
+            SET_LEASE.replace("{p_owner}", &owner),
+            ", deadline",
+            ", o.claimed_until",
+            if ordered { CLAIM_PROBE } else { "" },
+        )
+    } else {
+        (
+            String::new(),
+            "published_at = clock_timestamp()".to_owned(),
+            "",
+            "",
+            "",
+        )
+    };
+    template
+        .replace("{cut}", CUT)
+        .replace("{budget}", &format!("{budget}::int8"))
+        .replace("{deadline_cte}", &deadline)
+        .replace("{set_claim}", &set)
+        .replace("{claim_from}", from)
+        .replace("{claimed_cols}", &CLAIMED_COLUMNS.replace("{claim_col}", col))
+        .replace("{claim_probe}", probe)
+        .replace("{type_filter_peek}", &type_filter(""))
+        .replace("{type_filter}", &type_filter("c."))
+}
+
 /// The outbox statements for one table, rendered; callers run them through
 /// the typed methods of the submodules, never as text.
 #[derive(Debug, Clone)]
 pub struct OutboxSql {
     pub(crate) insert_event: String,
     pub(crate) insert_events: String,
-    /// Each claim bounded by bytes, and for one row (`ONE_ROW`).
-    pub(crate) claim_batch: [String; 2],
-    pub(crate) claim_batch_leased: [String; 2],
-    pub(crate) claim_batch_few_leased: [String; 2],
-    pub(crate) claim_batch_strict_leased: [String; 2],
+    /// What the claims are rendered for.
+    pub(crate) claim_spec: ClaimSpec,
+    /// The claim in each shape (`relay::Shape`), bounded by bytes and for
+    /// one row (`ONE_ROW`).
+    pub(crate) claims: [[String; 2]; 4],
+    pub(crate) mark_leased: String,
+    pub(crate) release_leased: String,
     pub(crate) relay_tick: String,
     pub(crate) relay_leave: String,
     pub(crate) relays: String,
@@ -437,8 +559,14 @@ pub struct OutboxSql {
 }
 
 impl OutboxSql {
-    /// Renders every statement for `config`'s table.
+    /// Renders every statement for `config`'s table, with the lock claim.
     pub fn new(config: &Config) -> Self {
+        Self::with_claims(config, ClaimSpec::default())
+    }
+
+    /// Renders every statement for `config`'s table, the claims as `spec`
+    /// says.
+    pub fn with_claims(config: &Config, spec: ClaimSpec) -> Self {
         let t = config.qualified();
         // Companion names are validated by the migration that creates them;
         // a table name too long for them fails the schema check first.
@@ -450,7 +578,6 @@ impl OutboxSql {
         );
         let render = |template: &str| {
             template
-                .replace("{cut}", CUT)
                 .replace("{lease_cte}", LEASE_CTE)
                 .replace("{lease_gate}", LEASE_GATE)
                 .replace("{partition_of_c}", &PARTITION_OF.replace("{a}", "c."))
@@ -462,25 +589,32 @@ impl OutboxSql {
                 .replace("{dead}", DEAD_FILTER)
                 .replace("{detail}", DETAIL_COLUMNS)
                 .replace("{cols}", ROW_COLUMNS)
-                .replace("{claimed_cols}", CLAIMED_COLUMNS)
                 .replace("{large}", &LARGE_PAYLOAD.to_string())
                 .replace("{t}", &t)
         };
-        let claims = |template: &str, budget: &str| {
-            [
-                render(template).replace("{budget}", budget),
-                render(&template.replace("{cut}", ONE_ROW)),
-            ]
+        let claims = |shape: Shape| {
+            let template = match shape {
+                Shape::All => CLAIM_BATCH,
+                Shape::Partitions => CLAIM_BATCH_LEASED,
+                Shape::FewPartitions => CLAIM_BATCH_FEW_LEASED,
+                Shape::Strict => CLAIM_BATCH_STRICT_LEASED,
+            };
+            [false, true].map(|one| {
+                let template = if one {
+                    template.replace("{cut}", ONE_ROW)
+                } else {
+                    template.to_owned()
+                };
+                render(&claim_template(&template, shape, spec))
+            })
         };
         Self {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
-            // The byte bound is the claim's last parameter, whose number
-            // depends on how many the shape has.
-            claim_batch: claims(CLAIM_BATCH, "$2::int8"),
-            claim_batch_leased: claims(CLAIM_BATCH_LEASED, "$5::int8"),
-            claim_batch_few_leased: claims(CLAIM_BATCH_FEW_LEASED, "$5::int8"),
-            claim_batch_strict_leased: claims(CLAIM_BATCH_STRICT_LEASED, "$7::int8"),
+            claims: Shape::ALL.map(claims),
+            claim_spec: spec,
+            mark_leased: render(MARK_LEASED),
+            release_leased: render(RELEASE_LEASED),
             relay_tick: render(RELAY_TICK),
             relay_leave: render(RELAY_LEAVE),
             relays: render(RELAYS),
@@ -531,13 +665,12 @@ mod tests {
     #[test]
     fn renders_quoted_names_and_no_placeholders() {
         let sql = OutboxSql::new(&Config::new("app", "events").unwrap());
-        let claims = [
-            &sql.claim_batch,
-            &sql.claim_batch_leased,
-            &sql.claim_batch_few_leased,
-            &sql.claim_batch_strict_leased,
-        ];
-        for s in claims.into_iter().flatten().chain([
+        let spec = ClaimSpec {
+            lease: true,
+            types: Some(true),
+        };
+        let leased = OutboxSql::with_claims(&Config::new("app", "events").unwrap(), spec);
+        for s in sql.claims.iter().chain(&leased.claims).flatten().chain([
             &sql.requeue_dead,
             &sql.count_dead,
             &sql.insert_events,
@@ -551,7 +684,7 @@ mod tests {
             // `'{}'` is an empty array literal, not a placeholder.
             assert!(!s.replace("'{}'", "").contains('{'), "{s}");
         }
-        assert!(sql.claim_batch_leased[1].contains("\"app\".\"events_leases\""));
+        assert!(sql.claims[1][1].contains("\"app\".\"events_leases\""));
         assert!(sql.relay_tick.contains("\"app\".\"events_relay_tick\"("));
     }
 }

@@ -19,9 +19,37 @@ use crate::{Ident, OutboxRow};
 
 type Param<'p> = &'p (dyn ToSql + Sync);
 
+/// What the claim statements are rendered for
+/// ([`OutboxSql::with_claims`]); every [`ClaimParams`] run through them
+/// must match.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClaimSpec {
+    /// A lease claim (migration 0005): a deadline written in the claim's
+    /// own transaction, instead of a mark the batch's transaction commits.
+    pub lease: bool,
+    /// Restricted to some aggregate types: `Some(true)` only the types
+    /// [`ClaimParams::types`] lists, `Some(false)` all but those.
+    pub types: Option<bool>,
+}
+
+/// A lease claim's own parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseClaim {
+    /// The relay claiming, written as `claimed_by`.
+    pub owner: Uuid,
+    /// How long the claim holds its rows.
+    pub timeout_ms: f64,
+}
+
 /// What one claim asks for.
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimParams<'a> {
+    /// The types the claim takes or leaves (see [`ClaimSpec::types`]);
+    /// ignored by a claim rendered without a type filter.
+    pub types: &'a [String],
+    /// A lease claim's owner and timeout; `Some` exactly when the claim
+    /// was rendered for leases.
+    pub lease: Option<LeaseClaim>,
     /// The batch size (dead letters are never claimed: `dead_at` is set).
     pub limit: i64,
     /// The batch's payload bytes: rows are claimed in id order while their
@@ -79,6 +107,29 @@ pub struct MarkFailedParams<'a> {
     pub dead: &'a [bool],
 }
 
+/// A lease claim's outcomes (`MARK_LEASED`): the failed rows as
+/// [`MarkFailedParams`], the delivered ones, and the claim they were
+/// under.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseMarks<'a> {
+    /// The failed rows.
+    pub failed: MarkFailedParams<'a>,
+    /// The delivered rows' ids.
+    pub delivered: &'a [i64],
+    /// The claim's owner and deadline, as the claim returned them.
+    pub fence: Fence,
+}
+
+/// Who holds a lease claim and until when: what the claim wrote, and what
+/// its mark must still find on a row to touch it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    /// `claimed_by`.
+    pub owner: Uuid,
+    /// `claimed_until`, exactly as written (microseconds).
+    pub until: DateTime<Utc>,
+}
+
 /// One relay heartbeat.
 #[derive(Debug, Clone, Copy)]
 pub struct TickParams<'a> {
@@ -116,6 +167,9 @@ pub struct RelayStatements {
     mark_failed: Statement,
     next_retry: Statement,
     fetch_payload: Statement,
+    /// `MARK_LEASED` and `RELEASE_LEASED`, prepared only for lease claims.
+    leased: Option<(Statement, Statement)>,
+    spec: ClaimSpec,
 }
 
 impl OutboxSql {
@@ -126,29 +180,36 @@ impl OutboxSql {
             .flat_map(|one| Shape::ALL.map(|s| self.claim_text(s, one)))
             .collect();
         let claims = futures::future::try_join_all(texts.into_iter().map(|t| client.prepare(t)));
-        let (claims, mark_failed, next_retry, fetch_payload) = tokio::try_join!(
+        let leased = async {
+            if !self.claim_spec.lease {
+                return Ok(None);
+            }
+            let (mark, release) = tokio::try_join!(
+                client.prepare(&self.mark_leased),
+                client.prepare(&self.release_leased)
+            )?;
+            Ok(Some((mark, release)))
+        };
+        let (claims, mark_failed, next_retry, fetch_payload, leased) = tokio::try_join!(
             claims,
             client.prepare(&self.mark_failed),
             client.prepare(&self.next_retry),
             client.prepare(&self.fetch_payload),
+            leased,
         )?;
         Ok(RelayStatements {
             claims,
             mark_failed,
             next_retry,
             fetch_payload,
+            leased,
+            spec: self.claim_spec,
         })
     }
 
     /// The claim statement of `shape`, of one row or bounded by bytes.
     fn claim_text(&self, shape: Shape, one: bool) -> &str {
-        let [bounded, of_one] = match shape {
-            Shape::All => &self.claim_batch,
-            Shape::Partitions => &self.claim_batch_leased,
-            Shape::FewPartitions => &self.claim_batch_few_leased,
-            Shape::Strict => &self.claim_batch_strict_leased,
-        };
-        if one { of_one } else { bounded }
+        &self.claims[shape as usize][usize::from(one)]
     }
 
     /// The plan of the claim `p` would run, as `EXPLAIN (FORMAT JSON)`
@@ -160,7 +221,7 @@ impl OutboxSql {
         p: &ClaimParams<'_>,
         analyze: bool,
     ) -> Result<serde_json::Value, Error> {
-        let (which, params) = claim_params(p);
+        let (which, params) = claim_params(p, &self.claim_spec);
         let shapes = Shape::ALL.len();
         let text = self.claim_text(Shape::ALL[which % shapes], which >= shapes);
         let options = if analyze {
@@ -217,7 +278,7 @@ impl TickStatement {
 
 /// The claim's four shapes, one statement each.
 #[derive(Debug, Clone, Copy)]
-enum Shape {
+pub(super) enum Shape {
     All,
     Partitions,
     /// Partition order, a batch much smaller than the partitions held.
@@ -227,14 +288,30 @@ enum Shape {
 
 impl Shape {
     /// Every shape, in the order of [`RelayStatements`]' claims.
-    const ALL: [Shape; 4] = [Shape::All, Shape::Partitions, Shape::FewPartitions, Shape::Strict];
+    pub(super) const ALL: [Shape; 4] = [Shape::All, Shape::Partitions, Shape::FewPartitions, Shape::Strict];
+
+    /// How many parameters the shape's own filters take (`$1` the batch
+    /// size, then the partitions' and strict order's).
+    pub(super) fn fixed_params(self) -> usize {
+        match self {
+            Shape::All => 1,
+            Shape::Partitions | Shape::FewPartitions => 4,
+            Shape::Strict => 6,
+        }
+    }
 }
 
 /// Which claim `p` needs (its index in [`RelayStatements`]) and its
-/// parameters, in `$n` order: the byte bound comes last in every shape. A
-/// claim of one row has no bound (one row is never cut) and skips its cost,
-/// about 60 µs per claim, a fifth of the relay's time at batch size 1.
-fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (usize, Vec<Param<'a>>) {
+/// parameters, in `$n` order (the order `claim_template` numbers them):
+/// the shape's own, the type filter's, the lease's, and the byte bound last.
+/// A claim of one row has no bound (one row is never cut) and skips its
+/// cost, about 60 µs per claim, a fifth of the relay's time at batch size 1.
+fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<Param<'a>>) {
+    debug_assert_eq!(
+        spec.lease,
+        p.lease.is_some(),
+        "a claim's parameters must match its statement"
+    );
     let mut params: Vec<Param<'a>> = vec![&p.limit];
     let shape = match &p.scope {
         ClaimScope::All => Shape::All,
@@ -255,6 +332,12 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>) -> (usize, Vec<Param<'a>>) {
             }
         }
     };
+    if let Some(types_in) = &spec.types {
+        params.extend([&p.types as Param<'a>, types_in]);
+    }
+    if let Some(lease) = &p.lease {
+        params.extend([&lease.owner as Param<'a>, &lease.timeout_ms]);
+    }
     if p.limit == 1 {
         return (shape as usize + Shape::ALL.len(), params);
     }
@@ -274,23 +357,36 @@ pub struct ClaimedRows {
     pub unreadable: Vec<(usize, String)>,
     /// The byte bound cut the batch short: more rows were locked than
     /// returned, and stay locked until the transaction ends, so nothing
-    /// else may be claimed before it does (see the claim's `CUT`).
+    /// else may be claimed before it does (see the claim's `CUT`). A lease
+    /// claim's transaction has ended: nothing stays locked.
     pub cut: bool,
+    /// A lease claim's owner and deadline: what its mark must match.
+    pub fence: Option<Fence>,
 }
 
 impl RelayStatements {
     /// Claims a batch in the open transaction and marks it published
     /// (a promise the commit keeps). Rows come back in id order.
     pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, Error> {
-        let (which, params) = claim_params(p);
+        let (which, params) = claim_params(p, &self.spec);
         let statement = &self.claims[which];
         // Decoded as they arrive, each raw row dropped once decoded: a batch
         // of large payloads is held about once, not twice.
         let stream = client.query_raw(statement, params).await?;
         futures::pin_mut!(stream);
         let (mut rows, mut large, mut unreadable, mut locked) = (Vec::new(), Vec::new(), Vec::new(), 0_i64);
+        let mut fence = None;
         while let Some(row) = stream.try_next().await? {
             locked = row.try_get("locked_rows")?;
+            if let Some(lease) = &p.lease
+                && fence.is_none()
+            {
+                // One deadline for the whole claim (`DEADLINE_CTE`).
+                fence = Some(Fence {
+                    owner: lease.owner,
+                    until: row.try_get("claimed_until")?,
+                });
+            }
             let mut decoded = decode(&row, serde_json::Value::Null, serde_json::Value::Null)?;
             // One row's payload or headers that cannot be read must not
             // fail the claim: the same row would fail every claim after it.
@@ -327,6 +423,7 @@ impl RelayStatements {
             rows,
             unreadable,
             cut,
+            fence,
         })
     }
 
@@ -354,6 +451,42 @@ impl RelayStatements {
     pub async fn mark_failed(&self, client: &Client, p: &MarkFailedParams<'_>) -> Result<u64, Error> {
         let params: [Param<'_>; 5] = [&p.ids, &p.errors, &p.attempts, &p.delay_ms, &p.dead];
         client.execute(&self.mark_failed, &params).await
+    }
+
+    /// Records a lease claim's outcomes, checking the claim is still its
+    /// own (`MARK_LEASED`), in its own short transaction. Returns rows
+    /// published and rows failed: fewer than asked means the claim expired
+    /// and another relay took those rows.
+    ///
+    /// # Panics
+    /// If the statements were not prepared for lease claims.
+    pub async fn mark_leased(&self, client: &Client, p: &LeaseMarks<'_>) -> Result<(u64, u64), Error> {
+        let (mark, _) = self.leased.as_ref().expect("prepared for lease claims");
+        let f = &p.failed;
+        let params: [Param<'_>; 8] = [
+            &f.ids,
+            &f.errors,
+            &f.attempts,
+            &f.delay_ms,
+            &f.dead,
+            &p.delivered,
+            &p.fence.owner,
+            &p.fence.until,
+        ];
+        let row = client.query_one(mark, &params).await?;
+        let count = |i| row.try_get::<_, i64>(i).map(|n| u64::try_from(n).unwrap_or(0));
+        Ok((count(0)?, count(1)?))
+    }
+
+    /// Gives a lease claim's rows back unsent, due now (`RELEASE_LEASED`).
+    /// Returns rows released.
+    ///
+    /// # Panics
+    /// If the statements were not prepared for lease claims.
+    pub async fn release_leased(&self, client: &Client, ids: &[i64], fence: Fence) -> Result<u64, Error> {
+        let (_, release) = self.leased.as_ref().expect("prepared for lease claims");
+        let params: [Param<'_>; 3] = [&ids, &fence.owner, &fence.until];
+        client.execute(release, &params).await
     }
 
     /// Seconds until the next row waiting for a retry comes due: `None` if

@@ -47,6 +47,8 @@ async fn setup() -> (Db, i32) {
 
 async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i32]) -> Vec<String> {
     let p = ClaimParams {
+        types: &[],
+        lease: None,
         limit,
         max_bytes: i64::MAX,
         scope: ClaimScope::Partitions(Partitions {
@@ -179,6 +181,8 @@ async fn a_batch_of_one_holds_its_partitions_lease_until_it_ends() {
 /// `max_bytes` payload bytes.
 async fn claim_bytes(c: &Client, s: &RelayStatements, limit: i64, max_bytes: i64) -> (Vec<i64>, bool) {
     let p = ClaimParams {
+        types: &[],
+        lease: None,
         limit,
         max_bytes,
         scope: ClaimScope::All,
@@ -258,6 +262,8 @@ async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
     let sa = sql.prepare_relay(&a).await.unwrap();
     a.batch_execute("BEGIN").await.unwrap();
     let p = ClaimParams {
+        types: &[],
+        lease: None,
         limit: 10,
         max_bytes: i64::MAX,
         scope: ClaimScope::All,

@@ -323,6 +323,8 @@ async fn claim_uses_the_partial_index() {
     });
     for (scope, limit) in [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)] {
         let claim = outbox::sql::ClaimParams {
+            types: &[],
+            lease: None,
             limit,
             max_bytes: 16 << 20,
             scope,
@@ -377,6 +379,8 @@ async fn claims_in_a_batch_session_are_not_jit_compiled() {
         let (client, sql) = (&client, &sql);
         async move {
             let claim = outbox::sql::ClaimParams {
+                types: &[],
+                lease: None,
                 limit,
                 max_bytes: 16 << 20,
                 scope,
