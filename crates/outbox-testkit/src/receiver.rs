@@ -278,10 +278,8 @@ impl Receiver {
         // `wait_for`'s guard holds the channel's read lock: drop it before
         // `received` takes the log, since `record` takes the log and then
         // the channel's write lock (holding both was a deadlock).
-        let arrived = tokio::time::timeout(timeout, async {
-            count.wait_for(|&c| c >= n).await.map(drop)
-        })
-        .await;
+        let arrived =
+            tokio::time::timeout(timeout, async { count.wait_for(|&c| c >= n).await.map(drop) }).await;
         match arrived {
             Ok(_) => Ok(self.received()),
             Err(_) => Err(Error::Timeout {

@@ -182,19 +182,25 @@ async fn issue_18_slow_sink_lease_claims_hold_back_no_vacuum() {
 
     for claim in ["lock", "lease"] {
         // The sampler found the relay's backends, and every event arrived.
-        assert!(figure(claim, "relay backends") >= 1.0, "{claim}: relay backends seen");
+        assert!(
+            figure(claim, "relay backends") >= 1.0,
+            "{claim}: relay backends seen"
+        );
         assert_eq!(figure(claim, "distinct events"), 128.0, "{claim}");
         assert_eq!(figure(claim, "updates"), 10_000.0, "{claim}");
     }
     // Lock: the fault happens. A transaction stays open through a batch's
     // delivery, longer than one request, and the VACUUM keeps the updates.
-    let lock_open = figure("lock", "oldest relay transaction, s");
+    let lock_open = figure("lock", "oldest relay xact, s");
     assert!(lock_open > 2.0, "lock: oldest relay transaction {lock_open} s");
     let lock_dead = figure("lock", "dead after VACUUM");
     assert!(lock_dead > 0.0, "lock: the VACUUM removed every dead tuple");
     // Lease: claim and mark are short transactions; delivery holds none.
-    let lease_open = figure("lease", "oldest relay transaction, s");
-    assert!(lease_open <= 0.1, "lease: a relay transaction open {lease_open} s");
+    let lease_open = figure("lease", "oldest relay xact, s");
+    assert!(
+        lease_open <= 0.1,
+        "lease: a relay transaction open {lease_open} s"
+    );
     // ≈ 0, not 0: a snapshot of another backend's (the sampler's own
     // query) running as the VACUUM starts may keep the last few updates.
     let lease_dead = figure("lease", "dead after VACUUM");
