@@ -68,7 +68,7 @@ const SAMPLE: &str = "\
                     FILTER (WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL), 0)::float8, \
            coalesce(max(greatest(age(backend_xid), age(backend_xmin))), 0)::int8 \
       FROM pg_stat_activity \
-     WHERE application_name LIKE 'outbox-relay%'";
+     WHERE application_name LIKE 'outbox-relay%' AND datname = current_database()";
 
 /// This run's sizes.
 struct Sizes {
