@@ -230,7 +230,13 @@ impl Relay {
     /// One lane of the polling source: opens it, then the loop.
     async fn run_lane(self, lane: Lane, cancel: CancellationToken) -> Result<(), RelayError> {
         let batch_metrics = BatchMetrics::new(self.sink.name());
-        let (claim, types) = (self.config.claim, lane.types.clone());
+        let claim = self.config.claim;
+        // No field at all unless the relay has lanes.
+        let types = match lane.spec.types {
+            None => None,
+            Some(true) => Some(lane.types.join(",")),
+            Some(false) => Some(format!("all but {}", lane.types.join(","))),
+        };
         let source = PollSource::open(
             self.config.clone(),
             self.pg.clone(),
@@ -250,8 +256,7 @@ impl Relay {
             ordering = %self.config.ordering,
             ordering_for = %self.config.ordering_for_display(),
             claim = %claim,
-            // No field at all unless the relay has lanes.
-            types = (!types.is_empty()).then(|| types.join(",")),
+            types,
             // A bare UUID, and no field at all under `--ordering none`.
             relay_id = source.relay_id().map(tracing::field::display),
             "relay ready"

@@ -16,6 +16,7 @@ mod formats;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod lab;
+mod lease;
 mod logs;
 mod memory;
 mod metrics;

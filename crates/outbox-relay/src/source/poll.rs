@@ -319,7 +319,7 @@ impl PollSource {
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
             types: &self.types,
-            lease: self.spec.lease.then(|| LeaseClaim {
+            lease: self.spec.lease.then_some(LeaseClaim {
                 owner: self.owner,
                 timeout_ms: self.config.claim_timeout.as_secs_f64() * 1000.0,
             }),
@@ -654,7 +654,12 @@ impl PollSource {
         // sink (its connection holds locks on rows past the cut), but the
         // next claim follows its commit at once.
         let full = rows.len() == self.config.batch_size as usize;
-        self.pipeline.idle = !full && !cut && !self.config.drain;
+        // Under strict order this batch's commit makes its aggregates' next
+        // events claimable, and nothing notifies about that: without a
+        // claim right after it, each would wait for the next lease tick (an
+        // aggregate with ten queued events took ten ticks, 30 s).
+        let unblocks = self.any_strict() && !rows.is_empty();
+        self.pipeline.idle = !full && !cut && !unblocks && !self.config.drain;
         self.pipeline.at_sink = Some(AtSink {
             conn,
             epoch,
@@ -723,10 +728,17 @@ impl Source for PollSource {
         let Some(at_sink) = self.pipeline.at_sink.take() else {
             return Ok(());
         };
-        warn!(
-            rows = at_sink.rows,
-            "lease expired before delivery; giving the batch back"
-        );
+        if at_sink.held.is_some() {
+            warn!(
+                rows = at_sink.rows,
+                "the claim's deadline passed before delivery; giving the batch back"
+            );
+        } else {
+            warn!(
+                rows = at_sink.rows,
+                "lease expired before delivery; giving the batch back"
+            );
+        }
         self.pipeline.idle = true;
         self.release(at_sink.conn, at_sink.held.as_ref()).await
     }

@@ -236,7 +236,8 @@ const SET_LEASE: &str =
     "claimed_by = {p_owner}::uuid, claimed_until = deadline.at, next_attempt_at = deadline.at";
 
 /// A lease claim under partition order: a row waits while an earlier event
-/// of its aggregate is held by an unexpired claim. The lock claim needs no
+/// of its aggregate is held by another relay's unexpired claim (this
+/// relay's own claims are its pipeline's, ordered as the lock claim's are). The lock claim needs no
 /// such test, as ownership of a partition cannot move while a batch of it
 /// is in flight (its lease rows are locked `FOR SHARE` until the commit);
 /// a lease claim commits before delivery, so a partition can move to
@@ -246,7 +247,8 @@ const SET_LEASE: &str =
 /// counts a claimed row as pending.)
 const CLAIM_PROBE: &str = "AND NOT EXISTS (SELECT 1 FROM {t} AS e \
         WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id AND e.id < c.id \
-          AND e.published_at IS NULL AND e.given_up_at IS NULL AND e.claimed_until > clock_timestamp())";
+          AND e.published_at IS NULL AND e.given_up_at IS NULL AND e.claimed_until > clock_timestamp() \
+          AND e.claimed_by <> {p_owner}::uuid)";
 
 /// A claim restricted to some aggregate types (a relay whose routes differ
 /// in `claim` runs a claim per mode): `{p_types}` the types, `{p_types_in}`
@@ -501,7 +503,11 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
             SET_LEASE.replace("{p_owner}", &owner),
             ", deadline",
             ", o.claimed_until",
-            if ordered { CLAIM_PROBE } else { "" },
+            if ordered {
+                CLAIM_PROBE.replace("{p_owner}", &owner)
+            } else {
+                String::new()
+            },
         )
     } else {
         (
@@ -509,7 +515,7 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
             "published_at = clock_timestamp()".to_owned(),
             "",
             "",
-            "",
+            String::new(),
         )
     };
     template
@@ -519,7 +525,7 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
         .replace("{set_claim}", &set)
         .replace("{claim_from}", from)
         .replace("{claimed_cols}", &CLAIMED_COLUMNS.replace("{claim_col}", col))
-        .replace("{claim_probe}", probe)
+        .replace("{claim_probe}", &probe)
         .replace("{type_filter_peek}", &type_filter(""))
         .replace("{type_filter}", &type_filter("c."))
 }

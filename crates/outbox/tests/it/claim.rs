@@ -282,3 +282,150 @@ async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
         assert_eq!(&claimed.rows[0].payload, expected);
     }
 }
+
+/// A lease claim by `owner` over every partition (the lease rows must name
+/// it), in its own transaction: the claimed rows as `id:aggregate`, and the
+/// fence its mark needs.
+async fn lease_claim(
+    client: &Client,
+    s: &RelayStatements,
+    owner: Uuid,
+    limit: i64,
+    timeout_ms: f64,
+) -> (Vec<String>, Vec<i64>, Option<outbox::sql::Fence>) {
+    let every: Vec<i32> = (0..64).collect();
+    let p = ClaimParams {
+        types: &[],
+        lease: Some(outbox::sql::LeaseClaim { owner, timeout_ms }),
+        limit,
+        max_bytes: i64::MAX,
+        scope: ClaimScope::Partitions(Partitions {
+            relay_id: owner,
+            claimable: &every,
+            count: 64,
+            strict: None,
+        }),
+    };
+    let claimed = s.claim(client, &p).await.unwrap();
+    let names = claimed
+        .rows
+        .iter()
+        .map(|r| format!("{}:{}", r.id, r.aggregate_id))
+        .collect();
+    let ids = claimed.rows.iter().map(|r| r.id).collect();
+    (names, ids, claimed.fence)
+}
+
+/// Lease claims (`--claim lease`): no transaction spans the delivery, so the
+/// partitions can move while a batch is out. The new owner's claim skips
+/// aggregates with an earlier event under a live claim (order), takes them
+/// once the claim expired, and the old holder's mark then touches nothing
+/// (fencing).
+#[tokio::test]
+async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones() {
+    let (db, _) = setup().await;
+    let spec = outbox::sql::ClaimSpec {
+        lease: true,
+        types: None,
+    };
+    let sql = OutboxSql::with_claims(&Config::default(), spec);
+    let (a, b) = (connect(&db.url).await, connect(&db.url).await);
+    let (sa, sb) = (
+        sql.prepare_relay(&a).await.unwrap(),
+        sql.prepare_relay(&b).await.unwrap(),
+    );
+    let set_owner = async |owner: Uuid| {
+        db.client
+            .execute("UPDATE outbox_leases SET owner = $1", &[&owner])
+            .await
+            .unwrap();
+    };
+    set_owner(ME).await;
+    // ME claims a0..a4's first events, for a minute, and commits at once.
+    let (mine, my_ids, fence) = lease_claim(&a, &sa, ME, 5, 60_000.0).await;
+    let fence = fence.expect("a lease claim returns its fence");
+    assert_eq!(mine.len(), 5, "{mine:?}");
+    assert_eq!(fence.owner, ME);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_xmin IS NOT NULL AND state LIKE 'idle in%'"
+        )
+        .await,
+        0,
+        "no transaction stays open"
+    );
+
+    // The partitions move to OTHER while ME's batch is out: OTHER takes
+    // nothing of a0..a4 (their first events are claimed), all of a5..a9.
+    set_owner(OTHER).await;
+    let (theirs, _, _) = lease_claim(&b, &sb, OTHER, 40, 60_000.0).await;
+    assert_eq!(theirs.len(), 20, "{theirs:?}");
+    for held in ["a0", "a1", "a2", "a3", "a4"] {
+        assert!(
+            theirs.iter().all(|r| !r.ends_with(&format!(":{held}"))),
+            "{held} stays behind ME's live claim: {theirs:?}"
+        );
+    }
+
+    // ME's mark under its live claim publishes its five.
+    fn marks(delivered: &[i64], fence: outbox::sql::Fence) -> outbox::sql::LeaseMarks<'_> {
+        outbox::sql::LeaseMarks {
+            failed: outbox::sql::MarkFailedParams {
+                ids: &[],
+                errors: &[],
+                attempts: &[],
+                delay_ms: &[],
+                dead: &[],
+            },
+            delivered,
+            fence,
+        }
+    }
+    assert_eq!(sa.mark_leased(&a, &marks(&my_ids, fence)).await.unwrap(), (5, 0));
+
+    // Fencing: ME claims the next five for 1 ms; the claim expires, OTHER
+    // takes and publishes them, and ME's late mark changes nothing.
+    set_owner(ME).await;
+    let (late, late_ids, late_fence) = lease_claim(&a, &sa, ME, 5, 1.0).await;
+    assert_eq!(late.len(), 5, "{late:?}");
+    db.client.batch_execute("SELECT pg_sleep(0.01)").await.unwrap();
+    set_owner(OTHER).await;
+    let (taken, taken_ids, taken_fence) = lease_claim(&b, &sb, OTHER, 5, 60_000.0).await;
+    assert_eq!(taken, late, "the expired claim's rows, taken over");
+    assert_eq!(
+        sb.mark_leased(&b, &marks(&taken_ids, taken_fence.unwrap()))
+            .await
+            .unwrap(),
+        (5, 0)
+    );
+    let before: Vec<String> = db
+        .client
+        .query(
+            "SELECT published_at::text FROM outbox WHERE id = ANY($1) ORDER BY id",
+            &[&late_ids],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        sa.mark_leased(&a, &marks(&late_ids, late_fence.unwrap()))
+            .await
+            .unwrap(),
+        (0, 0),
+        "the old holder marks nothing"
+    );
+    let after: Vec<String> = db
+        .client
+        .query(
+            "SELECT published_at::text FROM outbox WHERE id = ANY($1) ORDER BY id",
+            &[&late_ids],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(before, after, "OTHER's marks stand");
+}

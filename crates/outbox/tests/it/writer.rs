@@ -265,13 +265,14 @@ async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
 #[tokio::test]
 async fn the_dead_at_migration_marks_old_dead_letters() {
     let mut db = Db::start().await;
-    // Back to version 3: what 0004 added, undone.
+    // Back to version 3: what 0004 and 0005 added, undone.
     db.client
         .batch_execute(
             "DROP INDEX outbox_dead_idx; DROP INDEX outbox_unpublished_idx;
              ALTER TABLE outbox DROP COLUMN dead_at;
              CREATE INDEX outbox_unpublished_idx ON outbox (id) WHERE published_at IS NULL;
-             DELETE FROM outbox_migrations WHERE version = 4;
+             ALTER TABLE outbox DROP COLUMN claimed_until, DROP COLUMN claimed_by;
+             DELETE FROM outbox_migrations WHERE version IN (4, 5);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts)
              SELECT 'orders', g::text, 'E', '{}', g FROM generate_series(0, 6) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, published_at)
@@ -281,7 +282,7 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
         .unwrap();
     let config = Config::default().with_dead_after_attempts(4);
     let report = outbox::migrate(&mut db.client, &config).await.unwrap();
-    assert_eq!(report.applied, [(4, "dead_at")]);
+    assert_eq!(report.applied, [(4, "dead_at"), (5, "lease_claims")]);
     let dead: Vec<i32> = db
         .column("SELECT attempts FROM outbox WHERE dead_at IS NOT NULL ORDER BY attempts")
         .await;
@@ -321,10 +322,29 @@ async fn claim_uses_the_partial_index() {
         count: 64,
         strict: None,
     });
-    for (scope, limit) in [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)] {
+    // A lease claim (`--claim lease`) walks the same index: a claimed row
+    // is skipped as not yet due, an expired one found due, with no scan of
+    // the claimed rows; its probe for earlier claimed events of the
+    // aggregate is an index probe too.
+    let lease_sql = outbox::sql::OutboxSql::with_claims(
+        &Config::default(),
+        outbox::sql::ClaimSpec {
+            lease: true,
+            types: None,
+        },
+    );
+    let lease = Some(outbox::sql::LeaseClaim {
+        owner: uuid::Uuid::nil(),
+        timeout_ms: 60_000.0,
+    });
+    let shapes = [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)];
+    for ((scope, limit), (sql, lease)) in shapes
+        .into_iter()
+        .flat_map(|shape| [(shape, (&sql, None)), (shape, (&lease_sql, lease))])
+    {
         let claim = outbox::sql::ClaimParams {
             types: &[],
-            lease: None,
+            lease,
             limit,
             max_bytes: 16 << 20,
             scope,
