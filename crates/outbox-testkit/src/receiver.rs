@@ -108,6 +108,9 @@ struct Shared {
     /// Bodies containing this text get this status (recorded), whatever
     /// the script says.
     refuse: Mutex<Option<(String, u16)>>,
+    /// How long each POST waits, once recorded, before its answer: a slow
+    /// consumer.
+    delay: Mutex<Option<Duration>>,
     /// How many requests are in `log`; waiters watch it.
     count: watch::Sender<usize>,
 }
@@ -135,6 +138,7 @@ impl Receiver {
             max_body: Mutex::new(None),
             poison: Mutex::new(None),
             refuse: Mutex::new(None),
+            delay: Mutex::new(None),
             count: watch::Sender::new(0),
         });
         let mut receiver = Receiver {
@@ -225,6 +229,14 @@ impl Receiver {
         *lock(&self.state.refuse) = refuse.map(|(text, status)| (text.to_owned(), status));
     }
 
+    /// Answers every POST `delay` after it arrived from now on (`None`:
+    /// at once): a slow consumer. The request is recorded on arrival, so
+    /// [`wait_for_count`](Self::wait_for_count) sees it while it waits;
+    /// requests wait concurrently.
+    pub fn set_delay(&self, delay: Option<Duration>) {
+        *lock(&self.state.delay) = delay;
+    }
+
     /// `http://127.0.0.1:<port>/events` (any path is accepted).
     pub fn url(&self) -> String {
         format!("http://{}/events", self.addr)
@@ -263,7 +275,11 @@ impl Receiver {
         let mut count = self.state.count.subscribe();
         // The sender lives in `self.state`, so the channel cannot close
         // while we borrow `self`.
-        let arrived = tokio::time::timeout(timeout, count.wait_for(|&c| c >= n)).await;
+        // `wait_for`'s guard holds the channel's read lock: drop it before
+        // `received` takes the log, since `record` takes the log and then
+        // the channel's write lock (holding both was a deadlock).
+        let arrived =
+            tokio::time::timeout(timeout, async { count.wait_for(|&c| c >= n).await.map(drop) }).await;
         match arrived {
             Ok(_) => Ok(self.received()),
             Err(_) => Err(Error::Timeout {
@@ -351,6 +367,10 @@ async fn record(
         let mut log = lock(&state.log);
         log.push(received);
         state.count.send_replace(log.len());
+    }
+    let delay = *lock(&state.delay);
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
     }
     let mut response = status.into_response();
     if let Some(secs) = retry_after {

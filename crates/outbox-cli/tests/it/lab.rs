@@ -1,7 +1,9 @@
 //! `outbox lab all --quick` (issue 6): every correctness verdict holds with
 //! the reference's exact counts, the HTML report is well formed (an XML
 //! parser reads it), has each experiment's table and an `<svg>` per plot,
-//! and a real headless chromium opens it and takes a screenshot.
+//! and a real headless chromium opens it and takes a screenshot. And
+//! `outbox lab slow-sink --quick` (issue 18): a lease claim holds no
+//! transaction open through a slow delivery, a lock claim does.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -11,7 +13,7 @@ use serde_json::Value;
 use crate::support::{outbox_cmd, text};
 
 /// Every experiment `all` runs.
-const EXPERIMENTS: [&str; 13] = [
+const EXPERIMENTS: [&str; 14] = [
     "dual-write",
     "rollback",
     "crash-before-mark",
@@ -25,6 +27,7 @@ const EXPERIMENTS: [&str; 13] = [
     "cleanup",
     "redis-group",
     "wal",
+    "slow-sink",
 ];
 
 #[tokio::test]
@@ -124,6 +127,87 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
     let html = std::fs::read_to_string(&report).expect("the report was written");
     check_well_formed(&html, outcomes);
     open_in_chromium(&report, &dir).await;
+}
+
+/// `outbox lab slow-sink --quick` (a receiver answering in 2 s, 10,000
+/// updates of an unrelated table during delivery, then a VACUUM of it):
+/// under `--claim lock` a relay transaction outlives the receiver's 2 s and
+/// the VACUUM leaves the updates' dead tuples; under `--claim lease` no
+/// relay transaction seen lasts over 100 ms and the VACUUM removes them.
+/// The figures are the experiment's side-by-side table in `--json`.
+#[tokio::test]
+async fn issue_18_slow_sink_lease_claims_hold_back_no_vacuum() {
+    let mut cmd = outbox_cmd();
+    cmd.args(["lab", "slow-sink", "--quick", "--json"]);
+    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
+        .await
+        .expect("outbox lab slow-sink --quick within 5 minutes")
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "outbox lab slow-sink failed: {}\n{}",
+        text(&out.stderr),
+        text(&out.stdout)
+    );
+    let outcomes: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    let [outcome] = outcomes.as_array().unwrap().as_slice() else {
+        panic!("one experiment: {outcomes}")
+    };
+    assert_eq!(outcome["name"], "slow-sink");
+    let table = outcome["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["title"] == "Lock and lease side by side")
+        .expect("the side-by-side table");
+    let header: Vec<&str> = table["header"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap())
+        .collect();
+    let figure = |claim: &str, column: &str| -> f64 {
+        let i = header
+            .iter()
+            .position(|h| *h == column)
+            .unwrap_or_else(|| panic!("no column {column:?} in {header:?}"));
+        let row = table["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r[0] == claim)
+            .unwrap_or_else(|| panic!("no row {claim}"));
+        row[i].as_str().unwrap().parse().unwrap()
+    };
+
+    for claim in ["lock", "lease"] {
+        // The sampler found the relay's backends, and every event arrived.
+        assert!(
+            figure(claim, "relay backends") >= 1.0,
+            "{claim}: relay backends seen"
+        );
+        assert_eq!(figure(claim, "distinct events"), 128.0, "{claim}");
+        assert_eq!(figure(claim, "updates"), 10_000.0, "{claim}");
+    }
+    // Lock: the fault happens. A transaction stays open through a batch's
+    // delivery, longer than one request, and the VACUUM keeps the updates.
+    let lock_open = figure("lock", "oldest relay xact, s");
+    assert!(lock_open > 2.0, "lock: oldest relay transaction {lock_open} s");
+    let lock_dead = figure("lock", "dead after VACUUM");
+    assert!(lock_dead > 0.0, "lock: the VACUUM removed every dead tuple");
+    // Lease: claim and mark are short transactions; delivery holds none.
+    let lease_open = figure("lease", "oldest relay xact, s");
+    assert!(
+        lease_open <= 0.1,
+        "lease: a relay transaction open {lease_open} s"
+    );
+    // ≈ 0, not 0: a snapshot of another backend's (the sampler's own
+    // query) running as the VACUUM starts may keep the last few updates.
+    let lease_dead = figure("lease", "dead after VACUUM");
+    assert!(
+        lease_dead <= 100.0,
+        "lease: {lease_dead} dead tuples of 10,000 updates left by the VACUUM"
+    );
 }
 
 /// Parses the page as XML and finds, per experiment, its section, a table

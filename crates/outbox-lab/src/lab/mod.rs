@@ -29,6 +29,7 @@ mod redis_group;
 mod retry;
 mod rollback;
 mod shop;
+mod slow_sink;
 mod wal;
 mod watermark;
 
@@ -65,7 +66,7 @@ pub struct LabArgs {
 }
 
 /// Every experiment, in the order `all` runs them, with a one-line summary.
-const EXPERIMENTS: [(&str, &str); 13] = [
+const EXPERIMENTS: [(&str, &str); 14] = [
     (
         "dual-write",
         "commit-then-POST under five failure paths vs the outbox: ghost and missing shipments",
@@ -117,6 +118,10 @@ const EXPERIMENTS: [(&str, &str); 13] = [
     (
         "wal",
         "log tailing vs polling: events/s, WAL per event, dead tuples, retained WAL in a sink outage",
+    ),
+    (
+        "slow-sink",
+        "a 2 s receiver, --claim lock vs lease: oldest relay transaction, VACUUM of an unrelated table",
     ),
 ];
 
@@ -248,6 +253,7 @@ async fn experiment(lab: &mut Scratch, name: &str) -> anyhow::Result<Outcome> {
         "cleanup" => cleanup::run(lab).await,
         "redis-group" => redis_group::run(lab).await,
         "wal" => wal::run(lab).await,
+        "slow-sink" => slow_sink::run(lab).await,
         other => bail!("no experiment {other:?}"),
     }
 }

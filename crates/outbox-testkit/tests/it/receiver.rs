@@ -109,3 +109,35 @@ async fn wait_for_count_wakes_on_arrival_and_times_out_with_the_count() {
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     assert!(err.to_string().contains("2 arrived"), "{err}");
 }
+
+#[tokio::test]
+async fn a_delayed_post_is_recorded_on_arrival_and_answered_after_the_delay() {
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let url = receiver.url();
+
+    // Recorded while its answer waits: the client still has none.
+    receiver.set_delay(Some(LONG * 10));
+    let parked = tokio::spawn({
+        let url = url.clone();
+        async move { post(&client(), &url, 0).await.status().as_u16() }
+    });
+    let received = receiver.wait_for_count(1, LONG).await.unwrap();
+    assert_eq!(received[0].body, json!({ "n": 0 }));
+    assert!(!parked.is_finished(), "answered before its delay");
+    parked.abort();
+
+    // A tokio sleep lasts at least its duration, so this bound holds.
+    let delay = Duration::from_millis(200);
+    receiver.set_delay(Some(delay));
+    let started = std::time::Instant::now();
+    assert_eq!(post(&client(), &url, 1).await.status().as_u16(), 200);
+    assert!(
+        started.elapsed() >= delay,
+        "answered after {:?}",
+        started.elapsed()
+    );
+
+    receiver.set_delay(None);
+    assert_eq!(post(&client(), &url, 2).await.status().as_u16(), 200);
+    assert_eq!(receiver.count(), 3);
+}
