@@ -175,8 +175,7 @@ impl Relay {
     /// The polling source's loops, one per lane, on shared partition leases;
     /// the first to fail stops the others.
     async fn run_lanes(mut self, cancel: CancellationToken) -> Result<(), RelayError> {
-        let leases = poll::start_leases(&self.config, &self.pg);
-        let owner = leases.as_ref().map_or_else(uuid::Uuid::new_v4, |l| l.relay_id());
+        let owner = uuid::Uuid::new_v4();
         let extra = std::mem::take(&mut self.lanes);
         let taken: Vec<String> = extra.iter().flat_map(|l| l.types.iter().cloned()).collect();
         let mut loops = Vec::with_capacity(extra.len() + 1);
@@ -198,7 +197,6 @@ impl Relay {
                     types: Some(true),
                 },
                 types: lane.types,
-                leases: leases.as_ref().map(|l| l.lane()),
                 owner,
             };
             loops.push((relay, lane));
@@ -209,15 +207,34 @@ impl Relay {
                 types: (!taken.is_empty()).then_some(false),
             },
             types: taken,
-            leases,
             owner,
         };
         loops.insert(0, (self, own));
+        // Every lane connects before the lease task starts: its first tick
+        // must record their batch connections, which another relay
+        // terminates if it declares this one dead while a batch holds locks.
+        let mut opened = Vec::with_capacity(loops.len());
+        for (relay, lane) in loops {
+            let types = lane.types_display();
+            match relay.open_lane(lane, &cancel).await? {
+                Some(source) => opened.push((relay, source, types)),
+                None => return Ok(()),
+            }
+        }
+        let (config, pg) = (&opened[0].0.config, &opened[0].0.pg);
+        if let Some(leases) = poll::start_leases(config, pg, owner) {
+            let mut handles: Vec<_> = (1..opened.len()).map(|_| leases.lane()).collect();
+            handles.insert(0, leases);
+            for ((_, source, _), handle) in opened.iter_mut().zip(handles) {
+                source.attach_leases(handle);
+            }
+        }
         let stop = cancel.child_token();
-        let runs = loops.into_iter().map(|(relay, lane)| {
+        let runs = opened.into_iter().map(|(relay, source, types)| {
             let stop = stop.clone();
             async move {
-                let result = relay.run_lane(lane, stop.clone()).await;
+                relay.ready(&source, types);
+                let result = relay.drive(source, stop.clone()).await;
                 if result.is_err() {
                     stop.cancel();
                 }
@@ -227,27 +244,26 @@ impl Relay {
         futures::future::join_all(runs).await.into_iter().collect()
     }
 
-    /// One lane of the polling source: opens it, then the loop.
-    async fn run_lane(self, lane: Lane, cancel: CancellationToken) -> Result<(), RelayError> {
+    /// Connects one lane of the polling source. None if cancelled first.
+    async fn open_lane(
+        &self,
+        lane: Lane,
+        cancel: &CancellationToken,
+    ) -> Result<Option<PollSource>, RelayError> {
         let batch_metrics = BatchMetrics::new(self.sink.name());
-        let claim = self.config.claim;
-        // No field at all unless the relay has lanes.
-        let types = match lane.spec.types {
-            None => None,
-            Some(true) => Some(lane.types.join(",")),
-            Some(false) => Some(format!("all but {}", lane.types.join(","))),
-        };
-        let source = PollSource::open(
+        PollSource::open(
             self.config.clone(),
             self.pg.clone(),
             Arc::clone(&self.counters),
             batch_metrics,
             lane,
-            &cancel,
-        );
-        let Some(source) = source.await? else {
-            return Ok(());
-        };
+            cancel,
+        )
+        .await
+    }
+
+    /// The lane's `relay ready` line.
+    fn ready(&self, source: &PollSource, types: Option<String>) {
         info!(
             table = %self.config.outbox.display_name(),
             sink = self.sink.name(),
@@ -255,13 +271,13 @@ impl Relay {
             notify = self.config.notify,
             ordering = %self.config.ordering,
             ordering_for = %self.config.ordering_for_display(),
-            claim = %claim,
+            claim = %self.config.claim,
+            // No field at all unless the relay has lanes.
             types,
             // A bare UUID, and no field at all under `--ordering none`.
             relay_id = source.relay_id().map(tracing::field::display),
             "relay ready"
         );
-        self.drive(source, cancel).await
     }
 
     /// The loop over cycles, from READY until shutdown.

@@ -459,11 +459,11 @@ mod tests {
         assert!(e.contains("subjekt"), "{e}");
         // The same message as a derived `deny_unknown_fields` table's, at the key.
         let known = if cfg!(feature = "kafka") {
-            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `stream_prefix`, `nats_subject`, \
+            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `stream_prefix`, `nats_subject`, \
              `amqp_exchange`, `amqp_routing_key`, `kafka_topic`, `kafka_options`, `http_secret`, \
              `http_concurrency`, `http_timeout`"
         } else {
-            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `stream_prefix`, `nats_subject`, \
+            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `stream_prefix`, `nats_subject`, \
              `amqp_exchange`, `amqp_routing_key`, `http_secret`, `http_concurrency`, `http_timeout`"
         };
         assert_eq!(

@@ -109,13 +109,24 @@ struct Settled {
 }
 
 /// How a source claims: the statements' rendering, the types it takes or
-/// leaves, the partition leases it shares (if the ordering takes any) and
-/// the id a lease claim is written under.
+/// leaves, and the id a lease claim is written under (the relay's id in
+/// the lease table, when it takes leases).
 pub(crate) struct Lane {
     pub(crate) spec: ClaimSpec,
     pub(crate) types: Vec<String>,
-    pub(crate) leases: Option<Leases>,
     pub(crate) owner: Uuid,
+}
+
+impl Lane {
+    /// The types it takes, for its `relay ready` line; None when it takes
+    /// every type.
+    pub(crate) fn types_display(&self) -> Option<String> {
+        match self.spec.types {
+            None => None,
+            Some(true) => Some(self.types.join(",")),
+            Some(false) => Some(format!("all but {}", self.types.join(","))),
+        }
+    }
 }
 
 /// The batches in flight across the two connections (see the module docs
@@ -164,7 +175,8 @@ pub(crate) struct PollSource {
 
 impl PollSource {
     /// Connects (retrying until the connect timeout; a schema problem fails
-    /// at once) and starts the lease task. None if cancelled first.
+    /// at once). None if cancelled first. The partition leases, if any,
+    /// come with [`PollSource::attach_leases`].
     pub(crate) async fn open(
         config: RelayConfig,
         pg: PgConfig,
@@ -199,14 +211,20 @@ impl PollSource {
             claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST),
         };
         let Some(sessions) = source.connect_at_startup(cancel).await? else {
-            if let Some(leases) = lane.leases {
-                leases.leave().await;
-            }
             return Ok(None);
         };
-        source.leases = lane.leases;
         source.use_sessions(sessions);
         Ok(Some(source))
+    }
+
+    /// Claims under `leases` from now on, and records the connections for
+    /// their next tick (before the first one: the caller has not yielded
+    /// since starting them).
+    pub(crate) fn attach_leases(&mut self, leases: Leases) {
+        self.leases = Some(leases);
+        if let Some(sessions) = self.sessions.take() {
+            self.use_sessions(sessions);
+        }
     }
 
     /// This relay's id in the lease table, if it takes leases.
@@ -856,7 +874,7 @@ impl Source for PollSource {
 /// The partition leases a relay with `config`'s ordering takes, started;
 /// None under `--ordering none`. Shared by the relay's lanes
 /// ([`Leases::lane`]).
-pub(crate) fn start_leases(config: &RelayConfig, pg: &PgConfig) -> Option<Leases> {
+pub(crate) fn start_leases(config: &RelayConfig, pg: &PgConfig, relay_id: Uuid) -> Option<Leases> {
     if config.ordering == OrderMode::None {
         return None;
     }
@@ -865,7 +883,7 @@ pub(crate) fn start_leases(config: &RelayConfig, pg: &PgConfig) -> Option<Leases
     pg.postgres_mut().application_name("outbox-relay lease");
     let settings = LeaseSettings {
         pg,
-        relay_id: Uuid::new_v4(),
+        relay_id,
         name: config.name.clone().unwrap_or_else(default_name),
         timeout: config.lease_timeout,
         poll: config.poll_interval,
