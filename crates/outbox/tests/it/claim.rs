@@ -398,17 +398,18 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
             .unwrap(),
         (5, 0)
     );
-    let before: Vec<String> = db
-        .client
-        .query(
-            "SELECT published_at::text FROM outbox WHERE id = ANY($1) ORDER BY id",
-            &[&late_ids],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let marks_of_late = async || -> Vec<String> {
+        let rows = db
+            .client
+            .query(
+                "SELECT published_at::text FROM outbox WHERE id = ANY($1) ORDER BY id",
+                &[&late_ids],
+            )
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
+    };
+    let before = marks_of_late().await;
     assert_eq!(
         sa.mark_leased(&a, &marks(&late_ids, late_fence.unwrap()))
             .await
@@ -416,16 +417,6 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
         (0, 0),
         "the old holder marks nothing"
     );
-    let after: Vec<String> = db
-        .client
-        .query(
-            "SELECT published_at::text FROM outbox WHERE id = ANY($1) ORDER BY id",
-            &[&late_ids],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let after = marks_of_late().await;
     assert_eq!(before, after, "OTHER's marks stand");
 }
