@@ -6,7 +6,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_relay::{Backlog, Backoff, Counters, Failpoint, Relay, RelayConfig, SourceKind, WalSettings};
+use outbox_relay::{
+    Backlog, Backoff, ClaimMode, Counters, Failpoint, Relay, RelayConfig, SourceKind, WalSettings,
+};
 
 use crate::cli::{Global, RelayArgs};
 use crate::config::{ConfigFile, Layered, OtherLane};
@@ -117,6 +119,17 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         Some(url) => Some(outbox_relay::sink::from_url(url, &options)?),
         None => None,
     };
+    let leases = claim == ClaimMode::Lease || lane.as_ref().is_some_and(|l| l.claim == ClaimMode::Lease);
+    if leases && args.source == SourceKind::Poll && args.claim_timeout < options.timeout * 2 {
+        // Not an error: a sink that answers well within its timeout is
+        // served. But a batch whose requests run into it outlives its claim.
+        tracing::warn!(
+            claim_timeout = %humantime::format_duration(args.claim_timeout),
+            http_timeout = %humantime::format_duration(options.timeout),
+            "--claim-timeout is under twice the sink's timeout: a batch whose requests time out \
+             outlives its claim, is abandoned and sent again; raise --claim-timeout"
+        );
+    }
     let failpoint = match std::env::var("OUTBOX_FAILPOINT") {
         Ok(v) if !v.is_empty() => Some(v.parse::<Failpoint>().map_err(ConfigError)?),
         _ => None,

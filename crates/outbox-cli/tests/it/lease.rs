@@ -238,3 +238,37 @@ async fn a_route_can_claim_by_lease_while_the_others_lock() {
     relay.wait(LONG).await.unwrap();
     assert_eq!(db.unpublished().await, 200, "nothing marked before the kill");
 }
+
+/// A claim timeout under twice the sink's timeout is allowed but named: a
+/// batch whose requests time out would outlive its claim.
+#[tokio::test]
+async fn a_claim_timeout_shorter_than_the_sinks_is_warned_about() {
+    let env = [("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")];
+    let show = |timeout: &'static str| {
+        let args = [
+            "config",
+            "show",
+            "--sink",
+            "redis://127.0.0.1:6379",
+            "--claim",
+            "lease",
+            "--claim-timeout",
+            timeout,
+        ];
+        async move { crate::support::run_cli(&args, &env).await }
+    };
+    let short = show("5s").await;
+    assert_eq!(short.status.code(), Some(0));
+    let stderr = crate::support::text(&short.stderr);
+    assert!(
+        stderr.contains("--claim-timeout is under twice the sink's timeout")
+            && stderr.contains("claim_timeout=5s"),
+        "{stderr}"
+    );
+    let default = show("60s").await;
+    assert_eq!(default.status.code(), Some(0));
+    assert!(
+        !crate::support::text(&default.stderr).contains("--claim-timeout is under"),
+        "the default is long enough"
+    );
+}
