@@ -1,0 +1,333 @@
+//! `outbox replay`: re-deliver published events to a sink, resumably.
+//!
+//! Owns the command's flow: starting a job (target and filter checked,
+//! then counted and recorded) or resuming one under its lock, `--dry-run`,
+//! `--list`, and the summary. The target is `target.rs`'s, the page loop
+//! and its retries `pages.rs`'s, the pacer and progress `pace.rs`'s. The
+//! SQL is `outbox::sql::ReplaySql`'s; the sinks are the relay's.
+//!
+//! What it keeps: every matching published row with an id up to the job's
+//! bound is acknowledged by the sink at least once, with its original
+//! `event_id`, in id order (so in order per aggregate: an aggregate's rows
+//! are never split across pages out of order, and a page is sent only
+//! after the previous one was acknowledged). The cursor is saved only
+//! after the sink acknowledged everything up to it, so a crash or SIGKILL
+//! re-sends at most the page in flight. Live delivery is untouched: no row
+//! is claimed, locked or marked, and no transaction stays open while the
+//! sink has a page.
+
+use anyhow::Context;
+use outbox::sql::{NewReplay, ReplayFilter, ReplayJob, ReplaySql, ReplayState};
+use outbox_relay::SinkOptions;
+use outbox_relay::sink::format::Formatter;
+use tokio_postgres::Client;
+
+use crate::cli::{Global, ReplayArgs};
+use crate::exit::ConfigError;
+
+mod pace;
+mod pages;
+mod target;
+
+use pages::{Rate, Replay};
+use target::{Target, format_name, parse_format};
+
+/// Events per second when `--rate` is not given: about a fiftieth of what
+/// one relay delivers to Redis at batch 100 (docs/bench.md), so the sink
+/// and PostgreSQL keep nearly all their room for live delivery, and still
+/// 3.6 million events an hour.
+const DEFAULT_RATE: f64 = 1000.0;
+
+pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
+    let config = super::outbox_config(g)?;
+    if args.list {
+        let client = connected(g, &config).await?;
+        return list(&client, &ReplaySql::new(&config)?, args.json).await;
+    }
+    match args.resume {
+        Some(id) => resume(g, &config, id, args).await,
+        None => start(g, &config, args).await,
+    }
+}
+
+/// A new job: target and filter checked before PostgreSQL is touched, then
+/// counted, recorded and run (or, with `--dry-run`, only counted).
+async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow::Result<()> {
+    let options = sink_options(g, args.sink_options);
+    let Some(to) = args.to else {
+        unreachable!("clap requires --to without --resume or --list");
+    };
+    let target = Target::parse(&to);
+    let mut filter = ReplayFilter {
+        aggregate_type: args.aggregate_type,
+        aggregate_id: args.aggregate_id,
+        event_type: args.event_type,
+        since: args.since,
+        until: args.until,
+        exclude_types: None,
+    };
+    let sink = target.sink(args.config.as_deref(), &options, Some(&mut filter))?;
+    let client = connected(g, config).await?;
+    let sql = ReplaySql::new(config)?;
+    if args.dry_run {
+        return dry_run(&client, config, &sql, &filter, &target.stored()).await;
+    }
+    let rate = args.rate.unwrap_or(DEFAULT_RATE);
+    let format = format_name(&options.formatter);
+    let (upto_id, matched) = sql
+        .count_matching(&client, &filter)
+        .await
+        .context("counting the events to replay")?;
+    let removed = sql
+        .removed(&client, &filter)
+        .await
+        .context("reading what cleanup removed")?;
+    let job = sql
+        .create_job(
+            &client,
+            &NewReplay {
+                target: &target.stored(),
+                format: &format,
+                filter: &filter,
+                rate,
+                upto_id,
+                matched,
+                removed,
+            },
+        )
+        .await
+        .context("creating the replay job")?;
+    // A fresh job: nobody else can hold its lock.
+    sql.lock_job(&client, job.id)
+        .await
+        .context("locking the replay job")?;
+    println!(
+        "replay job {}: {matched} events with ids up to {upto_id} to {} ({format}, {})",
+        job.id,
+        job.target,
+        Rate(rate)
+    );
+    if matched == 0 {
+        explain_nothing(&client, config, &sql).await?;
+    }
+    say_removed(&job);
+    Replay::new(&client, &sql, sink, job, rate, g.max_attempts)
+        .run()
+        .await
+}
+
+/// The sink flags' options, as the relay builds them.
+fn sink_options(g: &Global, flags: Box<crate::cli::SinkArgs>) -> SinkOptions {
+    flags.options(|| format!("/outbox/{}.{}", g.schema, g.table))
+}
+
+/// A connection to a migrated outbox.
+async fn connected(g: &Global, config: &outbox::Config) -> anyhow::Result<Client> {
+    let client = super::connect(&super::pg_config(g)?).await?;
+    outbox::check(&client, config).await?;
+    Ok(client)
+}
+
+/// Continues job `id` from its cursor, with its filter, target and format.
+async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) -> anyhow::Result<()> {
+    let mut options = sink_options(g, args.sink_options);
+    let client = &connected(g, config).await?;
+    let sql = &ReplaySql::new(config)?;
+    let job = sql
+        .job(client, id)
+        .await
+        .context("reading the replay job")?
+        .ok_or_else(|| ConfigError(format!("no replay job {id} (see `outbox replay --list`)")))?;
+    if job.state == ReplayState::Done {
+        println!(
+            "replay job {id} is done already: {} of {} events sent",
+            job.sent, job.matched
+        );
+        return Ok(());
+    }
+    let target = match args.to {
+        Some(to) => {
+            let given = Target::parse(&to);
+            if given.stored() != job.target {
+                return Err(ConfigError(format!(
+                    "--to {} is not replay job {id}'s target {} (leave --to out, or give the job's own URL)",
+                    given.stored(),
+                    job.target
+                ))
+                .into());
+            }
+            given
+        }
+        None if job.target.contains("***") => {
+            return Err(ConfigError(format!(
+                "replay job {id}'s target {} held a password, which is never stored: give the URL again with \
+                 --to (`outbox replay --resume {id} --to <URL>`)",
+                job.target
+            ))
+            .into());
+        }
+        None => Target::parse(&job.target),
+    };
+    // The job's envelope, whatever the flags say: consumers see one format.
+    let (format, mode) = parse_format(&job.format)?;
+    let (_, _, source) = options.formatter.parts();
+    options.formatter = Formatter::new(format, mode, source.to_owned());
+    let sink = target.sink(args.config.as_deref(), &options, None)?;
+    if !sql.lock_job(client, id).await.context("locking the replay job")? {
+        anyhow::bail!(
+            "replay job {id} is running in another process (see `outbox replay --list`); stop that one first"
+        );
+    }
+    let rate = args.rate.unwrap_or(job.rate);
+    println!(
+        "replay job {id}: resuming after id {} ({} of {} sent) up to {} to {} ({}, {})",
+        job.cursor_id,
+        job.sent,
+        job.matched,
+        job.upto_id,
+        job.target,
+        job.format,
+        Rate(rate)
+    );
+    Replay::new(client, sql, sink, job, rate, g.max_attempts)
+        .run()
+        .await
+}
+
+/// `--dry-run`: what a replay would send, and what cleanup removed.
+async fn dry_run(
+    client: &Client,
+    config: &outbox::Config,
+    sql: &ReplaySql,
+    filter: &ReplayFilter,
+    target: &str,
+) -> anyhow::Result<()> {
+    let (upto_id, matched) = sql
+        .count_matching(client, filter)
+        .await
+        .context("counting the events to replay")?;
+    let removed = sql
+        .removed(client, filter)
+        .await
+        .context("reading what cleanup removed")?;
+    println!("dry run: would replay {matched} events with ids up to {upto_id} to {target}; nothing sent");
+    if removed.count > 0 {
+        println!("{}", removed_line(removed));
+    }
+    if matched == 0 {
+        explain_nothing(client, config, sql).await?;
+    }
+    Ok(())
+}
+
+/// `--list`: every job, newest first.
+async fn list(client: &Client, sql: &ReplaySql, json: bool) -> anyhow::Result<()> {
+    let jobs = sql.jobs(client).await.context("listing replay jobs")?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&jobs)?);
+        return Ok(());
+    }
+    if jobs.is_empty() {
+        println!("no replay jobs");
+        return Ok(());
+    }
+    println!(
+        "{:>6}  {:<18}  {:>15}  {:>12}  {:>8}  {:<20}  {:<32}  filter",
+        "id", "state", "sent/matched", "cursor", "removed", "created", "target"
+    );
+    for j in &jobs {
+        let state = match (j.state, j.live) {
+            (ReplayState::Running, false) => "running (no process)".to_owned(),
+            (s, _) => s.as_str().to_owned(),
+        };
+        println!(
+            "{:>6}  {:<18}  {:>15}  {:>12}  {:>8}  {:<20}  {:<32}  {}{}",
+            j.id,
+            state,
+            format!("{}/{}", j.sent, j.matched),
+            format!("{}/{}", j.cursor_id, j.upto_id),
+            j.removed.count,
+            j.created_at.format("%Y-%m-%d %H:%M:%S"),
+            j.target,
+            describe(&j.filter),
+            j.last_error
+                .as_deref()
+                .map(|e| format!("  [{e}]"))
+                .unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// The filter in the flags' words.
+fn describe(f: &ReplayFilter) -> String {
+    let mut parts = Vec::new();
+    for (flag, value) in [
+        ("--aggregate-type", &f.aggregate_type),
+        ("--aggregate-id", &f.aggregate_id),
+        ("--event-type", &f.event_type),
+    ] {
+        if let Some(v) = value {
+            parts.push(format!("{flag} {v}"));
+        }
+    }
+    if let Some(t) = f.since {
+        parts.push(format!("--since {}", t.to_rfc3339()));
+    }
+    if let Some(t) = f.until {
+        parts.push(format!("--until {}", t.to_rfc3339()));
+    }
+    if let Some(types) = &f.exclude_types {
+        parts.push(format!("not {}", types.join(",")));
+    }
+    if parts.is_empty() {
+        "every published event".to_owned()
+    } else {
+        parts.join(" ")
+    }
+}
+
+/// Why nothing matched, when the reason is cheap to see: log tailing
+/// deletes delivered rows or never marks them published.
+async fn explain_nothing(client: &Client, config: &outbox::Config, sql: &ReplaySql) -> anyhow::Result<()> {
+    let slot = outbox::sql::WalSql::new(config)?
+        .slot_state(client)
+        .await
+        .context("looking up the replication slot")?;
+    if let Some(slot) = slot
+        && !sql
+            .any_published(client)
+            .await
+            .context("looking for published rows")?
+    {
+        eprintln!(
+            "warning: {} has no published row to replay: it is read by log tailing (slot {}), which deletes \
+             delivered rows (--wal-cleanup delete) or leaves them unmarked (none)",
+            config.display_name(),
+            slot.slot
+        );
+    }
+    Ok(())
+}
+
+fn say_removed(job: &ReplayJob) {
+    if job.removed.count > 0 {
+        println!("{}", removed_line(job.removed));
+    }
+}
+
+fn removed_line(removed: outbox::sql::Removed) -> String {
+    if removed.exact {
+        format!(
+            "{} matching events were removed by cleanup before this replay and cannot be sent",
+            removed.count
+        )
+    } else {
+        format!(
+            "up to {} matching events were removed by cleanup before this replay and cannot be sent (not \
+             exact: cleanup records counts per aggregate type, event type and hour, not per aggregate id or \
+             to the second)",
+            removed.count
+        )
+    }
+}
