@@ -69,8 +69,7 @@ pub struct RelayConfig {
 
 /// How the polling source claims a batch: the value of `outbox relay
 /// --claim`, or of a route's `claim` key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ClaimMode {
     /// Locks the batch (`FOR UPDATE SKIP LOCKED`) in a transaction that
     /// stays open while it is at the sink and commits its marks: one

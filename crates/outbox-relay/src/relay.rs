@@ -143,16 +143,14 @@ impl Relay {
     /// invalidated; connection losses reconnect.
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
-        let counters = Arc::clone(&self.counters);
-        let batch_metrics = BatchMetrics::new(self.sink.name());
         match self.config.source {
             SourceKind::Poll => self.run_lanes(cancel).await,
             SourceKind::Wal => {
                 let source = WalSource::open(
                     self.config.clone(),
                     self.pg.clone(),
-                    counters,
-                    batch_metrics,
+                    Arc::clone(&self.counters),
+                    BatchMetrics::new(self.sink.name()),
                     &cancel,
                 );
                 let Some(source) = source.await? else {

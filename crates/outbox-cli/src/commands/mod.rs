@@ -57,6 +57,12 @@ pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
     Ok(outbox::Config::new(&g.schema, &g.table)?.with_channel(&g.channel)?)
 }
 
+/// The sink flags' options, the CloudEvents source defaulting to the
+/// outbox's name: what `relay` and `replay` send with.
+pub(crate) fn sink_options(g: &Global, flags: crate::cli::SinkArgs) -> outbox_relay::SinkOptions {
+    flags.options(|| format!("/outbox/{}.{}", g.schema, g.table))
+}
+
 /// `DATABASE_URL` parsed (TLS parameters included), with the connect
 /// timeout.
 pub(crate) fn pg_config(g: &Global) -> anyhow::Result<PgConfig> {

@@ -98,7 +98,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         ))
         .into());
     }
-    let options = (*args.sink_options).options(|| format!("/outbox/{}.{}", g.schema, g.table));
+    let options = super::sink_options(g, *args.sink_options);
     let mut ordering_for = args.ordering_for;
     let file = file.map(ConfigFile::into_body).unwrap_or_default();
     // The file's [ordering] table wins over ordering_for.

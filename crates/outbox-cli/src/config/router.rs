@@ -42,11 +42,12 @@ impl RelayFile {
         let mode = |name: &str, table: &SinkTable| -> Result<ClaimMode, ConfigError> {
             match table.claim.as_deref() {
                 None => Ok(claim),
-                Some("lock") => Ok(ClaimMode::Lock),
-                Some("lease") => Ok(ClaimMode::Lease),
-                Some(other) => Err(ConfigError(format!(
-                    "--config {name} claim = {other:?}: expected \"lock\" or \"lease\""
-                ))),
+                // `--claim`'s own parser, so the key takes what the flag does.
+                Some(value) => <ClaimMode as clap::ValueEnum>::from_str(value, false).map_err(|_| {
+                    ConfigError(format!(
+                        "--config {name} claim = {value:?}: expected \"lock\" or \"lease\""
+                    ))
+                }),
             }
         };
         let own = match &self.default {

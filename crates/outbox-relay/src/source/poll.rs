@@ -466,12 +466,13 @@ impl PollSource {
 
     /// Gives a lease claim back unsent, due again now; a lock claim is
     /// given back by its connection's ROLLBACK instead.
-    async fn release(&self, conn: usize, held: Option<&Held>) -> Result<(), SourceError> {
+    /// `lease`: the claim's row ids and fence.
+    async fn release(&self, conn: usize, lease: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
         let s = &ss[conn];
-        match held {
-            Some(h) => {
-                s.statements.release_leased(&s.client, &h.ids, h.fence).await?;
+        match lease {
+            Some((ids, fence)) => {
+                s.statements.release_leased(&s.client, ids, fence).await?;
             }
             None if self.spec.lease => {}
             None => s.client.batch_execute("ROLLBACK").await?,
@@ -481,12 +482,9 @@ impl PollSource {
 
     /// Gives back a batch claimed ahead, not handed out.
     async fn release_claimed(&self, claimed: &Claimed) -> Result<(), SourceError> {
-        let held = claimed.rows.fence.map(|fence| Held {
-            fence,
-            ids: claimed.rows.rows.iter().map(|r| r.id).collect(),
-            deadline: claimed.sent,
-        });
-        self.release(claimed.conn, held.as_ref()).await
+        let ids: Vec<i64> = claimed.rows.rows.iter().map(|r| r.id).collect();
+        let lease = claimed.rows.fence.map(|fence| (ids.as_slice(), fence));
+        self.release(claimed.conn, lease).await
     }
 
     /// Books a committed batch: counters, the retry wake-up, a debug line.
@@ -758,7 +756,8 @@ impl Source for PollSource {
             );
         }
         self.pipeline.idle = true;
-        self.release(at_sink.conn, at_sink.held.as_ref()).await
+        let lease = at_sink.held.as_ref().map(|h| (h.ids.as_slice(), h.fence));
+        self.release(at_sink.conn, lease).await
     }
 
     fn lapse(&self) -> BoxFuture<'static, ()> {

@@ -270,11 +270,8 @@ const TYPE_FILTER: &str = "AND ({a}aggregate_type = ANY({p_types}::text[])) = {p
 /// marked by this one, whose delivery then counts as a duplicate. Returns
 /// rows published and rows failed.
 const MARK_LEASED: &str = "WITH now AS (SELECT clock_timestamp() AS at), \
-     failed AS (UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
-            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', \
-            dead_at = CASE WHEN f.dead THEN now.at END, claimed_by = NULL, claimed_until = NULL \
-       FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[], $5::bool[]) \
-            AS f(id, error, attempts, delay_ms, dead) \
+     failed AS (UPDATE {t} AS o SET {failed_set}, claimed_by = NULL, claimed_until = NULL \
+       FROM now, {failed_rows} \
       WHERE o.id = f.id AND o.claimed_by = $7::uuid AND o.claimed_until = $8::timestamptz RETURNING 1), \
      delivered AS (UPDATE {t} AS o SET published_at = now.at, claimed_by = NULL, claimed_until = NULL FROM now \
       WHERE o.id = ANY($6::int8[]) AND o.claimed_by = $7::uuid AND o.claimed_until = $8::timestamptz RETURNING 1) \
@@ -334,12 +331,16 @@ const NEXT_RETRY: &str = "SELECT extract(epoch FROM min(next_attempt_at) - clock
 /// claim's mark (`published_at`). The clock is read once (the CTE) so rows
 /// given equal delays come due at the same instant and keep their id order.
 const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
-     UPDATE {t} AS o SET attempts = f.attempts, last_error = f.error, \
-            next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', published_at = NULL, \
-            dead_at = CASE WHEN f.dead THEN now.at END \
-       FROM now, unnest($1::int8[], $2::text[], $3::int4[], $4::float8[], $5::bool[]) \
-            AS f(id, error, attempts, delay_ms, dead) \
-      WHERE o.id = f.id";
+     UPDATE {t} AS o SET {failed_set}, published_at = NULL FROM now, {failed_rows} WHERE o.id = f.id";
+
+/// What every failed row's mark sets (`now.at`: the clock, read once), from
+/// the rows `FAILED_ROWS` binds: `MARK_FAILED`'s and `MARK_LEASED`'s.
+const FAILED_SET: &str = "attempts = f.attempts, last_error = f.error, \
+     next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', dead_at = CASE WHEN f.dead THEN now.at END";
+
+/// `$1..$5`, the failed rows as parallel arrays, as the relation `f`.
+const FAILED_ROWS: &str = "unnest($1::int8[], $2::text[], $3::int4[], $4::float8[], $5::bool[]) \
+     AS f(id, error, attempts, delay_ms, dead)";
 
 /// Unpublished rows per aggregate type: waiting for delivery, dead letters,
 /// given up, aggregates a dead letter blocks in strict mode, oldest waiting.
@@ -619,6 +620,8 @@ impl OutboxSql {
                 .replace("{trace}", TRACE_REMOVED)
                 .replace("{removed}", &removed)
                 .replace("{dead}", DEAD_FILTER)
+                .replace("{failed_set}", FAILED_SET)
+                .replace("{failed_rows}", FAILED_ROWS)
                 .replace("{detail}", DETAIL_COLUMNS)
                 .replace("{cols}", ROW_COLUMNS)
                 .replace("{large}", &LARGE_PAYLOAD.to_string())

@@ -18,7 +18,6 @@
 
 use anyhow::Context;
 use outbox::sql::{NewReplay, ReplayFilter, ReplayJob, ReplaySql, ReplayState};
-use outbox_relay::SinkOptions;
 use outbox_relay::sink::format::Formatter;
 use tokio_postgres::Client;
 
@@ -53,7 +52,7 @@ pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
 /// A new job: target and filter checked before PostgreSQL is touched, then
 /// counted, recorded and run (or, with `--dry-run`, only counted).
 async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow::Result<()> {
-    let options = sink_options(g, args.sink_options);
+    let options = super::sink_options(g, *args.sink_options);
     let Some(to) = args.to else {
         unreachable!("clap requires --to without --resume or --list");
     };
@@ -116,11 +115,6 @@ async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow:
         .await
 }
 
-/// The sink flags' options, as the relay builds them.
-fn sink_options(g: &Global, flags: Box<crate::cli::SinkArgs>) -> SinkOptions {
-    flags.options(|| format!("/outbox/{}.{}", g.schema, g.table))
-}
-
 /// A connection to a migrated outbox.
 async fn connected(g: &Global, config: &outbox::Config) -> anyhow::Result<Client> {
     let client = super::connect(&super::pg_config(g)?).await?;
@@ -130,7 +124,7 @@ async fn connected(g: &Global, config: &outbox::Config) -> anyhow::Result<Client
 
 /// Continues job `id` from its cursor, with its filter, target and format.
 async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) -> anyhow::Result<()> {
-    let mut options = sink_options(g, args.sink_options);
+    let mut options = super::sink_options(g, *args.sink_options);
     let client = &connected(g, config).await?;
     let sql = &ReplaySql::new(config)?;
     let job = sql
