@@ -121,6 +121,16 @@ pub(crate) enum Command {
     /// order violation where the mode promises order) or an experiment
     /// could not run; 2 an unknown experiment. Timings are never judged.
     Lab(outbox_lab::lab::LabArgs),
+    /// Crash-consistency soak: writers commit events while relays are
+    /// killed (also between the sink's ack and the mark), frozen past their
+    /// lease and cut off, PostgreSQL restarts, the sink goes away, a slot
+    /// is lost and recovered; then it drains and checks every delivery
+    /// against the ledger of what committed: lost, phantom, duplicates per
+    /// fault, order, dead letters, side effects behind the inbox. On a
+    /// throwaway PostgreSQL and redis-server (or DATABASE_URL / --sink,
+    /// whose servers it never stops). Exit codes: 0 every check holds; 1
+    /// one failed; 2 a usage mistake.
+    Soak(outbox_lab::soak::SoakArgs),
     /// The relay's settings as flags, environment and --config combine.
     #[command(subcommand)]
     Config(ConfigCommand),

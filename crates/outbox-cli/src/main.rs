@@ -20,6 +20,9 @@ fn main() -> ExitCode {
     // The demo prints its own story; relay info lines would interleave with it.
     let default_filter = match cli.command {
         cli::Command::Demo(_) | cli::Command::Bench(_) => "warn",
+        // The soak's own connections retry through PostgreSQL restarts it
+        // caused; their warnings would bury its progress.
+        cli::Command::Soak(_) => "warn,outbox_relay::pg=error",
         // lapin warns with the whole message, payload included, for each
         // unroutable one; the row's last_error already says so.
         _ => "info,tokio_postgres=warn,lapin=error",

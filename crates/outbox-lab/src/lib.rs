@@ -25,6 +25,7 @@ mod latency;
 mod plot;
 mod report;
 mod scratch;
+pub mod soak;
 
 use std::time::Duration;
 

@@ -14,6 +14,9 @@ pub(crate) enum Mark {
     Line,
     /// Points only (an attempt log).
     Points,
+    /// A vertical rule at each point's x, across the whole chart (a fault
+    /// on a timeline); the y values are ignored.
+    Rules,
 }
 
 /// One named series of (x, y) points.
@@ -38,7 +41,10 @@ pub(crate) async fn xy(
 }
 
 fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<Plot> {
-    let all = series.iter().flat_map(|s| s.points.iter());
+    let all = series
+        .iter()
+        .filter(|s| !matches!(s.mark, Mark::Rules))
+        .flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {
         x0 = x0.min(x);
@@ -84,6 +90,17 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
                         .label(s.name.as_str())
                         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
                 }
+                Mark::Rules => {
+                    chart
+                        .draw_series(
+                            s.points
+                                .iter()
+                                .map(|&(x, _)| PathElement::new(vec![(x, y0), (x, y1)], color.stroke_width(1))),
+                        )
+                        .map_err(plot_error)?
+                        .label(s.name.as_str())
+                        .legend(move |(x, y)| PathElement::new(vec![(x + 8, y - 6), (x + 8, y + 6)], color));
+                }
                 Mark::Points => {
                     chart
                         .draw_series(s.points.iter().map(|&p| Circle::new(p, 5, color.filled())))
@@ -97,6 +114,8 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
         // leave the lower right free; the attempt log its middle.
         let legend = if series.iter().all(|s| matches!(s.mark, Mark::Points)) {
             SeriesLabelPosition::MiddleMiddle
+        } else if series.iter().any(|s| matches!(s.mark, Mark::Rules)) {
+            SeriesLabelPosition::UpperRight
         } else {
             SeriesLabelPosition::LowerRight
         };

@@ -293,18 +293,9 @@ impl Scratch {
         pg_url: &str,
         args: &[&str],
     ) -> anyhow::Result<tokio::process::Command> {
-        let exe = std::env::current_exe().context("locating this binary")?;
-        let mut cmd = tokio::process::Command::new(exe);
-        for (key, _) in std::env::vars_os() {
-            if key.to_string_lossy().starts_with("OUTBOX_") || key == "NOTIFY_SOCKET" {
-                cmd.env_remove(key);
-            }
-        }
+        let mut cmd = outbox_command(pg_url)?;
         cmd.args(args)
-            .args(["--schema", self.schema, "--channel", self.channel])
-            .env("DATABASE_URL", pg_url)
-            .env("RUST_LOG", "info")
-            .kill_on_drop(true);
+            .args(["--schema", self.schema, "--channel", self.channel]);
         Ok(cmd)
     }
 
@@ -409,6 +400,22 @@ impl Scratch {
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
+}
+
+/// This binary on `pg_url` (`DATABASE_URL`, `RUST_LOG=info`), with none of
+/// the user's `OUTBOX_*` settings and no `NOTIFY_SOCKET`; killed on drop.
+pub(crate) fn outbox_command(pg_url: &str) -> anyhow::Result<tokio::process::Command> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let mut cmd = tokio::process::Command::new(exe);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("OUTBOX_") || key == "NOTIFY_SOCKET" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("DATABASE_URL", pg_url)
+        .env("RUST_LOG", "info")
+        .kill_on_drop(true);
+    Ok(cmd)
 }
 
 /// The run's progress bar: `len` steps drawn by `template`, ticking.

@@ -188,6 +188,17 @@ impl Postgres {
         }
     }
 
+    /// Stops the server with an immediate shutdown (SIGQUIT: every process
+    /// exits at once, no checkpoint; the next start runs crash recovery),
+    /// SIGKILLing it if it has not exited within 30 s. Stopping a stopped
+    /// server does nothing.
+    pub async fn stop_immediate(&mut self) -> Result<(), Error> {
+        match self.server.take() {
+            Some(mut server) => server.stop(Signal::SIGQUIT, STOP_TIMEOUT).await,
+            None => Ok(()),
+        }
+    }
+
     /// Crashes the server now: SIGKILL to the postmaster and to every
     /// process it had forked (backends, checkpointer, …), like a power cut
     /// minus the lost page cache. Returns once the postmaster is reaped and

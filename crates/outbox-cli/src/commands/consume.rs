@@ -5,12 +5,12 @@
 
 use anyhow::Context;
 use outbox::Inbox;
-use outbox::worker::Received;
+use outbox::worker::{Received, WorkerStats};
 use outbox::worker::amqp::AmqpWorker;
 use outbox::worker::nats::NatsWorker;
 use outbox::worker::redis::RedisWorker;
 use tokio_postgres::types::Type;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::cli::{ConsumeArgs, Global};
 use crate::exit::ConfigError;
@@ -43,74 +43,101 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
         ),
     };
     let inbox = Inbox::new(args.inbox_table.config()?);
-    let mut db = super::connect(&super::pg_config(g)?).await?;
-    outbox::check_inbox(&db, inbox.config()).await?;
-    // Typed, so `$4->>'field'` needs no casts; unused parameters are fine.
-    let apply = db
-        .prepare_typed(
-            &args.apply,
-            &[Type::UUID, Type::TEXT, Type::TEXT, Type::JSONB, Type::JSONB],
-        )
-        .await
-        .map_err(|e| {
-            ConfigError(format!(
-                "--apply does not prepare: {}",
-                e.as_db_error()
-                    .map_or_else(|| e.to_string(), |d| d.message().to_owned())
-            ))
-        })?;
+    let pg = super::pg_config(g)?;
     let consumer = args
         .consumer
+        .clone()
         .unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
     let pause_after_commit = std::env::var("OUTBOX_FAILPOINT").is_ok_and(|v| v == "pause-after-commit");
     let cancel = super::shutdown_token()?;
-    let effect = async |tx: &tokio_postgres::Transaction<'_>, m: &Received| {
-        tx.execute(
-            &apply,
-            &[
-                &m.event_id,
-                &m.aggregate_id,
-                &m.event_type,
-                &m.payload,
-                &m.headers,
-            ],
-        )
-        .await
-        .map(drop)
-    };
-    let stats = match from {
-        From::Nats => {
-            let mut worker = NatsWorker::new(&args.from, &stream, &group, inbox);
-            worker.ack_wait = args.claim_idle;
-            worker.pause_after_commit = pause_after_commit;
-            info!(%stream, durable = %group, "consumer ready");
-            outbox::notify::send("READY=1\nSTATUS=consumer ready");
-            worker.run(&mut db, cancel, effect).await
-        }
-        From::Amqp => {
-            let mut worker = AmqpWorker::new(&args.from, &queue, inbox);
-            worker.prefetch = args.prefetch;
-            worker.pause_after_commit = pause_after_commit;
-            info!(%queue, prefetch = args.prefetch, "consumer ready");
-            outbox::notify::send("READY=1\nSTATUS=consumer ready");
-            worker.run(&mut db, cancel, effect).await
-        }
-        From::Redis => {
-            let mut worker = RedisWorker::new(&args.from, &stream, &group, &consumer, inbox)
-                .map_err(|e| ConfigError(e.to_string()))?;
-            worker.claim_idle = args.claim_idle;
-            worker.pause_after_commit = pause_after_commit;
-            info!(%stream, %group, %consumer, "consumer ready");
-            outbox::notify::send("READY=1\nSTATUS=consumer ready");
-            worker.run(&mut db, cancel, effect).await
+    let mut total = WorkerStats::default();
+    let mut ready = false;
+    // One PostgreSQL connection at a time; when it is lost (a restart, a
+    // failover, pg_terminate_backend) the worker stops with the message
+    // it was on unacknowledged, and a new connection takes over: the
+    // broker delivers that message again and the inbox decides.
+    loop {
+        let mut db = super::connect(&pg).await?;
+        outbox::check_inbox(&db, inbox.config()).await?;
+        // Typed, so `$4->>'field'` needs no casts; unused parameters are fine.
+        let apply = db
+            .prepare_typed(
+                &args.apply,
+                &[Type::UUID, Type::TEXT, Type::TEXT, Type::JSONB, Type::JSONB],
+            )
+            .await
+            .map_err(|e| {
+                ConfigError(format!(
+                    "--apply does not prepare: {}",
+                    e.as_db_error()
+                        .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+                ))
+            })?;
+        let effect = async |tx: &tokio_postgres::Transaction<'_>, m: &Received| {
+            tx.execute(
+                &apply,
+                &[
+                    &m.event_id,
+                    &m.aggregate_id,
+                    &m.event_type,
+                    &m.payload,
+                    &m.headers,
+                ],
+            )
+            .await
+            .map(drop)
+        };
+        // Once, not per connection.
+        let first = !std::mem::replace(&mut ready, true);
+        let ran = match from {
+            From::Nats => {
+                let mut worker = NatsWorker::new(&args.from, &stream, &group, inbox.clone());
+                worker.ack_wait = args.claim_idle;
+                worker.pause_after_commit = pause_after_commit;
+                if first {
+                    info!(%stream, durable = %group, "consumer ready");
+                    outbox::notify::send("READY=1\nSTATUS=consumer ready");
+                }
+                worker.run(&mut db, cancel.clone(), effect).await
+            }
+            From::Amqp => {
+                let mut worker = AmqpWorker::new(&args.from, &queue, inbox.clone());
+                worker.prefetch = args.prefetch;
+                worker.pause_after_commit = pause_after_commit;
+                if first {
+                    info!(%queue, prefetch = args.prefetch, "consumer ready");
+                    outbox::notify::send("READY=1\nSTATUS=consumer ready");
+                }
+                worker.run(&mut db, cancel.clone(), effect).await
+            }
+            From::Redis => {
+                let mut worker = RedisWorker::new(&args.from, &stream, &group, &consumer, inbox.clone())
+                    .map_err(|e| ConfigError(e.to_string()))?;
+                worker.claim_idle = args.claim_idle;
+                worker.pause_after_commit = pause_after_commit;
+                if first {
+                    info!(%stream, %group, %consumer, "consumer ready");
+                    outbox::notify::send("READY=1\nSTATUS=consumer ready");
+                }
+                worker.run(&mut db, cancel.clone(), effect).await
+            }
+        };
+        match ran {
+            Ok(stats) => {
+                total.add(&stats);
+                break;
+            }
+            Err(e) if db.is_closed() && !cancel.is_cancelled() => {
+                warn!(error = %e, "PostgreSQL connection lost; reconnecting");
+            }
+            Err(e) => return Err(e).context("consuming"),
         }
     }
-    .context("consuming")?;
     info!(
-        processed = stats.processed,
-        duplicates = stats.duplicates,
-        claimed = stats.claimed,
-        malformed = stats.malformed,
+        processed = total.processed,
+        duplicates = total.duplicates,
+        claimed = total.claimed,
+        malformed = total.malformed,
         "consumer stopped"
     );
     Ok(())

@@ -41,6 +41,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(g, args).await,
         Command::Bench(args) => outbox_lab::bench::run(&lab_database(g), args).await,
         Command::Lab(args) => outbox_lab::lab::run(&lab_database(g), args).await,
+        Command::Soak(args) => outbox_lab::soak::run(&lab_database(g), args).await,
     }
 }
 

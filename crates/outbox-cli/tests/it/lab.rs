@@ -5,12 +5,12 @@
 //! `outbox lab slow-sink --quick` (issue 18): a lease claim holds no
 //! transaction open through a slow delivery, a lock claim does.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::{outbox_cmd, text};
+use crate::support::{open_in_chromium, outbox_cmd, text};
 
 /// Every experiment `all` runs.
 const EXPERIMENTS: [&str; 14] = [
@@ -126,7 +126,7 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
 
     let html = std::fs::read_to_string(&report).expect("the report was written");
     check_well_formed(&html, outcomes);
-    open_in_chromium(&report, &dir).await;
+    open_in_chromium(&report, &dir.join("lab-report.png"), &EXPERIMENTS).await;
 }
 
 /// `outbox lab slow-sink --quick` (a receiver answering in 2 s, 10,000
@@ -249,70 +249,3 @@ fn check_well_formed(html: &str, outcomes: &[Value]) {
     );
 }
 
-/// Opens the report in headless chromium: the DOM it built has every
-/// section, the console logged no error, and the screenshot is a PNG
-/// (kept in the target dir's tmp as the test's artifact).
-async fn open_in_chromium(report: &Path, dir: &Path) {
-    let chromium = ["chromium", "chromium-browser"]
-        .into_iter()
-        .find(|c| {
-            std::process::Command::new("which")
-                .arg(c)
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-        .expect(
-            "chromium is not installed: `apt-get install chromium` (scripts/test.sh installs it as root)",
-        );
-    let url = format!("file://{}", report.display());
-    let screenshot = dir.join("lab-report.png");
-    let _ = std::fs::remove_file(&screenshot);
-    let base = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--hide-scrollbars",
-        "--enable-logging=stderr",
-        "--v=0",
-        "--window-size=1280,4000",
-    ];
-    let run = |extra: Vec<String>| {
-        let mut cmd = tokio::process::Command::new(chromium);
-        cmd.args(base).args(extra).arg(&url).kill_on_drop(true);
-        async move {
-            tokio::time::timeout(Duration::from_secs(120), cmd.output())
-                .await
-                .expect("chromium within 2 minutes")
-                .expect("run chromium")
-        }
-    };
-    let dom = run(vec!["--dump-dom".to_owned()]).await;
-    assert!(dom.status.success(), "chromium --dump-dom: {}", text(&dom.stderr));
-    let dom_text = text(&dom.stdout);
-    for name in EXPERIMENTS {
-        assert!(
-            dom_text.contains(&format!("id=\"{name}\"")),
-            "chromium's DOM lacks {name}"
-        );
-    }
-    assert!(dom_text.contains("<svg"), "chromium's DOM has the plots");
-    let console_errors: Vec<&str> = text(&dom.stderr)
-        .lines()
-        .filter(|l| l.contains("CONSOLE") || l.contains("Uncaught"))
-        .map(|_| "console message")
-        .collect();
-    assert!(console_errors.is_empty(), "{}", text(&dom.stderr));
-
-    let shot = run(vec![format!("--screenshot={}", screenshot.display())]).await;
-    assert!(
-        shot.status.success(),
-        "chromium --screenshot: {}",
-        text(&shot.stderr)
-    );
-    let png = std::fs::read(&screenshot).expect("the screenshot was written");
-    assert!(
-        png.len() > 10_000 && png.starts_with(b"\x89PNG"),
-        "a PNG screenshot"
-    );
-    eprintln!("screenshot: {}", screenshot.display());
-}

@@ -30,6 +30,7 @@ mod retention;
 mod retry;
 mod routing;
 mod scale;
+mod soak;
 mod support;
 mod tls;
 mod wal;

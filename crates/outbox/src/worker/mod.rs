@@ -74,6 +74,16 @@ pub struct WorkerStats {
     pub malformed: u64,
 }
 
+impl WorkerStats {
+    /// Adds another run's counts (a worker restarted on a new connection).
+    pub fn add(&mut self, other: &WorkerStats) {
+        self.processed += other.processed;
+        self.duplicates += other.duplicates;
+        self.claimed += other.claimed;
+        self.malformed += other.malformed;
+    }
+}
+
 /// Why a worker stopped.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
