@@ -230,8 +230,9 @@ impl Chaos {
                 let (name, r) = self.split_brain(rng).await;
                 (name, vec![Src::Poll], r)
             }
-            // Its ACCESS EXCLUSIVE lock stalls the relays' claims and marks.
-            Fault::AddColumn => ("both outboxes".to_owned(), all, self.add_column().await),
+            // No relay should re-send for a new column: any duplicate it
+            // caused would show as unexplained.
+            Fault::AddColumn => ("both outboxes".to_owned(), Vec::new(), self.add_column().await),
             Fault::SlotInvalidation => ("the WAL source's slot".to_owned(), vec![Src::Wal], self.slot().await),
             Fault::BigTransaction { src, events } => (
                 format!("{} writer", src.name()),
@@ -445,7 +446,10 @@ impl Chaos {
                 true,
                 format!(
                     "lost after ~{written_mb} MB of WAL; recover: {}",
-                    said.lines().last().unwrap_or_default().trim()
+                    said.lines()
+                        .find(|l| l.contains("re-inserted"))
+                        .unwrap_or_default()
+                        .trim()
                 ),
             ))
         }
