@@ -17,6 +17,9 @@ pub(crate) enum Mark {
     /// A vertical rule at each point's x, across the whole chart (a fault
     /// on a timeline); the y values are ignored.
     Rules,
+    /// A short tick at each point's x along the bottom (a frequent event on
+    /// a timeline, which rules would bury the chart under).
+    Ticks,
 }
 
 /// One named series of (x, y) points.
@@ -35,15 +38,26 @@ pub(crate) async fn xy(
     y_desc: &'static str,
     series: Vec<Series>,
 ) -> anyhow::Result<Plot> {
-    tokio::task::spawn_blocking(move || draw(title, x_desc, y_desc, &series))
+    tokio::task::spawn_blocking(move || draw(title, x_desc, y_desc, &series, (760, 380)))
         .await
         .map_err(|e| anyhow!("drawing a plot: {e}"))?
 }
 
-fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<Plot> {
+/// [`xy`] as a wide timeline, for marks (`Rules`, `Ticks`) over minutes.
+pub(crate) async fn timeline(
+    title: &'static str,
+    y_desc: &'static str,
+    series: Vec<Series>,
+) -> anyhow::Result<Plot> {
+    tokio::task::spawn_blocking(move || draw(title, "seconds", y_desc, &series, (1100, 440)))
+        .await
+        .map_err(|e| anyhow!("drawing a plot: {e}"))?
+}
+
+fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series], size: (u32, u32)) -> anyhow::Result<Plot> {
     let all = series
         .iter()
-        .filter(|s| !matches!(s.mark, Mark::Rules))
+        .filter(|s| !matches!(s.mark, Mark::Rules | Mark::Ticks))
         .flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {
@@ -65,7 +79,7 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
 
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (760, 380)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
         root.fill(&WHITE).map_err(plot_error)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 18))
@@ -101,6 +115,18 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
                         .label(s.name.as_str())
                         .legend(move |(x, y)| PathElement::new(vec![(x + 8, y - 6), (x + 8, y + 6)], color));
                 }
+                Mark::Ticks => {
+                    let top = y0 + (y1 - y0) * 0.04;
+                    chart
+                        .draw_series(
+                            s.points
+                                .iter()
+                                .map(|&(x, _)| PathElement::new(vec![(x, y0), (x, top)], color.stroke_width(2))),
+                        )
+                        .map_err(plot_error)?
+                        .label(s.name.as_str())
+                        .legend(move |(x, y)| PathElement::new(vec![(x + 8, y - 3), (x + 8, y + 3)], color));
+                }
                 Mark::Points => {
                     chart
                         .draw_series(s.points.iter().map(|&p| Circle::new(p, 5, color.filled())))
@@ -114,7 +140,7 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
         // leave the lower right free; the attempt log its middle.
         let legend = if series.iter().all(|s| matches!(s.mark, Mark::Points)) {
             SeriesLabelPosition::MiddleMiddle
-        } else if series.iter().any(|s| matches!(s.mark, Mark::Rules)) {
+        } else if series.iter().any(|s| matches!(s.mark, Mark::Rules | Mark::Ticks)) {
             SeriesLabelPosition::UpperRight
         } else {
             SeriesLabelPosition::LowerRight
@@ -122,6 +148,7 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series]) -> anyhow::R
         chart
             .configure_series_labels()
             .position(legend)
+            .label_font(("sans-serif", 12))
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()

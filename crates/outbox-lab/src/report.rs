@@ -290,33 +290,23 @@ p.setup{font-family:monospace;white-space:pre-wrap;background:#f6f6f6;padding:0.
 
 /// One self-contained page: no script, no external resource. Written as
 /// XHTML-compatible HTML (every element closed, every text escaped) so an
-/// XML parser can check it.
-pub(crate) fn html(outcomes: &[Outcome], context: &str) -> String {
+/// XML parser can check it. A summary table leads when there are several
+/// outcomes.
+pub(crate) fn html(title: &str, outcomes: &[Outcome], context: &str) -> String {
     let mut h = String::new();
     // Writing to a String cannot fail.
     let _ = write!(
         h,
         "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\" lang=\"en\">\n<head>\n\
-         <meta charset=\"utf-8\"/>\n<title>outbox lab</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
-         <h1>outbox lab</h1>\n<p>{}</p>\n",
+         <meta charset=\"utf-8\"/>\n<title>{}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
+         <h1>{}</h1>\n<p>{}</p>\n",
+        escape(title),
+        escape(title),
         escape(context)
     );
-    h.push_str("<h2>Summary</h2>\n<table class=\"summary\"><thead><tr><th>experiment</th><th>measure</th><th>ours</th><th>reference</th><th>verdict</th></tr></thead><tbody>\n");
-    for o in outcomes {
-        for r in &o.rows {
-            let _ = writeln!(
-                h,
-                "<tr><td><a href=\"#{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td>{}</tr>",
-                escape(o.name),
-                escape(o.name),
-                escape(&r.measure),
-                escape(&r.ours),
-                escape(&r.reference),
-                verdict_cell(r.verdict)
-            );
-        }
+    if outcomes.len() > 1 {
+        summary(&mut h, outcomes);
     }
-    h.push_str("</tbody></table>\n");
     for o in outcomes {
         let _ = write!(
             h,
@@ -373,6 +363,26 @@ pub(crate) fn html(outcomes: &[Outcome], context: &str) -> String {
     h
 }
 
+/// The summary table: every outcome's rows, each linked to its section.
+fn summary(h: &mut String, outcomes: &[Outcome]) {
+    h.push_str("<h2>Summary</h2>\n<table class=\"summary\"><thead><tr><th>experiment</th><th>measure</th><th>ours</th><th>reference</th><th>verdict</th></tr></thead><tbody>\n");
+    for o in outcomes {
+        for r in &o.rows {
+            let _ = writeln!(
+                h,
+                "<tr><td><a href=\"#{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td>{}</tr>",
+                escape(o.name),
+                escape(o.name),
+                escape(&r.measure),
+                escape(&r.ours),
+                escape(&r.reference),
+                verdict_cell(r.verdict)
+            );
+        }
+    }
+    h.push_str("</tbody></table>\n");
+}
+
 fn verdict_cell(v: Verdict) -> String {
     let class = match v {
         Verdict::Pass => "pass",
@@ -418,7 +428,7 @@ mod tests {
     fn html_escapes_every_text() {
         let mut o = Outcome::new("x", "<t>", "s&s", "setup <b>".to_owned());
         o.row("m<", "1", "r>", Verdict::Pass);
-        let page = html(&[o], "ctx\"");
+        let page = html("outbox lab", &[o], "ctx\"");
         assert!(!page.contains("<t>") && !page.contains("<b>") && !page.contains("m<"));
         assert!(page.contains("&lt;t&gt;") && page.contains("s&amp;s"));
     }

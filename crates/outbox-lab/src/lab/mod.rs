@@ -192,7 +192,7 @@ pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
         println!("\n{context}");
     }
     if let Some(path) = &args.report {
-        let page = report::html(&outcomes, &context);
+        let page = report::html("outbox lab", &outcomes, &context);
         tokio::fs::write(path, page)
             .await
             .with_context(|| format!("writing the report to {}", path.display()))?;

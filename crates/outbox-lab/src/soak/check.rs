@@ -81,6 +81,31 @@ pub(crate) struct DupStat {
     /// What one such fault may re-send at most: one batch per relay it
     /// hits, or the WAL source's window (or one larger transaction).
     pub(crate) bound: u64,
+    /// Each fault's re-sent events, in the order they struck.
+    pub(crate) per_fault: Vec<u64>,
+}
+
+impl DupStat {
+    /// The distribution in buckets, the empty ones left out: `0 ×12,
+    /// 1–10 ×3, 101–1000 ×1`.
+    pub(crate) fn buckets(&self) -> String {
+        let edges: [(u64, u64, &str); 6] = [
+            (0, 0, "0"),
+            (1, 10, "1–10"),
+            (11, 100, "11–100"),
+            (101, 1000, "101–1000"),
+            (1001, 10_000, "1001–10000"),
+            (10_001, u64::MAX, ">10000"),
+        ];
+        edges
+            .iter()
+            .filter_map(|&(lo, hi, label)| {
+                let n = self.per_fault.iter().filter(|&&c| (lo..=hi).contains(&c)).count();
+                (n > 0).then(|| format!("{label} ×{n}"))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// The checks of one source.
@@ -290,6 +315,7 @@ fn tally(
                 total: counts.iter().sum(),
                 max_per_fault: counts.iter().copied().max().unwrap_or(0),
                 bound,
+                per_fault: counts,
             }
         })
         .collect();
@@ -427,6 +453,7 @@ mod tests {
         assert_eq!(c.duplicates, 4);
         let kill = c.duplicates_by_fault.iter().find(|s| s.kind == "relay SIGKILL").unwrap();
         assert_eq!((kill.total, kill.max_per_fault, kill.bound), (3, 3, 2));
+        assert_eq!(kill.buckets(), "1–10 ×1");
         assert_eq!(c.over_bound, 1, "3 repeats of one kill exceed a batch of 2");
         // The repeat at 400 ms: the crash began after event 2's first
         // delivery and before the repeat, so it is the crash's.

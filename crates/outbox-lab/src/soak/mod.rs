@@ -393,7 +393,7 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
         report.print();
     }
     if let Some(path) = &args.report {
-        let page = crate::report::html(&[report.outcome().await?], &report.setup);
+        let page = crate::report::html("outbox soak", &[report.outcome().await?], &report.setup);
         tokio::fs::write(path, page)
             .await
             .with_context(|| format!("writing the report to {}", path.display()))?;

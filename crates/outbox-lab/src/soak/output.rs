@@ -190,11 +190,16 @@ impl Report {
                     (again - self.started_ms) as f64 / 1000.0
                 );
             }
-            println!("  duplicates by fault: kind | faults | re-sent anything | total | max per fault | bound");
+            println!("  re-sent per fault: kind | faults | total | max | bound | distribution (re-sent: faults)");
             for d in &s.duplicates_by_fault {
                 println!(
                     "    {} | {} | {} | {} | {} | {}",
-                    d.kind, d.faults, d.with_duplicates, d.total, d.max_per_fault, d.bound
+                    d.kind,
+                    d.faults,
+                    d.total,
+                    d.max_per_fault,
+                    d.bound,
+                    d.buckets()
                 );
             }
         }
@@ -246,16 +251,16 @@ impl Report {
         for s in &self.sources {
             let mut t = Table::new(
                 format!("Duplicates by fault ({})", s.source.name()),
-                &["fault", "faults", "re-sent anything", "total", "max per fault", "bound"],
+                &["fault", "faults", "re-sent, total", "max per fault", "bound", "distribution (re-sent: faults)"],
             );
             for d in &s.duplicates_by_fault {
                 t.rows.push(vec![
                     d.kind.to_owned(),
                     d.faults.to_string(),
-                    d.with_duplicates.to_string(),
                     d.total.to_string(),
                     d.max_per_fault.to_string(),
                     d.bound.to_string(),
+                    d.buckets(),
                 ]);
             }
             o.tables.push(t);
@@ -287,21 +292,22 @@ impl Report {
         Ok(o)
     }
 
-    /// One vertical rule per fault, a colour per kind (relay kills share one).
+    /// One vertical rule per fault, a colour per kind; relay kills, the
+    /// most frequent, as ticks along the bottom.
     fn rules(&self) -> Vec<Series> {
         let mut by_kind: Vec<Series> = Vec::new();
         for f in &self.faults {
-            let name = if f.kind.starts_with("relay SIGKILL") {
-                "relay kills"
+            let (name, mark) = if f.kind.starts_with("relay SIGKILL") {
+                ("relay kills", Mark::Ticks)
             } else {
-                f.kind
+                (f.kind, Mark::Rules)
             };
             match by_kind.iter_mut().find(|s| s.name == name) {
                 Some(s) => s.points.push((f.at_s, 0.0)),
                 None => by_kind.push(Series {
                     name: name.to_owned(),
                     points: vec![(f.at_s, 0.0)],
-                    mark: Mark::Rules,
+                    mark,
                 }),
             }
         }
@@ -345,16 +351,15 @@ impl Report {
                 .collect(),
         )];
         Ok(vec![
-            plot::xy("Deliveries per second", "seconds", "deliveries/s", with_rules(per_second(|r| r.1))).await?,
-            plot::xy(
+            plot::timeline("Deliveries per second", "deliveries/s", with_rules(per_second(|r| r.1))).await?,
+            plot::timeline(
                 "Latency p99 of first deliveries, per second",
-                "seconds",
                 "ms",
                 with_rules(per_second(|r| r.2)),
             )
             .await?,
-            plot::xy("Backlog (rows waiting)", "seconds", "rows", with_rules(backlogs)).await?,
-            plot::xy("WAL retained by the slot", "seconds", "MiB", with_rules(retained)).await?,
+            plot::timeline("Backlog (rows waiting)", "rows", with_rules(backlogs)).await?,
+            plot::timeline("WAL retained by the slot", "MiB", with_rules(retained)).await?,
         ])
     }
 }
