@@ -54,7 +54,13 @@ pub(crate) async fn timeline(
         .map_err(|e| anyhow!("drawing a plot: {e}"))?
 }
 
-fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series], size: (u32, u32)) -> anyhow::Result<Plot> {
+fn draw(
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[Series],
+    size: (u32, u32),
+) -> anyhow::Result<Plot> {
     let all = series
         .iter()
         .filter(|s| !matches!(s.mark, Mark::Rules | Mark::Ticks))
@@ -107,9 +113,9 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series], size: (u32, 
                 Mark::Rules => {
                     chart
                         .draw_series(
-                            s.points
-                                .iter()
-                                .map(|&(x, _)| PathElement::new(vec![(x, y0), (x, y1)], color.stroke_width(1))),
+                            s.points.iter().map(|&(x, _)| {
+                                PathElement::new(vec![(x, y0), (x, y1)], color.stroke_width(1))
+                            }),
                         )
                         .map_err(plot_error)?
                         .label(s.name.as_str())
@@ -119,9 +125,9 @@ fn draw(title: &str, x_desc: &str, y_desc: &str, series: &[Series], size: (u32, 
                     let top = y0 + (y1 - y0) * 0.04;
                     chart
                         .draw_series(
-                            s.points
-                                .iter()
-                                .map(|&(x, _)| PathElement::new(vec![(x, y0), (x, top)], color.stroke_width(2))),
+                            s.points.iter().map(|&(x, _)| {
+                                PathElement::new(vec![(x, y0), (x, top)], color.stroke_width(2))
+                            }),
                         )
                         .map_err(plot_error)?
                         .label(s.name.as_str())

@@ -5,10 +5,10 @@
 
 use anyhow::Context;
 use outbox::Inbox;
-use outbox::worker::{Received, WorkerStats};
 use outbox::worker::amqp::AmqpWorker;
 use outbox::worker::nats::NatsWorker;
 use outbox::worker::redis::RedisWorker;
+use outbox::worker::{Received, WorkerStats};
 use tokio_postgres::types::Type;
 use tracing::{info, warn};
 

@@ -248,4 +248,3 @@ fn check_well_formed(html: &str, outcomes: &[Value]) {
         "at least one plot"
     );
 }
-

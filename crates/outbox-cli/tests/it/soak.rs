@@ -48,7 +48,10 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
             .count()
     };
     assert!(took("relay SIGKILL") >= 10, "relay kills (seed {seed})");
-    assert!(took("relay SIGKILL after the sink's ack") >= 1, "kills at the failpoint (seed {seed})");
+    assert!(
+        took("relay SIGKILL after the sink's ack") >= 1,
+        "kills at the failpoint (seed {seed})"
+    );
     for kind in [
         "PostgreSQL restart (fast)",
         "PostgreSQL restart (immediate)",
@@ -95,7 +98,10 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
     // checks saw duplicates, and put each down to a fault.
     let poll = sources.iter().find(|s| s["source"] == "poll").unwrap();
     assert!(poll["duplicates"].as_u64().unwrap() > 0, "{poll}");
-    assert!(poll["dead_letters"].as_u64().unwrap() > 0, "poison events became dead letters: {poll}");
+    assert!(
+        poll["dead_letters"].as_u64().unwrap() > 0,
+        "poison events became dead letters: {poll}"
+    );
     for i in found["inbox"].as_array().unwrap() {
         assert_eq!(i["duplicate_side_effects"], 0, "{i}");
         assert_eq!(i["unapplied"], 0, "{i}");

@@ -78,7 +78,7 @@ pub(crate) struct DupStat {
     pub(crate) with_duplicates: usize,
     pub(crate) total: u64,
     pub(crate) max_per_fault: u64,
-    /// What one such fault may re-send at most: one batch per relay it
+    /// What one such fault may re-send at most: two batches per relay it
     /// hits, or the WAL source's window (or one larger transaction).
     pub(crate) bound: u64,
     /// Each fault's re-sent events, in the order they struck.
@@ -155,13 +155,20 @@ pub(crate) struct InboxCheck {
 /// The ledger: each committed event's source and whether it is poison.
 pub(crate) async fn ledger(db: &Client) -> anyhow::Result<HashMap<Uuid, (Src, bool)>> {
     let rows = db
-        .query(&format!("SELECT event_id, source, poison FROM {SCHEMA}.ledger"), &[])
+        .query(
+            &format!("SELECT event_id, source, poison FROM {SCHEMA}.ledger"),
+            &[],
+        )
         .await
         .context("reading the ledger")?;
     Ok(rows
         .iter()
         .map(|r| {
-            let src = if r.get::<_, &str>(1) == "wal" { Src::Wal } else { Src::Poll };
+            let src = if r.get::<_, &str>(1) == "wal" {
+                Src::Wal
+            } else {
+                Src::Poll
+            };
             (r.get(0), (src, r.get(2)))
         })
         .collect())
@@ -176,11 +183,13 @@ pub(crate) struct Bounds {
 
 impl Bounds {
     fn of(&self, src: Src, kind: &str) -> u64 {
+        // A polling relay has two batches in flight: one at the sink, the
+        // one before it waiting for its commit (the README's guarantee).
         match src {
             Src::Wal => self.wal_window,
-            Src::Poll if kind.starts_with("relay") || kind.starts_with("split") => self.batch,
-            // Every relay at once: one batch each.
-            Src::Poll => self.batch * self.relays,
+            Src::Poll if kind.starts_with("relay") || kind.starts_with("split") => 2 * self.batch,
+            // Every relay at once.
+            Src::Poll => 2 * self.batch * self.relays,
         }
     }
 }
@@ -203,7 +212,10 @@ pub(crate) async fn check_source(
         .collect();
     let table = format!("{SCHEMA}.{}", names::table(src));
     let dead: HashSet<Uuid> = db
-        .query(&format!("SELECT event_id FROM {table} WHERE dead_at IS NOT NULL"), &[])
+        .query(
+            &format!("SELECT event_id FROM {table} WHERE dead_at IS NOT NULL"),
+            &[],
+        )
         .await?
         .iter()
         .map(|r| r.get(0))
@@ -352,7 +364,9 @@ fn tally(
 pub(crate) async fn applied(db: &Client) -> anyhow::Result<HashMap<String, (i64, i64)>> {
     let rows = db
         .query(
-            &format!("SELECT stream, count(*), count(DISTINCT event_id) FROM {SCHEMA}.effects GROUP BY stream"),
+            &format!(
+                "SELECT stream, count(*), count(DISTINCT event_id) FROM {SCHEMA}.effects GROUP BY stream"
+            ),
             &[],
         )
         .await?;
@@ -360,7 +374,11 @@ pub(crate) async fn applied(db: &Client) -> anyhow::Result<HashMap<String, (i64,
 }
 
 /// The inbox check of `src`: `delivered` distinct events per stream.
-pub(crate) fn inbox(src: Src, delivered: &HashMap<String, u64>, applied: &HashMap<String, (i64, i64)>) -> InboxCheck {
+pub(crate) fn inbox(
+    src: Src,
+    delivered: &HashMap<String, u64>,
+    applied: &HashMap<String, (i64, i64)>,
+) -> InboxCheck {
     let mut check = InboxCheck {
         source: src,
         side_effects: 0,
@@ -372,7 +390,11 @@ pub(crate) fn inbox(src: Src, delivered: &HashMap<String, u64>, applied: &HashMa
         let (count, distinct) = applied.get(&stream).copied().unwrap_or((0, 0));
         check.side_effects += count as u64;
         check.duplicate_side_effects += (count - distinct) as u64;
-        check.unapplied += delivered.get(&stream).copied().unwrap_or(0).saturating_sub(distinct as u64);
+        check.unapplied += delivered
+            .get(&stream)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(distinct as u64);
     }
     check
 }
@@ -405,7 +427,7 @@ mod tests {
     }
 
     const BOUNDS: Bounds = Bounds {
-        batch: 2,
+        batch: 1,
         relays: 2,
         wal_window: 10,
     };
@@ -418,7 +440,12 @@ mod tests {
 
     #[test]
     fn lost_phantom_and_poison_are_told_apart() {
-        let stream = vec![d(10, 1, "a", 1), d(11, 2, "a", 2), d(12, 9, "b", 1), d(13, 4, "b", 2)];
+        let stream = vec![
+            d(10, 1, "a", 1),
+            d(11, 2, "a", 2),
+            d(12, 9, "b", 1),
+            d(13, 4, "b", 2),
+        ];
         let c = tally(Src::Poll, &[stream], &ledger(&[1, 2, 3, 4], &[4]), &[], &BOUNDS);
         assert_eq!((c.committed, c.poison, c.delivered), (3, 1, 4));
         assert_eq!(c.lost, 1, "event 3 never arrived");
@@ -430,8 +457,20 @@ mod tests {
     #[test]
     fn order_is_judged_on_first_deliveries_only() {
         // a#2 before a#1 is a violation; a#1 again after a#3 (a repeat) is not.
-        let stream = vec![d(10, 2, "a", 2), d(11, 1, "a", 1), d(12, 3, "a", 3), d(13, 1, "a", 1), d(14, 5, "b", 1)];
-        let c = tally(Src::Poll, &[stream], &ledger(&[1, 2, 3, 5], &[]), &[fault(12, 0.5, "relay SIGKILL")], &BOUNDS);
+        let stream = vec![
+            d(10, 2, "a", 2),
+            d(11, 1, "a", 1),
+            d(12, 3, "a", 3),
+            d(13, 1, "a", 1),
+            d(14, 5, "b", 1),
+        ];
+        let c = tally(
+            Src::Poll,
+            &[stream],
+            &ledger(&[1, 2, 3, 5], &[]),
+            &[fault(12, 0.5, "relay SIGKILL")],
+            &BOUNDS,
+        );
         assert_eq!(c.order_violations, 1);
         assert_eq!(c.duplicates, 1);
     }
@@ -448,19 +487,36 @@ mod tests {
             d(202, 3, "a", 3),
             d(400, 2, "a", 2),
         ];
-        let faults = [fault(150, 0.01, "relay SIGKILL"), fault(300, 0.01, "PostgreSQL crash (SIGKILL)")];
+        let faults = [
+            fault(150, 0.01, "relay SIGKILL"),
+            fault(300, 0.01, "PostgreSQL crash (SIGKILL)"),
+        ];
         let c = tally(Src::Poll, &[stream], &ledger(&[1, 2, 3], &[]), &faults, &BOUNDS);
         assert_eq!(c.duplicates, 4);
-        let kill = c.duplicates_by_fault.iter().find(|s| s.kind == "relay SIGKILL").unwrap();
+        let kill = c
+            .duplicates_by_fault
+            .iter()
+            .find(|s| s.kind == "relay SIGKILL")
+            .unwrap();
         assert_eq!((kill.total, kill.max_per_fault, kill.bound), (3, 3, 2));
         assert_eq!(kill.buckets(), "1–10 ×1");
-        assert_eq!(c.over_bound, 1, "3 repeats of one kill exceed a batch of 2");
+        assert_eq!(c.over_bound, 1, "3 repeats of one kill exceed two batches of 1");
         // The repeat at 400 ms: the crash began after event 2's first
         // delivery and before the repeat, so it is the crash's.
-        let crash = c.duplicates_by_fault.iter().find(|s| s.kind.starts_with("PostgreSQL")).unwrap();
-        assert_eq!((crash.total, crash.bound), (1, 4));
+        let crash = c
+            .duplicates_by_fault
+            .iter()
+            .find(|s| s.kind.starts_with("PostgreSQL"))
+            .unwrap();
+        assert_eq!((crash.total, crash.bound), (1, 4), "two batches of 1 for each of 2 relays");
         assert_eq!(c.unexplained_duplicates, 0);
-        let lonely = tally(Src::Poll, &[vec![d(1, 1, "a", 1), d(2, 1, "a", 1)]], &ledger(&[1], &[]), &[], &BOUNDS);
+        let lonely = tally(
+            Src::Poll,
+            &[vec![d(1, 1, "a", 1), d(2, 1, "a", 1)]],
+            &ledger(&[1], &[]),
+            &[],
+            &BOUNDS,
+        );
         assert_eq!(lonely.unexplained_duplicates, 1);
     }
 }

@@ -60,7 +60,8 @@ pub(crate) struct Chaos {
 /// A PostgreSQL error's own message (the driver's Display says only "db
 /// error").
 fn pg_message(e: &tokio_postgres::Error) -> String {
-    e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_owned())
+    e.as_db_error()
+        .map_or_else(|| e.to_string(), |d| d.message().to_owned())
 }
 
 fn unix_ms() -> i64 {
@@ -98,7 +99,11 @@ impl Chaos {
     }
 
     pub(crate) fn records(&self) -> Vec<Record> {
-        let mut r = self.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let mut r = self
+            .log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
         r.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
         r
     }
@@ -110,7 +115,15 @@ impl Chaos {
             .clone()
     }
 
-    fn record(&self, begun: (f64, i64, Instant), kind: &'static str, target: String, detail: String, scope: Vec<Src>, took: bool) {
+    fn record(
+        &self,
+        begun: (f64, i64, Instant),
+        kind: &'static str,
+        target: String,
+        detail: String,
+        scope: Vec<Src>,
+        took: bool,
+    ) {
         self.log
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -131,7 +144,10 @@ impl Chaos {
     }
 
     fn skip(&self, what: String) {
-        let mut s = self.skipped.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut s = self
+            .skipped
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !s.contains(&what) {
             s.push(what);
         }
@@ -184,8 +200,13 @@ impl Chaos {
                 Ok(())
             };
             let (took, detail) = match (outcome, restarted) {
-                (Ok(true), Ok(())) if after_ack => (true, "parked after the sink's answer, before the mark".to_owned()),
-                (Ok(false), Ok(())) => (false, "failpoint not reached within 20 s; killed anyway".to_owned()),
+                (Ok(true), Ok(())) if after_ack => {
+                    (true, "parked after the sink's answer, before the mark".to_owned())
+                }
+                (Ok(false), Ok(())) => (
+                    false,
+                    "failpoint not reached within 20 s; killed anyway".to_owned(),
+                ),
                 (Ok(_), Ok(())) => (true, String::new()),
                 (Err(e), _) | (_, Err(e)) => (false, format!("restart failed: {e:#}")),
             };
@@ -202,7 +223,12 @@ impl Chaos {
 
     /// The rare faults, in turn (the writer-side ones in tasks of their
     /// own); returns once all ran.
-    pub(crate) async fn faults(self: Arc<Self>, planned: Vec<Planned>, mut rng: Rng, stop: CancellationToken) {
+    pub(crate) async fn faults(
+        self: Arc<Self>,
+        planned: Vec<Planned>,
+        mut rng: Rng,
+        stop: CancellationToken,
+    ) {
         let mut beside = tokio::task::JoinSet::new();
         for (n, p) in planned.into_iter().enumerate() {
             if !self.until(p.at, &stop).await {
@@ -233,16 +259,26 @@ impl Chaos {
             // No relay should re-send for a new column: any duplicate it
             // caused would show as unexplained.
             Fault::AddColumn => ("both outboxes".to_owned(), Vec::new(), self.add_column().await),
-            Fault::SlotInvalidation => ("the WAL source's slot".to_owned(), vec![Src::Wal], self.slot().await),
+            Fault::SlotInvalidation => (
+                "the WAL source's slot".to_owned(),
+                vec![Src::Wal],
+                self.slot().await,
+            ),
             Fault::BigTransaction { src, events } => (
                 format!("{} writer", src.name()),
                 Vec::new(),
-                self.writers.big_transaction(src, events, n).await.map(|d| (true, d)),
+                self.writers
+                    .big_transaction(src, events, n)
+                    .await
+                    .map(|d| (true, d)),
             ),
             Fault::WriterKilledBeforeCommit { src } => (
                 format!("{} writer", src.name()),
                 Vec::new(),
-                self.writers.doomed(src).await.map(|d| (!d.starts_with("did not"), d)),
+                self.writers
+                    .doomed(src)
+                    .await
+                    .map(|d| (!d.starts_with("did not"), d)),
             ),
             Fault::ConsumerDead { seconds } => {
                 let (name, r) = self.consumer_dead(seconds).await;
@@ -257,7 +293,14 @@ impl Chaos {
                     self.skip(format!("{}: {detail}", fault.label()));
                 } else {
                     tracing::warn!(fault = fault.label(), error = %detail, "soak: a fault failed");
-                    self.record(begun, fault.label(), target, format!("failed: {detail}"), scope, false);
+                    self.record(
+                        begun,
+                        fault.label(),
+                        target,
+                        format!("failed: {detail}"),
+                        scope,
+                        false,
+                    );
                 }
             }
         }
@@ -323,7 +366,14 @@ impl Chaos {
             self.fleet.signal(&p, Signal::SIGSTOP)?;
             tokio::time::sleep(frozen).await;
             self.fleet.signal(&p, Signal::SIGCONT)?;
-            Ok((true, format!("frozen {:.0} s (lease {} s)", frozen.as_secs_f64(), LEASE_TIMEOUT.as_secs())))
+            Ok((
+                true,
+                format!(
+                    "frozen {:.0} s (lease {} s)",
+                    frozen.as_secs_f64(),
+                    LEASE_TIMEOUT.as_secs()
+                ),
+            ))
         }
         .await;
         (name, result)

@@ -32,7 +32,10 @@ pub(crate) const MAX_EVENT_BYTES: &str = "16KiB";
 pub(crate) enum Role {
     Relay(Src),
     /// An `outbox consume` of one stream; a slow one sleeps 2 ms per event.
-    Consumer { stream: String, slow: bool },
+    Consumer {
+        stream: String,
+        slow: bool,
+    },
 }
 
 /// One child and its restarts.
@@ -175,10 +178,9 @@ impl Fleet {
                     .args(["--lease-timeout", &format!("{}s", LEASE_TIMEOUT.as_secs())])
                     .args(["--http-timeout", "2s", "--backoff-max", "2s"]);
                 match src {
-                    Src::Poll => cmd.args(["--ordering", "partition", "--ordering-for"]).arg(format!(
-                        "{}=strict",
-                        names::TYPES[1]
-                    )),
+                    Src::Poll => cmd
+                        .args(["--ordering", "partition", "--ordering-for"])
+                        .arg(format!("{}=strict", names::TYPES[1])),
                     Src::Wal => cmd.args(["--source", "wal"]),
                 };
             }
@@ -222,12 +224,25 @@ impl Fleet {
         Ok(())
     }
 
-    /// Kills `p` and starts it again with the `pause-after-deliver`
+    /// Stops `p`'s child with SIGTERM (it finishes its batch and exits),
+    /// SIGKILL after 30 s.
+    pub(crate) async fn stop(&self, p: &mut Proc) -> anyhow::Result<()> {
+        if let Some(mut child) = p.child.take() {
+            if child.signal(Signal::SIGTERM).is_ok() {
+                let _ = child.wait(Duration::from_secs(30)).await;
+            }
+            self.harvest(&p.name, &child);
+        }
+        Ok(())
+    }
+
+    /// Stops `p` cleanly and starts it again with the `pause-after-deliver`
     /// failpoint; returns whether it parked there (after the sink answered
     /// a batch, before marking it) within `PARK`. Either way it is killed
-    /// again and started plain.
+    /// there (or wherever it is) and started plain: what it re-sends is one
+    /// process's in flight.
     pub(crate) async fn kill_after_ack(&self, p: &mut Proc) -> anyhow::Result<bool> {
-        self.kill(p).await?;
+        self.stop(p).await?;
         self.start(p, Some("pause-after-deliver")).await?;
         let parked = match &p.child {
             Some(child) => child
@@ -290,7 +305,10 @@ impl Fleet {
 
     /// Keeps `child`'s ERROR lines, up to `ERRORS_KEPT` in all.
     fn harvest(&self, name: &str, child: &Spawned) {
-        let mut errors = self.errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut errors = self
+            .errors
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for line in child.lines() {
             if errors.len() >= ERRORS_KEPT {
                 break;
@@ -334,12 +352,7 @@ impl Fleet {
     pub(crate) async fn stop_all(&self) {
         for p in &self.procs {
             let mut p = p.lock().await;
-            if let Some(mut child) = p.child.take() {
-                if child.signal(Signal::SIGTERM).is_ok() {
-                    let _ = child.wait(Duration::from_secs(30)).await;
-                }
-                self.harvest(&p.name, &child);
-            }
+            let _ = self.stop(&mut p).await;
         }
     }
 }

@@ -155,7 +155,9 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
     if let Some(sink) = &args.sink
         && !sink.starts_with("redis://")
     {
-        bail!(ConfigError(format!("--sink must be a redis:// URL, not {sink:?}")));
+        bail!(ConfigError(format!(
+            "--sink must be a redis:// URL, not {sink:?}"
+        )));
     }
     let sources = match args.source {
         SoakSource::Poll => vec![Src::Poll],
@@ -214,11 +216,19 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
         "PostgreSQL {version}{}; {} cores; {:?} of writes at {rate} events/s into {}; {} polling relays \
          (partition order, `payments` strict, batch {}, lease {} s){}; consumers behind the inbox; \
          seed {seed}",
-        if pg.is_some() { " (throwaway, fsync=off)" } else { "" },
+        if pg.is_some() {
+            " (throwaway, fsync=off)"
+        } else {
+            ""
+        },
         std::thread::available_parallelism().map_or(0, usize::from),
         budget.duration,
         sources.iter().map(|s| s.name()).collect::<Vec<_>>().join(" + "),
-        if sources.contains(&Src::Poll) { args.relays } else { 0 },
+        if sources.contains(&Src::Poll) {
+            args.relays
+        } else {
+            0
+        },
         args.batch_size,
         fleet::LEASE_TIMEOUT.as_secs(),
         if sources.contains(&Src::Wal) {
@@ -456,7 +466,15 @@ async fn prepare(db: &mut Client, sources: &[Src], redis_url: &str) -> anyhow::R
 async fn cleanup(db: &Client, sources: &[Src]) -> anyhow::Result<()> {
     let config = names::config(Src::Wal)?;
     let slot = config.wal_slot()?;
-    if sources.contains(&Src::Wal) || db.query_opt("SELECT 1 FROM pg_replication_slots WHERE slot_name = $1", &[&slot]).await?.is_some() {
+    if sources.contains(&Src::Wal)
+        || db
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await?
+            .is_some()
+    {
         wait_until("the WAL relays to let go of the slot", async || {
             Ok(db
                 .query_opt(
@@ -486,7 +504,10 @@ async fn cleanup(db: &Client, sources: &[Src]) -> anyhow::Result<()> {
 /// (emitted events have no row).
 async fn drain(pg: &outbox_relay::pg::PgConfig, sources: &[Src]) -> anyhow::Result<()> {
     let db = connect(pg).await?;
-    let lsn: String = db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await?.get(0);
+    let lsn: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
     let slot = names::config(Src::Wal)?.wal_slot()?;
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
@@ -506,7 +527,10 @@ async fn drain(pg: &outbox_relay::pg::PgConfig, sources: &[Src]) -> anyhow::Resu
         if sources.contains(&Src::Wal) {
             waiting += db
                 .query_one(
-                    &format!("SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL", names::table(Src::Wal)),
+                    &format!(
+                        "SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL",
+                        names::table(Src::Wal)
+                    ),
                     &[],
                 )
                 .await?

@@ -77,7 +77,12 @@ impl Report {
 
     /// The checks the run is judged by.
     pub(crate) fn checks(&self) -> Vec<Check> {
-        let mut c = vec![check("drained before the timeout", self.drained, "true", self.drained)];
+        let mut c = vec![check(
+            "drained before the timeout",
+            self.drained,
+            "true",
+            self.drained,
+        )];
         for s in &self.sources {
             let n = s.source.name();
             c.push(check(format!("lost ({n})"), s.lost, "0", s.lost == 0));
@@ -164,7 +169,14 @@ impl Report {
         println!(
             "\nevents committed: {} in {} transactions ({} emitted, {} poison); rolled back: {}; \
              killed before COMMIT: {}; broken by a fault before COMMIT: {}; COMMIT unanswered: {}",
-            w.committed, w.committed_txns, w.emitted, w.poison, w.rolled_back, w.killed_before_commit, w.aborted, w.in_doubt
+            w.committed,
+            w.committed_txns,
+            w.emitted,
+            w.poison,
+            w.rolled_back,
+            w.killed_before_commit,
+            w.aborted,
+            w.in_doubt
         );
         for s in &self.sources {
             println!(
@@ -190,7 +202,9 @@ impl Report {
                     (again - self.started_ms) as f64 / 1000.0
                 );
             }
-            println!("  re-sent per fault: kind | faults | total | max | bound | distribution (re-sent: faults)");
+            println!(
+                "  re-sent per fault: kind | faults | total | max | bound | distribution (re-sent: faults)"
+            );
             for d in &s.duplicates_by_fault {
                 println!(
                     "    {} | {} | {} | {} | {} | {}",
@@ -204,9 +218,18 @@ impl Report {
             }
         }
         if !self.exits.is_empty() {
-            println!("\nchildren that exited by themselves (restarted): {}", self.exits.len());
+            println!(
+                "\nchildren that exited by themselves (restarted): {}",
+                self.exits.len()
+            );
             for e in self.exits.iter().take(10) {
-                println!("  {:.0} s {} ({}): {}", e.at_s, e.name, e.status, e.last_lines.join(" | "));
+                println!(
+                    "  {:.0} s {} ({}): {}",
+                    e.at_s,
+                    e.name,
+                    e.status,
+                    e.last_lines.join(" | ")
+                );
             }
         }
         if !self.errors.is_empty() {
@@ -245,13 +268,22 @@ impl Report {
         }
         let mut counts = Table::new("Faults injected", &["fault", "count", "took effect"]);
         for (kind, n, took) in self.fault_counts() {
-            counts.rows.push(vec![kind.to_owned(), n.to_string(), took.to_string()]);
+            counts
+                .rows
+                .push(vec![kind.to_owned(), n.to_string(), took.to_string()]);
         }
         o.tables.push(counts);
         for s in &self.sources {
             let mut t = Table::new(
                 format!("Duplicates by fault ({})", s.source.name()),
-                &["fault", "faults", "re-sent, total", "max per fault", "bound", "distribution (re-sent: faults)"],
+                &[
+                    "fault",
+                    "faults",
+                    "re-sent, total",
+                    "max per fault",
+                    "bound",
+                    "distribution (re-sent: faults)",
+                ],
             );
             for d in &s.duplicates_by_fault {
                 t.rows.push(vec![
@@ -266,7 +298,11 @@ impl Report {
             o.tables.push(t);
         }
         let mut log = Table::new("Fault log", &["t (s)", "fault", "target", "lasted (s)", "detail"]);
-        for f in self.faults.iter().filter(|f| !f.kind.starts_with("relay SIGKILL")) {
+        for f in self
+            .faults
+            .iter()
+            .filter(|f| !f.kind.starts_with("relay SIGKILL"))
+        {
             log.rows.push(vec![
                 format!("{:.1}", f.at_s),
                 f.kind.to_owned(),
@@ -277,7 +313,10 @@ impl Report {
         }
         o.tables.push(log);
         if !self.exits.is_empty() {
-            let mut t = Table::new("Children that exited by themselves", &["t (s)", "child", "status", "last lines"]);
+            let mut t = Table::new(
+                "Children that exited by themselves",
+                &["t (s)", "child", "status", "last lines"],
+            );
             for e in &self.exits {
                 t.rows.push(vec![
                     format!("{:.1}", e.at_s),
@@ -351,7 +390,12 @@ impl Report {
                 .collect(),
         )];
         Ok(vec![
-            plot::timeline("Deliveries per second", "deliveries/s", with_rules(per_second(|r| r.1))).await?,
+            plot::timeline(
+                "Deliveries per second",
+                "deliveries/s",
+                with_rules(per_second(|r| r.1)),
+            )
+            .await?,
             plot::timeline(
                 "Latency p99 of first deliveries, per second",
                 "ms",

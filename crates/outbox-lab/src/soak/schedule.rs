@@ -84,11 +84,15 @@ pub(crate) enum PgStop {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case", tag = "kind")]
 pub(crate) enum Fault {
-    PgRestart { stop: PgStop },
+    PgRestart {
+        stop: PgStop,
+    },
     /// `pg_terminate_backend` of every relay connection.
     TerminateBackends,
     /// The sink (redis-server) stopped for this long.
-    SinkOutage { seconds: f64 },
+    SinkOutage {
+        seconds: f64,
+    },
     /// A polling relay SIGSTOPped past its lease, then SIGCONTinued.
     SplitBrain,
     /// `ALTER TABLE … ADD COLUMN` on both outboxes.
@@ -97,11 +101,18 @@ pub(crate) enum Fault {
     /// then `outbox migrate --wal --recover`.
     SlotInvalidation,
     /// One transaction of many events.
-    BigTransaction { src: Src, events: u32 },
+    BigTransaction {
+        src: Src,
+        events: u32,
+    },
     /// A writer process SIGKILLed with its transaction open.
-    WriterKilledBeforeCommit { src: Src },
+    WriterKilledBeforeCommit {
+        src: Src,
+    },
     /// A consumer SIGKILLed and kept down this long.
-    ConsumerDead { seconds: f64 },
+    ConsumerDead {
+        seconds: f64,
+    },
 }
 
 impl Fault {
@@ -128,7 +139,9 @@ impl Fault {
     pub(crate) fn concurrent(&self) -> bool {
         matches!(
             self,
-            Fault::BigTransaction { .. } | Fault::WriterKilledBeforeCommit { .. } | Fault::ConsumerDead { .. }
+            Fault::BigTransaction { .. }
+                | Fault::WriterKilledBeforeCommit { .. }
+                | Fault::ConsumerDead { .. }
         )
     }
 }
@@ -184,11 +197,7 @@ const FAULTS_FROM: f64 = 0.06;
 const FAULTS_UNTIL: f64 = 0.82;
 
 /// The rare faults at their offsets, in order, and the relay kills.
-pub(crate) fn draw(
-    budget: &Budget,
-    sources: &[Src],
-    rng: &mut Rng,
-) -> (Vec<Planned>, Vec<PlannedKill>) {
+pub(crate) fn draw(budget: &Budget, sources: &[Src], rng: &mut Rng) -> (Vec<Planned>, Vec<PlannedKill>) {
     let mut faults = Vec::new();
     let stops = [PgStop::Fast, PgStop::Immediate, PgStop::Crash];
     for i in 0..budget.pg_restarts {

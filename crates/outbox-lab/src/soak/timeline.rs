@@ -40,7 +40,10 @@ async fn one(db: &Client, sources: &[Src], t: f64, slot: &str) -> Result<Sample,
         s.poll_backlog = Some(db.query_one(&sql, &[]).await?.get(0));
     }
     if sources.contains(&Src::Wal) {
-        let sql = format!("SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL", names::table(Src::Wal));
+        let sql = format!(
+            "SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL",
+            names::table(Src::Wal)
+        );
         s.wal_backlog = Some(db.query_one(&sql, &[]).await?.get(0));
         s.retained = db
             .query_opt(
@@ -56,7 +59,12 @@ async fn one(db: &Client, sources: &[Src], t: f64, slot: &str) -> Result<Sample,
 
 /// Samples every second until stopped; a second PostgreSQL does not answer
 /// (it is restarting) has no sample.
-pub(crate) async fn sample(pg: PgConfig, sources: Vec<Src>, started: Instant, stop: CancellationToken) -> Vec<Sample> {
+pub(crate) async fn sample(
+    pg: PgConfig,
+    sources: Vec<Src>,
+    started: Instant,
+    stop: CancellationToken,
+) -> Vec<Sample> {
     let slot = names::config(Src::Wal)
         .and_then(|c| Ok(c.wal_slot()?))
         .unwrap_or_default();

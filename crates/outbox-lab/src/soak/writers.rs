@@ -262,13 +262,23 @@ impl Writers {
         let outbox = Outbox::new(names::config(src)?);
         let mut client = connect(&self.pg).await?;
         let events: Vec<Planned> = (0..n as i32)
-            .map(|i| event(names::TYPES[0], format!("{}-big{tag}-{}", src.name(), i % 50), i / 50 + 1, false))
+            .map(|i| {
+                event(
+                    names::TYPES[0],
+                    format!("{}-big{tag}-{}", src.name(), i % 50),
+                    i / 50 + 1,
+                    false,
+                )
+            })
             .collect();
         match transaction(&mut client, &outbox, src, &events, How::Commit).await {
             Ok(()) => {
                 add(&self.stats.committed_txns, 1);
                 add(&self.stats.committed, events.len());
-                Ok(format!("{n} events committed in one transaction ({})", src.name()))
+                Ok(format!(
+                    "{n} events committed in one transaction ({})",
+                    src.name()
+                ))
             }
             Err((committing, e)) => {
                 add(
@@ -298,9 +308,15 @@ impl Writers {
         let _ = child.wait(Duration::from_secs(30)).await;
         if opened {
             add(&self.stats.killed_before_commit, DOOMED_EVENTS);
-            Ok(format!("{DOOMED_EVENTS} events inserted, SIGKILLed before COMMIT ({})", src.name()))
+            Ok(format!(
+                "{DOOMED_EVENTS} events inserted, SIGKILLed before COMMIT ({})",
+                src.name()
+            ))
         } else {
-            Ok(format!("did not open its transaction within 30 s: {:?}", child.lines()))
+            Ok(format!(
+                "did not open its transaction within 30 s: {:?}",
+                child.lines()
+            ))
         }
     }
 }
@@ -313,7 +329,14 @@ pub(crate) async fn doomed_writer(pg: &PgConfig, src: Src) -> anyhow::Result<()>
     let tx = client.transaction().await?;
     let pid = std::process::id();
     let events: Vec<Planned> = (0..DOOMED_EVENTS as i32)
-        .map(|i| event(names::TYPES[0], format!("doomed-{pid}-{}", i % 10), i / 10 + 1, false))
+        .map(|i| {
+            event(
+                names::TYPES[0],
+                format!("doomed-{pid}-{}", i % 10),
+                i / 10 + 1,
+                false,
+            )
+        })
         .collect();
     let ids: Vec<uuid::Uuid> = events.iter().map(|p| p.event.event_id).collect();
     let aggregates: Vec<&str> = events.iter().map(|p| p.event.aggregate_id.as_str()).collect();
