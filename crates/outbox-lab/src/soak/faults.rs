@@ -57,6 +57,29 @@ pub(crate) struct Chaos {
     skipped: std::sync::Mutex<Vec<String>>,
 }
 
+/// Waits until the slot confirmed `lsn` (its relays delivered everything
+/// written before it), for at most 120 s.
+async fn confirmed(db: &tokio_postgres::Client, slot: &str, lsn: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let caught_up: bool = db
+            .query_one(
+                "SELECT coalesce(bool_or(confirmed_flush_lsn >= $2::text::pg_lsn), false) \
+                   FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot, &lsn],
+            )
+            .await?
+            .get(0);
+        if caught_up {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the WAL relays did not confirm {lsn} within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A PostgreSQL error's own message (the driver's Display says only "db
 /// error").
 fn pg_message(e: &tokio_postgres::Error) -> String {
@@ -421,24 +444,7 @@ impl Chaos {
         let result = async {
             // Every event emitted so far delivered before the slot goes.
             let lsn: String = db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await?.get(0);
-            let deadline = Instant::now() + Duration::from_secs(120);
-            loop {
-                let caught_up: bool = db
-                    .query_one(
-                        "SELECT coalesce(bool_or(confirmed_flush_lsn >= $2::text::pg_lsn), false) \
-                           FROM pg_replication_slots WHERE slot_name = $1",
-                        &[&slot, &lsn],
-                    )
-                    .await?
-                    .get(0);
-                if caught_up {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!("the WAL relays did not confirm {lsn} within 120 s");
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            confirmed(&db, &slot, &lsn).await?;
             let relays = self.fleet.relays(Some(Src::Wal));
             let mut held = Vec::new();
             for i in relays {
@@ -475,12 +481,18 @@ impl Chaos {
             if !lost {
                 bail!("the slot was not invalidated after {written_mb} MB of WAL");
             }
+            // The recovery keeps order only for aggregates nobody writes
+            // while it runs (docs/wal.md): hold the writers off, as the
+            // docs tell an operator who needs order.
+            self.writers.hold_wal().await?;
             let out = outbox_command(&self.pg_url)?
                 .args(["migrate", "--wal", "--recover", "--schema", SCHEMA])
                 .args(["--table", names::table(Src::Wal), "--channel", names::channel(Src::Wal)])
                 .output()
                 .await
-                .context("running outbox migrate --wal --recover")?;
+                .context("running outbox migrate --wal --recover");
+            self.writers.release_wal();
+            let out = out?;
             if !out.status.success() {
                 bail!(
                     "outbox migrate --wal --recover exited with {}: {}",
@@ -491,6 +503,11 @@ impl Chaos {
             for p in &mut held {
                 self.fleet.start(p, None).await?;
             }
+            drop(held);
+            // The fault lasts until the relays delivered what the recovery
+            // re-inserted: its re-sends are the fault's.
+            let recovered: String = db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await?.get(0);
+            confirmed(&db, &slot, &recovered).await?;
             let said = String::from_utf8_lossy(&out.stdout);
             Ok((
                 true,

@@ -255,6 +255,8 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
         stats: writers::WriteStats::default(),
         stop: CancellationToken::new(),
         emit_paused: std::sync::atomic::AtomicBool::new(false),
+        wal_held: std::sync::atomic::AtomicBool::new(false),
+        wal_in_flight: std::sync::atomic::AtomicU32::new(0),
     });
     let per_writer = f64::from(rate) / (sources.len() as f64 * f64::from(WRITERS));
     let mut writing = tokio::task::JoinSet::new();

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
@@ -97,7 +97,41 @@ pub(crate) struct Writers {
     pub(crate) stop: CancellationToken,
     /// While set, the WAL writers do not `emit` (an emitted event in WAL a
     /// slot loses has no row to recover it from; see the slot fault).
-    pub(crate) emit_paused: std::sync::atomic::AtomicBool,
+    pub(crate) emit_paused: AtomicBool,
+    /// While set, nothing is written to the WAL outbox (`outbox migrate
+    /// --wal --recover` keeps order only for aggregates nobody writes
+    /// while it runs).
+    pub(crate) wal_held: AtomicBool,
+    /// Transactions on the WAL outbox under way.
+    pub(crate) wal_in_flight: AtomicU32,
+}
+
+/// A transaction on the WAL outbox counted while it runs: entered only
+/// when the outbox is not held.
+struct Entry<'a>(Option<&'a Writers>);
+
+impl<'a> Entry<'a> {
+    /// `None` while `src` is held. Counts first and checks after, so a hold
+    /// that saw no transaction under way sees none start.
+    fn enter(w: &'a Writers, src: Src) -> Option<Self> {
+        if src != Src::Wal {
+            return Some(Self(None));
+        }
+        w.wal_in_flight.fetch_add(1, Ordering::SeqCst);
+        if w.wal_held.load(Ordering::SeqCst) {
+            w.wal_in_flight.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Self(Some(w)))
+    }
+}
+
+impl Drop for Entry<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.0 {
+            w.wal_in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// One event of a transaction, with its ledger facts.
@@ -209,6 +243,10 @@ impl Writers {
                 client = reconnect(&self.pg).await;
                 continue;
             };
+            let Some(_entry) = Entry::enter(&self, src) else {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            };
             let how = if rng.chance(0.05) {
                 How::Rollback
             } else if src == Src::Wal && rng.chance(1.0 / 3.0) && !self.emit_paused.load(Ordering::Relaxed) {
@@ -260,6 +298,12 @@ impl Writers {
     /// One transaction of `n` events over 50 aggregates of its own.
     pub(crate) async fn big_transaction(&self, src: Src, n: u32, tag: usize) -> anyhow::Result<String> {
         let outbox = Outbox::new(names::config(src)?);
+        let _entry = loop {
+            match Entry::enter(self, src) {
+                Some(e) => break e,
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        };
         let mut client = connect(&self.pg).await?;
         let events: Vec<Planned> = (0..n as i32)
             .map(|i| {
@@ -292,6 +336,22 @@ impl Writers {
                 Ok(format!("{n} events, broken by another fault ({e})"))
             }
         }
+    }
+
+    /// Holds the WAL outbox's writers off, once every transaction under way
+    /// ended; [`Writers::release_wal`] lets them go on.
+    pub(crate) async fn hold_wal(&self) -> anyhow::Result<()> {
+        self.wal_held.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.wal_in_flight.load(Ordering::SeqCst) > 0 {
+            anyhow::ensure!(Instant::now() < deadline, "the WAL writers did not pause within 60 s");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn release_wal(&self) {
+        self.wal_held.store(false, Ordering::SeqCst);
     }
 
     /// Starts a writer process that opens a transaction of 100 events on
