@@ -154,8 +154,13 @@ pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Er
 /// in one transaction that holds writers off re-inserts every undelivered
 /// row (created at or after `since`, if given) so the new slot decodes
 /// them. Rows committed between the new slot and that transaction are
-/// decoded twice (a duplicate, never a loss). Refuses a healthy slot, and
-/// one a relay is still streaming.
+/// decoded twice (a duplicate, never a loss), the first time ahead of
+/// their aggregate's older undelivered rows, which the transaction
+/// re-inserts after them: where order matters, keep writers off the
+/// outbox while this runs. (Holding them off from here would deadlock:
+/// creating the slot waits for every transaction under way, and a writer's
+/// would be waiting for the lock.) Refuses a healthy slot, and one a relay
+/// is still streaming.
 pub async fn recover_wal(
     client: &mut Client,
     config: &Config,
