@@ -108,6 +108,15 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
         assert!(i["side_effects"].as_u64().unwrap() > 0, "{i}");
     }
 
+    // Consumers live through PostgreSQL restarts (they used to exit).
+    let exits: Vec<&Value> = found["exits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"].as_str().unwrap().contains("consumer"))
+        .collect();
+    assert!(exits.is_empty(), "consumers exited by themselves: {exits:?}");
+
     let html = std::fs::read_to_string(&report).expect("the report was written");
     let svgs = html.matches("<svg").count();
     assert_eq!(svgs, 4, "four timeline plots");
