@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::{open_in_chromium, outbox_cmd, text};
+use crate::support::{open_in_chromium, outbox_cmd, run_cli, text};
 
 #[tokio::test]
 async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
@@ -122,4 +122,17 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
     assert_eq!(svgs, 4, "four timeline plots");
     assert!(html.contains("relay kills"), "the plots mark the kills");
     open_in_chromium(&report, &dir.join("soak-report.png"), &["soak"]).await;
+}
+
+/// A sink the soak cannot read back in order is a usage mistake, told
+/// before anything starts.
+#[tokio::test]
+async fn soak_refuses_a_sink_it_cannot_read_back() {
+    let out = run_cli(&["soak", "--quick", "--sink", "nats://127.0.0.1:4222"], &[]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--sink must be a redis:// or rediss:// URL"),
+        "{}",
+        text(&out.stderr)
+    );
 }

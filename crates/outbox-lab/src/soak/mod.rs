@@ -153,10 +153,10 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
         return writers::doomed_writer(&parse_pg_url(url, db.connect_timeout)?, src).await;
     }
     if let Some(sink) = &args.sink
-        && !sink.starts_with("redis://")
+        && !(sink.starts_with("redis://") || sink.starts_with("rediss://"))
     {
         bail!(ConfigError(format!(
-            "--sink must be a redis:// URL, not {sink:?}"
+            "--sink must be a redis:// or rediss:// URL, not {sink:?}"
         )));
     }
     let sources = match args.source {
