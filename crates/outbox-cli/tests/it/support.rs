@@ -262,7 +262,7 @@ pub async fn open_in_chromium(report: &Path, screenshot: &Path, sections: &[&str
             "chromium is not installed: `apt-get install chromium` (scripts/test.sh installs it as root)",
         );
     let url = format!("file://{}", report.display());
-    let _ = std::fs::remove_file(&screenshot);
+    let _ = std::fs::remove_file(screenshot);
     let base = [
         "--headless",
         "--no-sandbox",
@@ -305,7 +305,7 @@ pub async fn open_in_chromium(report: &Path, screenshot: &Path, sections: &[&str
         "chromium --screenshot: {}",
         text(&shot.stderr)
     );
-    let png = std::fs::read(&screenshot).expect("the screenshot was written");
+    let png = std::fs::read(screenshot).expect("the screenshot was written");
     assert!(
         png.len() > 10_000 && png.starts_with(b"\x89PNG"),
         "a PNG screenshot"

@@ -508,7 +508,11 @@ mod tests {
             .iter()
             .find(|s| s.kind.starts_with("PostgreSQL"))
             .unwrap();
-        assert_eq!((crash.total, crash.bound), (1, 4), "two batches of 1 for each of 2 relays");
+        assert_eq!(
+            (crash.total, crash.bound),
+            (1, 4),
+            "two batches of 1 for each of 2 relays"
+        );
         assert_eq!(c.unexplained_duplicates, 0);
         let lonely = tally(
             Src::Poll,

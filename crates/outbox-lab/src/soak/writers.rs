@@ -344,7 +344,10 @@ impl Writers {
         self.wal_held.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + Duration::from_secs(60);
         while self.wal_in_flight.load(Ordering::SeqCst) > 0 {
-            anyhow::ensure!(Instant::now() < deadline, "the WAL writers did not pause within 60 s");
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the WAL writers did not pause within 60 s"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         Ok(())
