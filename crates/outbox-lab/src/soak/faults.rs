@@ -445,39 +445,44 @@ impl Chaos {
             // Every event emitted so far delivered before the slot goes.
             let lsn: String = db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await?.get(0);
             confirmed(&db, &slot, &lsn).await?;
-            let relays = self.fleet.relays(Some(Src::Wal));
-            let mut held = Vec::new();
-            for i in relays {
-                let mut p = self.fleet.procs[i].lock().await;
-                self.fleet.kill(&mut p).await?;
-                held.push(p);
-            }
             // One statement per call: ALTER SYSTEM refuses a transaction
-            // block, which a multi-statement query is.
+            // block, which a multi-statement query is. Tried before the
+            // relays stop, so a role without the right skips the fault
+            // having stopped nothing.
             db.batch_execute("ALTER SYSTEM SET max_slot_wal_keep_size = '32MB'")
                 .await
                 .map_err(|e| anyhow::anyhow!("skipped: cannot ALTER SYSTEM ({})", pg_message(&e)))?;
             db.batch_execute("SELECT pg_reload_conf()").await?;
-            let mut written_mb = 0;
-            let mut lost = false;
-            for _ in 0..40 {
-                db.batch_execute(&format!(
-                    "INSERT INTO {SCHEMA}.filler SELECT g, repeat('x', 1000) FROM generate_series(1, 16000) g; \
-                     TRUNCATE {SCHEMA}.filler; SELECT pg_switch_wal(); CHECKPOINT"
-                ))
-                .await?;
-                written_mb += 16;
-                let status: Option<String> = db
-                    .query_opt("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
-                    .await?
-                    .and_then(|r| r.get(0));
-                if status.as_deref() == Some("lost") {
-                    lost = true;
-                    break;
+            let mut held = Vec::new();
+            let invalidated = async {
+                for i in self.fleet.relays(Some(Src::Wal)) {
+                    let mut p = self.fleet.procs[i].lock().await;
+                    self.fleet.kill(&mut p).await?;
+                    held.push(p);
                 }
+                let mut written_mb = 0;
+                for _ in 0..40 {
+                    db.batch_execute(&format!(
+                        "INSERT INTO {SCHEMA}.filler SELECT g, repeat('x', 1000) FROM generate_series(1, 16000) g; \
+                         TRUNCATE {SCHEMA}.filler; SELECT pg_switch_wal(); CHECKPOINT"
+                    ))
+                    .await?;
+                    written_mb += 16;
+                    let status: Option<String> = db
+                        .query_opt("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+                        .await?
+                        .and_then(|r| r.get(0));
+                    if status.as_deref() == Some("lost") {
+                        return Ok::<_, anyhow::Error>((true, written_mb));
+                    }
+                }
+                Ok((false, written_mb))
             }
+            .await;
+            // Reset whatever happened: the setting outlives the soak.
             db.batch_execute("ALTER SYSTEM RESET max_slot_wal_keep_size").await?;
             db.batch_execute("SELECT pg_reload_conf()").await?;
+            let (lost, written_mb) = invalidated?;
             if !lost {
                 bail!("the slot was not invalidated after {written_mb} MB of WAL");
             }
