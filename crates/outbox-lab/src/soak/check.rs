@@ -220,12 +220,7 @@ pub(crate) async fn check_source(
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let behind = match src {
-        Src::Poll => format!("SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL"),
-        // Delivered rows are deleted (--wal-cleanup delete).
-        Src::Wal => format!("SELECT count(*) FROM {table} WHERE dead_at IS NULL"),
-    };
-    let left_behind: i64 = db.query_one(&behind, &[]).await?.get(0);
+    let left_behind: i64 = db.query_one(&names::waiting(src), &[]).await?.get(0);
     check.dead_letters = dead.len() as u64;
     check.dead_letters_unexplained = dead.difference(&poison).count() as u64;
     check.poison_not_dead = poison.difference(&dead).count() as u64;

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use nix::sys::signal::Signal;
@@ -17,6 +17,7 @@ use super::fleet::{Fleet, LEASE_TIMEOUT};
 use super::names::{self, SCHEMA};
 use super::schedule::{Fault, KillKind, PgStop, Planned, PlannedKill, Rng, Src};
 use super::writers::Writers;
+use super::{names::CONFIRMED, unix_ms};
 use crate::scratch::{connect, outbox_command};
 
 /// One injected fault.
@@ -62,14 +63,7 @@ pub(crate) struct Chaos {
 async fn confirmed(db: &tokio_postgres::Client, slot: &str, lsn: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let caught_up: bool = db
-            .query_one(
-                "SELECT coalesce(bool_or(confirmed_flush_lsn >= $2::text::pg_lsn), false) \
-                   FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot, &lsn],
-            )
-            .await?
-            .get(0);
+        let caught_up: bool = db.query_one(CONFIRMED, &[&slot, &lsn]).await?.get(0);
         if caught_up {
             return Ok(());
         }
@@ -85,12 +79,6 @@ async fn confirmed(db: &tokio_postgres::Client, slot: &str, lsn: &str) -> anyhow
 fn pg_message(e: &tokio_postgres::Error) -> String {
     e.as_db_error()
         .map_or_else(|| e.to_string(), |d| d.message().to_owned())
-}
-
-fn unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 impl Chaos {
@@ -344,9 +332,49 @@ impl Chaos {
         tokio::time::sleep(pause).await;
         let restarted = cluster.restart().await;
         self.down.fetch_sub(1, Ordering::Relaxed);
+        drop(pg);
         stopped.context("stopping PostgreSQL")?;
         restarted.context("starting PostgreSQL again")?;
-        Ok((true, format!("down {:.1} s", pause.as_secs_f64())))
+        let back = self.relays_back().await?;
+        Ok((
+            true,
+            format!("down {:.1} s; relays back {back}", pause.as_secs_f64()),
+        ))
+    }
+
+    /// Waits (30 s at most) until every polling relay running has beaten
+    /// its heartbeat again and a WAL relay streams the slot: a fault on
+    /// their connections lasts until then, for a relay finds out only when
+    /// it next uses one (a lease lapsing mid-delivery re-sends that batch).
+    async fn relays_back(&self) -> anyhow::Result<String> {
+        let db = connect(&self.pg_config).await?;
+        let since: std::time::SystemTime = db.query_one("SELECT clock_timestamp()", &[]).await?.get(0);
+        let began = Instant::now();
+        let polling = self.fleet.relays(Some(Src::Poll)).len() as i64;
+        let relays = names::config(Src::Poll)?.companion("_relays")?;
+        let beating = format!("SELECT count(*) FROM {relays} WHERE heartbeat_at > $1");
+        let slot = names::config(Src::Wal)?.wal_slot()?;
+        while began.elapsed() < Duration::from_secs(30) {
+            let mut back = true;
+            if self.sources.contains(&Src::Poll) {
+                let n: i64 = db.query_one(&beating, &[&since]).await?.get(0);
+                back &= n >= polling;
+            }
+            if self.sources.contains(&Src::Wal) {
+                back &= db
+                    .query_opt(
+                        "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                        &[&slot],
+                    )
+                    .await?
+                    .is_some();
+            }
+            if back {
+                return Ok(format!("after {:.1} s", began.elapsed().as_secs_f64()));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok("not within 30 s".to_owned())
     }
 
     async fn terminate(&self) -> anyhow::Result<(bool, String)> {
@@ -359,7 +387,8 @@ impl Chaos {
             )
             .await?
             .get(0);
-        Ok((n > 0, format!("{n} backends terminated")))
+        let back = self.relays_back().await?;
+        Ok((n > 0, format!("{n} backends terminated; relays back {back}")))
     }
 
     async fn outage(&self, seconds: f64) -> anyhow::Result<(bool, String)> {

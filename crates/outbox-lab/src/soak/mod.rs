@@ -429,7 +429,7 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn unix_ms() -> i64 {
+pub(crate) fn unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
@@ -514,37 +514,11 @@ async fn drain(pg: &outbox_relay::pg::PgConfig, sources: &[Src]) -> anyhow::Resu
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let mut waiting = 0i64;
-        if sources.contains(&Src::Poll) {
-            waiting += db
-                .query_one(
-                    &format!(
-                        "SELECT count(*) FROM {SCHEMA}.{} WHERE published_at IS NULL AND dead_at IS NULL",
-                        names::table(Src::Poll)
-                    ),
-                    &[],
-                )
-                .await?
-                .get::<_, i64>(0);
+        for &src in sources {
+            waiting += db.query_one(&names::waiting(src), &[]).await?.get::<_, i64>(0);
         }
         if sources.contains(&Src::Wal) {
-            waiting += db
-                .query_one(
-                    &format!(
-                        "SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL",
-                        names::table(Src::Wal)
-                    ),
-                    &[],
-                )
-                .await?
-                .get::<_, i64>(0);
-            let confirmed: bool = db
-                .query_one(
-                    "SELECT coalesce(bool_or(confirmed_flush_lsn >= $2::text::pg_lsn), false) \
-                       FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot, &lsn],
-                )
-                .await?
-                .get(0);
+            let confirmed: bool = db.query_one(names::CONFIRMED, &[&slot, &lsn]).await?.get(0);
             waiting += i64::from(!confirmed);
         }
         if waiting == 0 {

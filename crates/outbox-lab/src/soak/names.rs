@@ -39,3 +39,23 @@ pub(crate) fn stream(src: Src, aggregate_type: &str) -> String {
 pub(crate) fn config(src: Src) -> anyhow::Result<outbox::Config> {
     Ok(outbox::Config::new(SCHEMA, table(src))?.with_channel(channel(src))?)
 }
+
+/// Rows of `src`'s outbox still to deliver: unpublished and not dead
+/// (the WAL source deletes what it delivered).
+pub(crate) fn waiting(src: Src) -> String {
+    match src {
+        Src::Poll => format!(
+            "SELECT count(*) FROM {SCHEMA}.{} WHERE published_at IS NULL AND dead_at IS NULL",
+            table(src)
+        ),
+        Src::Wal => format!(
+            "SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL",
+            table(src)
+        ),
+    }
+}
+
+/// `$1` slot, `$2` an LSN as text: whether the slot confirmed it (its
+/// relays delivered everything written before).
+pub(crate) const CONFIRMED: &str = "SELECT coalesce(bool_or(confirmed_flush_lsn >= $2::text::pg_lsn), false) \
+     FROM pg_replication_slots WHERE slot_name = $1";

@@ -9,7 +9,7 @@ use serde::Serialize;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-use super::names::{self, SCHEMA};
+use super::names;
 use super::schedule::Src;
 use crate::scratch::connect;
 
@@ -33,18 +33,10 @@ async fn one(db: &Client, sources: &[Src], t: f64, slot: &str) -> Result<Sample,
         retained: None,
     };
     if sources.contains(&Src::Poll) {
-        let sql = format!(
-            "SELECT count(*) FROM {SCHEMA}.{} WHERE published_at IS NULL AND dead_at IS NULL",
-            names::table(Src::Poll)
-        );
-        s.poll_backlog = Some(db.query_one(&sql, &[]).await?.get(0));
+        s.poll_backlog = Some(db.query_one(&names::waiting(Src::Poll), &[]).await?.get(0));
     }
     if sources.contains(&Src::Wal) {
-        let sql = format!(
-            "SELECT count(*) FROM {SCHEMA}.{} WHERE dead_at IS NULL",
-            names::table(Src::Wal)
-        );
-        s.wal_backlog = Some(db.query_one(&sql, &[]).await?.get(0));
+        s.wal_backlog = Some(db.query_one(&names::waiting(Src::Wal), &[]).await?.get(0));
         s.retained = db
             .query_opt(
                 "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 FROM pg_replication_slots \

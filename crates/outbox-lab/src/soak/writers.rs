@@ -18,9 +18,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use outbox::{Event, Outbox};
 use outbox_relay::pg::PgConfig;
 use serde::Serialize;
@@ -30,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::names;
 use super::schedule::{Rng, Src};
+use super::unix_ms;
 use crate::scratch::{connect, outbox_command};
 
 /// Bytes of a poison event's payload: over the relays' 16 KiB limit.
@@ -86,6 +86,14 @@ impl WriteStats {
 
 fn add(a: &AtomicU64, n: usize) {
     a.fetch_add(n as u64, Ordering::Relaxed);
+}
+
+impl WriteStats {
+    /// `n` events of a transaction a fault broke: in doubt if its COMMIT
+    /// got no answer, aborted if it broke before.
+    fn broken(&self, committing: bool, n: usize) {
+        add(if committing { &self.in_doubt } else { &self.aborted }, n);
+    }
 }
 
 /// What the writers share.
@@ -152,9 +160,35 @@ enum How {
 const LEDGER: &str = "INSERT INTO outbox_soak.ledger (event_id, source, aggregate_id, seq, poison) \
      SELECT e, $2, a, s, p FROM unnest($1::uuid[], $3::text[], $4::int4[], $5::bool[]) AS u(e, a, s, p)";
 
-/// Writes one transaction: ledger rows and events (inserted or emitted),
-/// then COMMIT or ROLLBACK. `Err((committing, e))` says whether the error
-/// came from the COMMIT itself (an unknown outcome) or before it.
+/// Writes `events` and their ledger rows in `tx`, inserted or emitted.
+async fn write(
+    tx: &tokio_postgres::Transaction<'_>,
+    outbox: &Outbox,
+    src: Src,
+    events: &[Planned],
+    how: How,
+) -> Result<(), String> {
+    let ids: Vec<uuid::Uuid> = events.iter().map(|p| p.event.event_id).collect();
+    let aggregates: Vec<&str> = events.iter().map(|p| p.event.aggregate_id.as_str()).collect();
+    let seqs: Vec<i32> = events.iter().map(|p| p.seq).collect();
+    let poison: Vec<bool> = events.iter().map(|p| p.poison).collect();
+    tx.execute(LEDGER, &[&ids, &src.name(), &aggregates, &seqs, &poison])
+        .await
+        .map_err(|e| e.to_string())?;
+    let batch: Vec<Event> = events.iter().map(|p| p.event.clone()).collect();
+    for chunk in batch.chunks(1000) {
+        let written = match how {
+            How::Emit => outbox.emit_all(tx, chunk).await.map(drop),
+            How::Commit | How::Rollback => outbox.enqueue_all(tx, chunk).await.map(drop),
+        };
+        written.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Writes one transaction ([`write`]), then COMMIT or ROLLBACK.
+/// `Err((committing, e))` says whether the error came from the COMMIT
+/// itself (an unknown outcome) or before it.
 async fn transaction(
     client: &mut Client,
     outbox: &Outbox,
@@ -163,31 +197,13 @@ async fn transaction(
     how: How,
 ) -> Result<(), (bool, String)> {
     let tx = client.transaction().await.map_err(|e| (false, e.to_string()))?;
-    let ids: Vec<uuid::Uuid> = events.iter().map(|p| p.event.event_id).collect();
-    let aggregates: Vec<&str> = events.iter().map(|p| p.event.aggregate_id.as_str()).collect();
-    let seqs: Vec<i32> = events.iter().map(|p| p.seq).collect();
-    let poison: Vec<bool> = events.iter().map(|p| p.poison).collect();
-    tx.execute(LEDGER, &[&ids, &src.name(), &aggregates, &seqs, &poison])
+    write(&tx, outbox, src, events, how)
         .await
-        .map_err(|e| (false, e.to_string()))?;
-    let batch: Vec<Event> = events.iter().map(|p| p.event.clone()).collect();
-    for chunk in batch.chunks(1000) {
-        let written = match how {
-            How::Emit => outbox.emit_all(&tx, chunk).await.map(drop),
-            How::Commit | How::Rollback => outbox.enqueue_all(&tx, chunk).await.map(drop),
-        };
-        written.map_err(|e| (false, e.to_string()))?;
-    }
+        .map_err(|e| (false, e))?;
     match how {
         How::Rollback => tx.rollback().await.map_err(|e| (false, e.to_string())),
         How::Commit | How::Emit => tx.commit().await.map_err(|e| (true, e.to_string())),
     }
-}
-
-fn unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 fn event(aggregate_type: &str, aggregate_id: String, seq: i32, poison: bool) -> Planned {
@@ -278,14 +294,7 @@ impl Writers {
                     }
                 },
                 Err((committing, e)) => {
-                    add(
-                        if committing {
-                            &self.stats.in_doubt
-                        } else {
-                            &self.stats.aborted
-                        },
-                        n,
-                    );
+                    self.stats.broken(committing, n);
                     tracing::debug!(error = %e, committing, "soak writer: transaction failed");
                     if c.is_closed() {
                         client = None;
@@ -325,14 +334,7 @@ impl Writers {
                 ))
             }
             Err((committing, e)) => {
-                add(
-                    if committing {
-                        &self.stats.in_doubt
-                    } else {
-                        &self.stats.aborted
-                    },
-                    events.len(),
-                );
+                self.stats.broken(committing, events.len());
                 Ok(format!("{n} events, broken by another fault ({e})"))
             }
         }
@@ -401,15 +403,9 @@ pub(crate) async fn doomed_writer(pg: &PgConfig, src: Src) -> anyhow::Result<()>
             )
         })
         .collect();
-    let ids: Vec<uuid::Uuid> = events.iter().map(|p| p.event.event_id).collect();
-    let aggregates: Vec<&str> = events.iter().map(|p| p.event.aggregate_id.as_str()).collect();
-    let seqs: Vec<i32> = events.iter().map(|p| p.seq).collect();
-    let poison = vec![false; events.len()];
-    tx.execute(LEDGER, &[&ids, &src.name(), &aggregates, &seqs, &poison])
+    write(&tx, &outbox, src, &events, How::Commit)
         .await
-        .context("the doomed writer's ledger rows")?;
-    let batch: Vec<Event> = events.into_iter().map(|p| p.event).collect();
-    outbox.enqueue_all(&tx, &batch).await?;
+        .map_err(|e| anyhow::anyhow!("the doomed writer's events: {e}"))?;
     outbox::notify::send("SOAK_WRITER=open");
     std::future::pending::<()>().await;
     // The transaction stays open until the process dies; it never commits.
