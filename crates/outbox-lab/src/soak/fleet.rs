@@ -355,4 +355,12 @@ impl Fleet {
             let _ = self.stop(&mut p).await;
         }
     }
+
+    /// Stops the relays, leaving the consumers running.
+    pub(crate) async fn stop_relays(&self) {
+        for i in self.relays(None) {
+            let mut p = self.procs[i].lock().await;
+            let _ = self.stop(&mut p).await;
+        }
+    }
 }

@@ -313,22 +313,10 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
         tracing::warn!(error = %format!("{e:#}"), "soak: the drain did not finish");
     }
 
+    // No relay may add a late repeat the checks would not see.
+    fleet.stop_relays().await;
     progress.set_message("reading the deliveries");
-    let mut redis_conn = redis::Client::open(redis_url.as_str())?
-        .get_multiplexed_async_connection()
-        .await
-        .context("connecting to Redis")?;
-    let mut streams: HashMap<Src, Vec<Vec<check::Delivery>>> = HashMap::new();
-    let mut distinct: HashMap<String, u64> = HashMap::new();
-    for &src in &sources {
-        for ty in names::TYPES {
-            let stream = names::stream(src, ty);
-            let entries = check::read_stream(&mut redis_conn, &stream).await?;
-            let ids: std::collections::HashSet<_> = entries.iter().map(|d| d.event_id).collect();
-            distinct.insert(stream, ids.len() as u64);
-            streams.entry(src).or_default().push(entries);
-        }
-    }
+    let (streams, distinct) = deliveries(&redis_url, &sources).await?;
     progress.set_message("waiting for the consumers");
     let db_client = connect(&pg_config).await?;
     let consumed = wait_until("the consumers to apply every delivered event", async || {
@@ -433,6 +421,30 @@ pub(crate) fn unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Every stream's entries, by source, and the distinct events per stream.
+#[allow(clippy::type_complexity)]
+async fn deliveries(
+    redis_url: &str,
+    sources: &[Src],
+) -> anyhow::Result<(HashMap<Src, Vec<Vec<check::Delivery>>>, HashMap<String, u64>)> {
+    let mut redis = redis::Client::open(redis_url)?
+        .get_multiplexed_async_connection()
+        .await
+        .context("connecting to Redis")?;
+    let mut streams: HashMap<Src, Vec<Vec<check::Delivery>>> = HashMap::new();
+    let mut distinct = HashMap::new();
+    for &src in sources {
+        for ty in names::TYPES {
+            let stream = names::stream(src, ty);
+            let entries = check::read_stream(&mut redis, &stream).await?;
+            let ids: std::collections::HashSet<_> = entries.iter().map(|d| d.event_id).collect();
+            distinct.insert(stream, ids.len() as u64);
+            streams.entry(src).or_default().push(entries);
+        }
+    }
+    Ok((streams, distinct))
 }
 
 /// A fresh schema: both outboxes, the WAL source's slot and publication,
