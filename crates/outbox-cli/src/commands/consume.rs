@@ -127,7 +127,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
                 total.add(&stats);
                 break;
             }
-            Err(e) if db.is_closed() && !cancel.is_cancelled() => {
+            Err(e) if !cancel.is_cancelled() && !usable(&db).await => {
                 warn!(error = %e, "PostgreSQL connection lost; reconnecting");
             }
             Err(e) => return Err(e).context("consuming"),
@@ -141,6 +141,13 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
         "consumer stopped"
     );
     Ok(())
+}
+
+/// Whether `db` still answers. The driver marks a connection closed only
+/// once its task has seen the end, so right after a `FATAL` (a restart,
+/// `pg_terminate_backend`) it can still look open: ask it.
+async fn usable(db: &tokio_postgres::Client) -> bool {
+    !db.is_closed() && db.simple_query("SELECT 1").await.is_ok()
 }
 
 /// The broker `--from` names.

@@ -116,6 +116,62 @@ async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
     assert_eq!(malformed, 1);
 }
 
+/// Its PostgreSQL connection terminated under it (a restart, a failover),
+/// the worker connects again and ships everything once (`outbox soak`
+/// found it exiting instead).
+#[tokio::test]
+async fn a_worker_whose_connection_is_terminated_connects_again_and_ships_once() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
+        .await
+        .unwrap();
+    db.client
+        .batch_execute("CREATE TABLE shipments (id bigserial, event_id uuid, order_id text, kind text)")
+        .await
+        .unwrap();
+    db.insert_events(20, 2).await;
+    let mut w = worker(&db, &redis, "a", &[]).await;
+
+    let others = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                  AND backend_type = 'client backend' AND pid <> pg_backend_pid()";
+    assert_eq!(db.count(others).await, 1, "the worker's one connection");
+    db.client
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() \
+              AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .await
+        .unwrap();
+    wait_until("the worker's backend gone", LONG, || async {
+        db.count(others).await == 0
+    })
+    .await;
+
+    // The worker finds out at its first event.
+    let relay = run_cli(
+        &["relay", "--sink", &redis.url(), "--drain"],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
+    assert_eq!(relay.status.code(), Some(0), "{}", text(&relay.stderr));
+    wait_until("every event shipped", LONG, || async {
+        db.count("SELECT count(*) FROM shipments").await == 20
+    })
+    .await;
+    assert!(
+        w.exit_status().is_none(),
+        "the worker still runs: {:?}",
+        w.lines()
+    );
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_id) FROM shipments").await,
+        20
+    );
+    w.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(w.wait(LONG).await.unwrap().success(), "{:?}", w.lines());
+}
+
 #[tokio::test]
 async fn an_apply_statement_that_does_not_prepare_is_a_configuration_error() {
     let mut db = Db::start().await;
