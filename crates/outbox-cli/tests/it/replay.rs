@@ -156,13 +156,7 @@ async fn replay_sends_exactly_the_matching_events_in_order_with_their_event_ids(
 
 #[tokio::test]
 async fn a_replay_killed_at_half_resumes_and_the_inbox_applies_each_event_once() {
-    let mut db = Db::start().await;
-    five_thousand_published(&db).await;
-    inbox(&mut db).await;
-    let redis = Redis::start().await.unwrap();
-    let half: i64 = db
-        .count("SELECT id FROM outbox WHERE aggregate_type = 'orders' AND published_at IS NOT NULL ORDER BY id OFFSET 499 LIMIT 1")
-        .await;
+    let (db, redis, half) = to_kill_at_half().await;
 
     // 500/s: pages of 50, about two seconds for the 1000.
     let mut replay = Spawned::spawn(replay_cmd(
@@ -244,6 +238,19 @@ async fn a_replay_killed_at_half_resumes_and_the_inbox_applies_each_event_once()
     assert_eq!(stopped["duplicates"], duplicates, "{stopped}");
 }
 
+/// The kill tests' setup: 5000 published events, the inbox, a Redis, and
+/// the id of the 500th published order (half of the 1000 replayed).
+async fn to_kill_at_half() -> (Db, Redis, i64) {
+    let mut db = Db::start().await;
+    five_thousand_published(&db).await;
+    inbox(&mut db).await;
+    let redis = Redis::start().await.unwrap();
+    let half: i64 = db
+        .count("SELECT id FROM outbox WHERE aggregate_type = 'orders' AND published_at IS NOT NULL ORDER BY id OFFSET 499 LIMIT 1")
+        .await;
+    (db, redis, half)
+}
+
 /// An inbox and a `shipments` table for the side effect.
 async fn inbox(db: &mut Db) {
     outbox::migrate_inbox(&mut db.client, &InboxConfig::default())
@@ -313,13 +320,7 @@ async fn consume_all(db: &Db, redis: &Redis) -> serde_json::Value {
 
 #[tokio::test]
 async fn a_replay_killed_between_send_and_save_resends_one_page_the_inbox_drops() {
-    let mut db = Db::start().await;
-    five_thousand_published(&db).await;
-    inbox(&mut db).await;
-    let redis = Redis::start().await.unwrap();
-    let half: i64 = db
-        .count("SELECT id FROM outbox WHERE aggregate_type = 'orders' AND published_at IS NOT NULL ORDER BY id OFFSET 499 LIMIT 1")
-        .await;
+    let (db, redis, half) = to_kill_at_half().await;
     let mut cmd = replay_cmd(
         &db,
         &[

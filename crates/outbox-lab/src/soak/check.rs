@@ -205,11 +205,7 @@ pub(crate) async fn check_source(
     bounds: &Bounds,
 ) -> anyhow::Result<SourceCheck> {
     let mut check = tally(src, streams, ledger, faults, bounds);
-    let poison: HashSet<Uuid> = ledger
-        .iter()
-        .filter(|(_, (s, poison))| *s == src && *poison)
-        .map(|(id, _)| *id)
-        .collect();
+    let poison = of(ledger, src, true);
     let table = format!("{SCHEMA}.{}", names::table(src));
     let dead: HashSet<Uuid> = db
         .query(
@@ -228,6 +224,15 @@ pub(crate) async fn check_source(
     Ok(check)
 }
 
+/// The ledger's events of `src`: the poison ones, or the others.
+fn of(ledger: &HashMap<Uuid, (Src, bool)>, src: Src, poison: bool) -> HashSet<Uuid> {
+    ledger
+        .iter()
+        .filter(|(_, (s, p))| *s == src && *p == poison)
+        .map(|(id, _)| *id)
+        .collect()
+}
+
 /// The deliveries' part of [`check_source`].
 fn tally(
     src: Src,
@@ -236,16 +241,8 @@ fn tally(
     faults: &[Record],
     bounds: &Bounds,
 ) -> SourceCheck {
-    let committed: HashSet<Uuid> = ledger
-        .iter()
-        .filter(|(_, (s, poison))| *s == src && !poison)
-        .map(|(id, _)| *id)
-        .collect();
-    let poison: HashSet<Uuid> = ledger
-        .iter()
-        .filter(|(_, (s, poison))| *s == src && *poison)
-        .map(|(id, _)| *id)
-        .collect();
+    let committed = of(ledger, src, false);
+    let poison = of(ledger, src, true);
 
     let mut seen: HashMap<Uuid, (i64, u32)> = HashMap::new();
     let mut order_violations = 0;
