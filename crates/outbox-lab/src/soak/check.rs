@@ -13,7 +13,7 @@ use serde::Serialize;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use super::faults::Record;
+use super::faults::{Hits, Record};
 use super::names::{self, SCHEMA};
 use super::schedule::Src;
 use crate::report::percentile;
@@ -182,14 +182,13 @@ pub(crate) struct Bounds {
 }
 
 impl Bounds {
-    fn of(&self, src: Src, kind: &str) -> u64 {
+    fn of(&self, src: Src, hits: Hits) -> u64 {
         // A polling relay has two batches in flight: one at the sink, the
         // one before it waiting for its commit (the README's guarantee).
-        match src {
-            Src::Wal => self.wal_window,
-            Src::Poll if kind.starts_with("relay") || kind.starts_with("split") => 2 * self.batch,
-            // Every relay at once.
-            Src::Poll => 2 * self.batch * self.relays,
+        match (src, hits) {
+            (Src::Wal, _) => self.wal_window,
+            (Src::Poll, Hits::OneRelay) => 2 * self.batch,
+            (Src::Poll, Hits::AllRelays) => 2 * self.batch * self.relays,
         }
     }
 }
@@ -310,7 +309,11 @@ fn tally(
                 .filter(|(_, f)| f.kind == kind)
                 .map(|(i, _)| per_fault.get(&i).copied().unwrap_or(0))
                 .collect();
-            let bound = bounds.of(src, kind);
+            // Faults of one kind reach the same relays.
+            let bound = scoped
+                .iter()
+                .find(|f| f.kind == kind)
+                .map_or(0, |f| bounds.of(src, f.hits));
             over_bound += counts.iter().filter(|&&c| c > bound).count() as u64;
             DupStat {
                 kind,
@@ -405,7 +408,7 @@ mod tests {
         }
     }
 
-    fn fault(at_ms: i64, seconds: f64, kind: &'static str) -> Record {
+    fn fault(at_ms: i64, seconds: f64, kind: &'static str, hits: Hits) -> Record {
         Record {
             at_s: 0.0,
             at_ms,
@@ -414,6 +417,7 @@ mod tests {
             detail: String::new(),
             seconds,
             scope: vec![Src::Poll],
+            hits,
             took: true,
         }
     }
@@ -460,7 +464,7 @@ mod tests {
             Src::Poll,
             &[stream],
             &ledger(&[1, 2, 3, 5], &[]),
-            &[fault(12, 0.5, "relay SIGKILL")],
+            &[fault(12, 0.5, "relay SIGKILL", Hits::OneRelay)],
             &BOUNDS,
         );
         assert_eq!(c.order_violations, 1);
@@ -480,8 +484,8 @@ mod tests {
             d(400, 2, "a", 2),
         ];
         let faults = [
-            fault(150, 0.01, "relay SIGKILL"),
-            fault(300, 0.01, "PostgreSQL crash (SIGKILL)"),
+            fault(150, 0.01, "relay SIGKILL", Hits::OneRelay),
+            fault(300, 0.01, "PostgreSQL crash (SIGKILL)", Hits::AllRelays),
         ];
         let c = tally(Src::Poll, &[stream], &ledger(&[1, 2, 3], &[]), &faults, &BOUNDS);
         assert_eq!(c.duplicates, 4);

@@ -20,6 +20,22 @@ use super::writers::Writers;
 use super::{names::CONFIRMED, unix_ms};
 use crate::scratch::{connect, outbox_command};
 
+/// A fault this run cannot inject (a server it was given, a right it
+/// lacks): listed as skipped, not as failed.
+#[derive(Debug, thiserror::Error)]
+#[error("skipped: {0}")]
+struct Skipped(String);
+
+/// What a fault can make the relays re-send, for the bound of each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Hits {
+    /// One relay's in-flight batches (a kill, a split brain).
+    OneRelay,
+    /// Every relay's at once (PostgreSQL, the sink, the slot).
+    AllRelays,
+}
+
 /// One injected fault.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Record {
@@ -34,6 +50,7 @@ pub(crate) struct Record {
     pub(crate) seconds: f64,
     /// The sources whose deliveries this fault can make repeat.
     pub(crate) scope: Vec<Src>,
+    pub(crate) hits: Hits,
     /// Whether it did what it is for (a failpoint reached, a slot lost).
     pub(crate) took: bool,
 }
@@ -132,7 +149,7 @@ impl Chaos {
         kind: &'static str,
         target: String,
         detail: String,
-        scope: Vec<Src>,
+        (scope, hits): (Vec<Src>, Hits),
         took: bool,
     ) {
         self.log
@@ -146,6 +163,7 @@ impl Chaos {
                 detail,
                 seconds: begun.2.elapsed().as_secs_f64(),
                 scope,
+                hits,
                 took,
             });
     }
@@ -228,7 +246,7 @@ impl Chaos {
             };
             let name = p.name.clone();
             drop(p);
-            self.record(begun, kind, name, detail, scope, took);
+            self.record(begun, kind, name, detail, (scope, Hits::OneRelay), took);
         }
     }
 
@@ -286,21 +304,24 @@ impl Chaos {
             Fault::WriterKilledBeforeCommit { src } => (
                 format!("{} writer", src.name()),
                 Vec::new(),
-                self.writers
-                    .doomed(src)
-                    .await
-                    .map(|d| (!d.starts_with("did not"), d)),
+                self.writers.doomed(src).await,
             ),
             Fault::ConsumerDead { seconds } => {
                 let (name, r) = self.consumer_dead(seconds).await;
                 (name, Vec::new(), r)
             }
         };
+        // A split brain freezes one relay; the others reach them all.
+        let hits = if fault == Fault::SplitBrain {
+            Hits::OneRelay
+        } else {
+            Hits::AllRelays
+        };
         match result {
-            Ok((took, detail)) => self.record(begun, fault.label(), target, detail, scope, took),
+            Ok((took, detail)) => self.record(begun, fault.label(), target, detail, (scope, hits), took),
             Err(e) => {
                 let detail = format!("{e:#}");
-                if detail.starts_with("skipped:") {
+                if e.is::<Skipped>() {
                     self.skip(format!("{}: {detail}", fault.label()));
                 } else {
                     tracing::warn!(fault = fault.label(), error = %detail, "soak: a fault failed");
@@ -309,7 +330,7 @@ impl Chaos {
                         fault.label(),
                         target,
                         format!("failed: {detail}"),
-                        scope,
+                        (scope, hits),
                         false,
                     );
                 }
@@ -320,7 +341,7 @@ impl Chaos {
     async fn pg_restart(&self, stop: PgStop, rng: &mut Rng) -> anyhow::Result<(bool, String)> {
         let mut pg = self.pg.lock().await;
         let Some(cluster) = pg.as_mut() else {
-            bail!("skipped: PostgreSQL was given by URL");
+            bail!(Skipped("PostgreSQL was given by URL".to_owned()));
         };
         self.down.fetch_add(1, Ordering::Relaxed);
         let stopped = match stop {
@@ -394,7 +415,7 @@ impl Chaos {
     async fn outage(&self, seconds: f64) -> anyhow::Result<(bool, String)> {
         let mut redis = self.redis.lock().await;
         let Some(server) = redis.as_mut() else {
-            bail!("skipped: the sink was given by URL");
+            bail!(Skipped("the sink was given by URL".to_owned()));
         };
         self.down.fetch_add(1, Ordering::Relaxed);
         let stopped = server.stop().await;
@@ -480,7 +501,7 @@ impl Chaos {
             // having stopped nothing.
             db.batch_execute("ALTER SYSTEM SET max_slot_wal_keep_size = '32MB'")
                 .await
-                .map_err(|e| anyhow::anyhow!("skipped: cannot ALTER SYSTEM ({})", pg_message(&e)))?;
+                .map_err(|e| Skipped(format!("cannot ALTER SYSTEM ({})", pg_message(&e))))?;
             db.batch_execute("SELECT pg_reload_conf()").await?;
             let mut held = Vec::new();
             let invalidated = async {

@@ -9,7 +9,7 @@ use anyhow::Context;
 use nix::sys::signal::Signal;
 use outbox_testkit::Spawned;
 use serde::Serialize;
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::Mutex;
 
 use super::names::{self, SCHEMA};
 use super::schedule::Src;
@@ -38,13 +38,12 @@ pub(crate) enum Role {
     },
 }
 
-/// One child and its restarts.
+/// One child.
 #[derive(Debug)]
 pub(crate) struct Proc {
     pub(crate) name: String,
     pub(crate) role: Role,
     pub(crate) child: Option<Spawned>,
-    pub(crate) starts: u32,
 }
 
 /// A child that exited without being told to.
@@ -96,7 +95,6 @@ impl Fleet {
                     name: format!("{}-relay-{i}", src.name()),
                     role: Role::Relay(src),
                     child: None,
-                    starts: 0,
                 });
             }
             for (i, aggregate_type) in names::TYPES.iter().enumerate() {
@@ -116,7 +114,6 @@ impl Fleet {
                             slow,
                         },
                         child: None,
-                        starts: 0,
                     });
                 }
             }
@@ -205,7 +202,6 @@ impl Fleet {
             cmd.env("OUTBOX_FAILPOINT", f);
         }
         let child = Spawned::spawn_notified(cmd)?;
-        p.starts += 1;
         child
             .wait_for_notification("READY=1", READY)
             .await
@@ -275,7 +271,7 @@ impl Fleet {
     }
 
     /// [`Fleet::supervise`] for one child, waiting for the lock.
-    pub(crate) async fn restart_if_exited(&self, p: &mut MutexGuard<'_, Proc>) -> anyhow::Result<()> {
+    pub(crate) async fn restart_if_exited(&self, p: &mut Proc) -> anyhow::Result<()> {
         match p.child.as_ref().map(Spawned::exit_status) {
             // Running.
             Some(None) => return Ok(()),

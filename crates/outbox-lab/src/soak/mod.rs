@@ -249,15 +249,7 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
     ));
     fleet.start_all().await?;
 
-    let writers = Arc::new(Writers {
-        pg: pg_config.clone(),
-        pg_url: pg_url.clone(),
-        stats: writers::WriteStats::default(),
-        stop: CancellationToken::new(),
-        emit_paused: std::sync::atomic::AtomicBool::new(false),
-        wal_held: std::sync::atomic::AtomicBool::new(false),
-        wal_in_flight: std::sync::atomic::AtomicU32::new(0),
-    });
+    let writers = Arc::new(Writers::new(pg_config.clone(), pg_url.clone()));
     let per_writer = f64::from(rate) / (sources.len() as f64 * f64::from(WRITERS));
     let mut writing = tokio::task::JoinSet::new();
     for &src in &sources {

@@ -114,6 +114,21 @@ pub(crate) struct Writers {
     pub(crate) wal_in_flight: AtomicU32,
 }
 
+impl Writers {
+    /// Writers of `pg`, none paused or held.
+    pub(crate) fn new(pg: PgConfig, pg_url: String) -> Self {
+        Self {
+            pg,
+            pg_url,
+            stats: WriteStats::default(),
+            stop: CancellationToken::new(),
+            emit_paused: AtomicBool::new(false),
+            wal_held: AtomicBool::new(false),
+            wal_in_flight: AtomicU32::new(0),
+        }
+    }
+}
+
 /// A transaction on the WAL outbox counted while it runs: entered only
 /// when the outbox is not held.
 struct Entry<'a>(Option<&'a Writers>);
@@ -360,8 +375,9 @@ impl Writers {
     }
 
     /// Starts a writer process that opens a transaction of 100 events on
-    /// `src`'s outbox (ledger rows included), and SIGKILLs it there.
-    pub(crate) async fn doomed(&self, src: Src) -> anyhow::Result<String> {
+    /// `src`'s outbox (ledger rows included), and SIGKILLs it there;
+    /// whether it opened the transaction, and what happened.
+    pub(crate) async fn doomed(&self, src: Src) -> anyhow::Result<(bool, String)> {
         let mut cmd = outbox_command(&self.pg_url)?;
         cmd.args(["soak", "--doomed-writer", src.name()]);
         let mut child = outbox_testkit::Spawned::spawn_notified(cmd)?;
@@ -373,14 +389,17 @@ impl Writers {
         let _ = child.wait(Duration::from_secs(30)).await;
         if opened {
             add(&self.stats.killed_before_commit, DOOMED_EVENTS);
-            Ok(format!(
-                "{DOOMED_EVENTS} events inserted, SIGKILLed before COMMIT ({})",
-                src.name()
+            Ok((
+                true,
+                format!(
+                    "{DOOMED_EVENTS} events inserted, SIGKILLed before COMMIT ({})",
+                    src.name()
+                ),
             ))
         } else {
-            Ok(format!(
-                "did not open its transaction within 30 s: {:?}",
-                child.lines()
+            Ok((
+                false,
+                format!("did not open its transaction within 30 s: {:?}", child.lines()),
             ))
         }
     }
