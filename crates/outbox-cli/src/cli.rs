@@ -255,7 +255,7 @@ pub(crate) struct RelayArgs {
     /// --config overrides it for that route.
     #[arg(long, env = "OUTBOX_CLAIM", value_enum, default_value = "lock")]
     pub(crate) claim: ClaimMode,
-    /// With --claim lease: how long a claim holds its rows. Rows of a relay
+    /// With --claim deadline: how long a claim holds its rows. Rows of a relay
     /// that died are claimed again once it runs out; a delivery still
     /// running then is abandoned, so make it longer than the slowest batch.
     #[arg(long, env = "OUTBOX_CLAIM_TIMEOUT", default_value = "60s", value_parser = positive_duration)]

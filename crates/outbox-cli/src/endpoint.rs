@@ -15,6 +15,7 @@
 //! beside the probes on one port.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -22,6 +23,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use outbox_relay::health::Registry;
 use outbox_relay::metric;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -79,8 +81,8 @@ impl Endpoint {
         self.listener.local_addr()
     }
 
-    /// Serves until `cancel` fires.
-    pub(crate) fn serve(self, cancel: CancellationToken) -> JoinHandle<()> {
+    /// Serves until `cancel` fires; `/readyz` asks `relays`.
+    pub(crate) fn serve(self, relays: Arc<Registry>, cancel: CancellationToken) -> JoinHandle<()> {
         let Self { listener, handle } = self;
         let upkeep = handle.clone();
         let stop = cancel.clone();
@@ -95,7 +97,7 @@ impl Endpoint {
         let app = Router::new()
             .route("/metrics", get(move || render(handle.clone())))
             .route("/healthz", get(healthz))
-            .route("/readyz", get(readyz));
+            .route("/readyz", get(move || readyz(Arc::clone(&relays))));
         tokio::spawn(async move {
             let served = axum::serve(listener, app)
                 .with_graceful_shutdown(cancel.cancelled_owned())
@@ -119,10 +121,10 @@ async fn healthz() -> impl IntoResponse {
     json(StatusCode::OK, &serde_json::json!({"alive": true}))
 }
 
-/// 200 when every check of `outbox_relay::health` passes, else 503; the
-/// body names each check and what is not ready.
-async fn readyz() -> impl IntoResponse {
-    let readiness = outbox_relay::health::global().readiness();
+/// 200 when every check of every relay passes, else 503; the body names
+/// each check and what is not ready.
+async fn readyz(relays: Arc<Registry>) -> impl IntoResponse {
+    let readiness = relays.readiness();
     let status = if readiness.ready {
         StatusCode::OK
     } else {

@@ -7,7 +7,10 @@
 //!
 //! Failures are logged and retried next round; they never touch delivery.
 //! A type that drained away is set to 0 rather than left at its last value,
-//! so an alert on it resolves.
+//! so an alert on it resolves. Every series carries the relay's `outbox`
+//! label, and each outbox has its series from the first scrape: before any
+//! type had a row waiting, one with `aggregate_type=""` at 0 (the metrics
+//! facade cannot remove a series, so it stays, at 0, once types appear).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -18,6 +21,7 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::context::RelayContext;
 use crate::error::error_chain;
 use crate::metric::{BACKLOG, DEAD_LETTERS, OLDEST_UNPUBLISHED_AGE};
 
@@ -39,11 +43,22 @@ impl Default for Backlog {
 
 impl Backlog {
     /// Refreshes the gauges every `interval` until `cancel`. Never fails.
-    pub async fn run(self, pg: crate::pg::PgConfig, config: Config, cancel: CancellationToken) {
+    /// `ctx` is the relay's whose outbox it reads
+    /// ([`Relay::context`](crate::Relay::context)).
+    pub async fn run(
+        self,
+        pg: crate::pg::PgConfig,
+        config: Config,
+        ctx: RelayContext,
+        cancel: CancellationToken,
+    ) {
         let sql = OutboxSql::new(&config);
         let mut pg = pg;
         pg.postgres_mut().application_name("outbox-relay metrics");
         let mut client: Option<Client> = None;
+        let outbox = ctx.outbox().to_owned();
+        // Present from the first scrape, whatever the first query finds.
+        set(&outbox, String::new(), 0.0, 0.0, 0.0);
         let mut seen = BTreeSet::new();
         loop {
             if client.as_ref().is_none_or(Client::is_closed) {
@@ -58,7 +73,7 @@ impl Backlog {
             if let Some(c) = &client {
                 // A query that hangs must not freeze the gauges for good.
                 match tokio::time::timeout(self.interval.max(Duration::from_secs(1)), sql.stats(c)).await {
-                    Ok(Ok(stats)) => publish(&stats, &mut seen),
+                    Ok(Ok(stats)) => publish(&outbox, &stats, &mut seen),
                     Ok(Err(error)) => warn!(error = %error_chain(&error), "reading the backlog failed"),
                     Err(_) => {
                         warn!("reading the backlog timed out; reconnecting");
@@ -76,13 +91,12 @@ impl Backlog {
 
 /// Sets the gauges of every type in `stats`, and 0 for types seen before
 /// that are gone.
-fn publish(stats: &[outbox::sql::TypeStats], seen: &mut BTreeSet<String>) {
+fn publish(outbox: &str, stats: &[outbox::sql::TypeStats], seen: &mut BTreeSet<String>) {
     let now = chrono::Utc::now();
     let mut gone = std::mem::take(seen);
     for s in stats {
         gone.remove(&s.aggregate_type);
         seen.insert(s.aggregate_type.clone());
-        let label = [("aggregate_type", s.aggregate_type.clone())];
         let age = s.oldest_unpublished.map_or(0.0, |t| {
             // Microseconds: exact in an f64 for centuries.
             #[allow(clippy::cast_precision_loss)]
@@ -91,16 +105,18 @@ fn publish(stats: &[outbox::sql::TypeStats], seen: &mut BTreeSet<String>) {
         });
         // Row counts: exact in an f64 up to 2^53.
         #[allow(clippy::cast_precision_loss)]
-        {
-            metrics::gauge!(BACKLOG, &label).set(s.unpublished as f64);
-            metrics::gauge!(DEAD_LETTERS, &label).set(s.dead_letters as f64);
-        }
-        metrics::gauge!(OLDEST_UNPUBLISHED_AGE, &label).set(age);
+        let (unpublished, dead) = (s.unpublished as f64, s.dead_letters as f64);
+        set(outbox, s.aggregate_type.clone(), unpublished, dead, age);
     }
     for aggregate_type in gone {
-        let label = [("aggregate_type", aggregate_type)];
-        metrics::gauge!(BACKLOG, &label).set(0.0);
-        metrics::gauge!(DEAD_LETTERS, &label).set(0.0);
-        metrics::gauge!(OLDEST_UNPUBLISHED_AGE, &label).set(0.0);
+        set(outbox, aggregate_type, 0.0, 0.0, 0.0);
     }
+}
+
+/// One type's three gauges.
+fn set(outbox: &str, aggregate_type: String, backlog: f64, dead: f64, age: f64) {
+    let labels = [("outbox", outbox.to_owned()), ("aggregate_type", aggregate_type)];
+    metrics::gauge!(BACKLOG, &labels).set(backlog);
+    metrics::gauge!(DEAD_LETTERS, &labels).set(dead);
+    metrics::gauge!(OLDEST_UNPUBLISHED_AGE, &labels).set(age);
 }

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::context::RelayContext;
 use crate::metric::BreakerGauges;
 use crate::sink::{Delivery, DeliveryError, Sink};
 
@@ -83,7 +84,9 @@ pub(crate) struct Breaker {
     strikes: u32,
     /// Whether strikes count (see [`Breaker::without_strikes`]).
     striking: bool,
-    gauges: BreakerGauges,
+    /// Where its state is reported, once bound to a relay
+    /// ([`Breaker::bind`]); unbound, it only logs.
+    reporter: Option<(RelayContext, BreakerGauges)>,
 }
 
 /// How [`Breaker::wait`] ended.
@@ -117,30 +120,46 @@ impl Breaker {
     /// A closed breaker for `sink` (and, in a router, the route of
     /// aggregate type `route`).
     pub(crate) fn new(sink: &'static str, route: Option<String>) -> Self {
-        let gauges = BreakerGauges::new(sink, route.as_deref());
-        let breaker = Self {
+        Self {
             sink,
-            gauges,
             route,
             state: CircuitState::Closed,
             down: None,
             interval: FIRST_PROBE,
             strikes: 0,
             striking: true,
-        };
-        crate::health::global().sink(breaker.label(), None);
-        breaker
+            reporter: None,
+        }
+    }
+
+    /// Reports to `ctx` from now on: the relay's health, its gauges (with
+    /// its `outbox` label) and its signals. A router's breakers are built
+    /// with the router, before any relay, and bound when the relay starts.
+    pub(crate) fn bind(&mut self, ctx: &RelayContext) {
+        let gauges = BreakerGauges::new(ctx, self.sink, self.route.as_deref());
+        self.reporter = Some((ctx.clone(), gauges));
+        self.report();
     }
 
     /// The gauges and the readiness check, after a change of state.
     fn report(&self) {
-        self.gauges.set(match self.state {
+        let Some((ctx, gauges)) = &self.reporter else {
+            return;
+        };
+        gauges.set(match self.state {
             CircuitState::Closed => 0,
             CircuitState::Open => 1,
             CircuitState::HalfOpen => 2,
         });
         let problem = self.down.as_ref().map(|(_, cause)| cause.clone());
-        crate::health::global().sink(self.label(), problem);
+        ctx.health().sink(self.label(), problem);
+    }
+
+    /// A `STATUS=` line to the bound relay's signals.
+    fn signal(&self, state: &str) {
+        if let Some((ctx, _)) = &self.reporter {
+            ctx.signal(state);
+        }
     }
 
     /// A breaker that never turns unavailable answers into attempts: for a
@@ -218,7 +237,7 @@ impl Breaker {
                     error = %cause,
                     "sink unavailable; sending it nothing until a probe succeeds (no attempts are spent)"
                 );
-                outbox::notify::send(&format!("STATUS=sink {} unavailable", self.label()));
+                self.signal(&format!("STATUS=sink {} unavailable", self.label()));
                 self.down = Some((Instant::now(), cause.to_owned()));
                 self.interval = FIRST_PROBE;
                 self.state = CircuitState::Open;
@@ -267,7 +286,7 @@ impl Breaker {
                 seconds = since.elapsed().as_secs_f64(),
                 "sink available again"
             );
-            outbox::notify::send(&format!("STATUS=sink {} available", self.label()));
+            self.signal(&format!("STATUS=sink {} available", self.label()));
         }
     }
 

@@ -60,7 +60,7 @@ pub struct RelayConfig {
     /// How the polling source claims a batch: in the transaction it is
     /// delivered in (the default), or by a lease it commits first.
     pub claim: ClaimMode,
-    /// With [`ClaimMode::Lease`]: how long a claim holds its rows (default
+    /// With [`ClaimMode::Deadline`]: how long a claim holds its rows (default
     /// 60 s). A relay that dies leaves rows that are claimed again once it
     /// runs out; a delivery still running then is abandoned. Longer than
     /// the slowest batch the sink may take.
@@ -82,8 +82,14 @@ pub enum ClaimMode {
     /// `claimed_by`) in a short transaction, delivers with none open, and
     /// marks in a second one that checks the claim is still its own: for
     /// slow sinks.
-    #[value(help = "Claim by a deadline in a short transaction; deliver with none open")]
-    Lease,
+    ///
+    /// Called `lease` until the word came to mean the partition lease
+    /// only; `--claim lease` still parses (a hidden alias).
+    #[value(
+        alias = "lease",
+        help = "Claim by a deadline in a short transaction; deliver with none open"
+    )]
+    Deadline,
 }
 
 impl ClaimMode {
@@ -91,7 +97,7 @@ impl ClaimMode {
     pub fn as_str(self) -> &'static str {
         match self {
             ClaimMode::Lock => "lock",
-            ClaimMode::Lease => "lease",
+            ClaimMode::Deadline => "deadline",
         }
     }
 }

@@ -50,14 +50,14 @@ static SLEPT: AtomicBool = AtomicBool::new(false);
 impl Failpoint {
     /// Logs, tells `NOTIFY_SOCKET` (`OUTBOX_FAILPOINT=<name> reached`, and
     /// `… over` when a sleep ends) and parks.
-    pub(crate) async fn park(self, rows: usize) {
+    pub(crate) async fn park(self, rows: usize, signals: &crate::Signals) {
         match self {
             Self::PauseAfterDeliver => {
                 tracing::warn!(
                     rows,
                     "failpoint pause-after-deliver reached; parked before marking"
                 );
-                outbox::notify::send("OUTBOX_FAILPOINT=pause-after-deliver reached");
+                signals.send("OUTBOX_FAILPOINT=pause-after-deliver reached");
                 std::future::pending::<()>().await;
             }
             Self::SleepAfterDeliver(d) => {
@@ -69,10 +69,10 @@ impl Failpoint {
                     seconds = d.as_secs_f64(),
                     "failpoint sleep-after-deliver reached; sleeping before marking"
                 );
-                outbox::notify::send("OUTBOX_FAILPOINT=sleep-after-deliver reached");
+                signals.send("OUTBOX_FAILPOINT=sleep-after-deliver reached");
                 tokio::time::sleep(d).await;
                 tracing::warn!("failpoint sleep-after-deliver over; committing");
-                outbox::notify::send("OUTBOX_FAILPOINT=sleep-after-deliver over");
+                signals.send("OUTBOX_FAILPOINT=sleep-after-deliver over");
             }
         }
     }

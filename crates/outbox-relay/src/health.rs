@@ -5,16 +5,16 @@
 //! The parts that know a fact report it here as it changes (the source on
 //! connect and on a lost connection, the lease task on each tick, each
 //! breaker on open and close); a probe only reads. It is one table per
-//! process ([`global`]): the breakers of a router's routes are built by
-//! whoever builds the router, far from the relay, and one relay per process
-//! is what the `outbox` binary runs. It holds no HTTP: the binary serves it.
+//! relay ([`Health`], in the relay's [`RelayContext`](crate::RelayContext));
+//! a process that runs several relays aggregates them in a [`Registry`].
+//! It holds no HTTP: the binary serves it.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::time::Instant;
 
-/// The process's readiness table.
+/// One relay's readiness table.
 #[derive(Debug, Default)]
 pub struct Health {
     state: Mutex<State>,
@@ -23,8 +23,11 @@ pub struct Health {
 #[derive(Debug, Default)]
 struct State {
     relay: Phase,
-    /// What is wrong with the PostgreSQL session, if anything.
-    postgres: Option<String>,
+    /// Per claim loop (`""` for the relay's own, else its lane's label):
+    /// what is wrong with its PostgreSQL session, if anything. Lanes have
+    /// sessions of their own, so one lane's lost connection is not
+    /// another's.
+    postgres: BTreeMap<String, Option<String>>,
     /// None when the relay takes no leases (`--ordering none`).
     leases: Option<Leases>,
     /// Per sink label (`redis`, `http route orders`): why it is unavailable.
@@ -60,10 +63,46 @@ pub struct Readiness {
     pub checks: BTreeMap<String, String>,
 }
 
-/// The table every relay in this process reports to.
-pub fn global() -> &'static Health {
-    static HEALTH: OnceLock<Health> = OnceLock::new();
-    HEALTH.get_or_init(Health::default)
+/// The relays of one process, for `/readyz`: ready when every relay is.
+#[derive(Debug, Default)]
+pub struct Registry {
+    relays: Mutex<Vec<(String, Arc<Health>)>>,
+}
+
+impl Registry {
+    /// Adds the relay serving `outbox` (its [`RelayContext::outbox`](crate::RelayContext::outbox)).
+    pub fn register(&self, outbox: &str, health: Arc<Health>) {
+        self.relays
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((outbox.to_owned(), health));
+    }
+
+    /// Every relay's checks now. With one relay the checks keep their own
+    /// names (`postgres`); with several each is prefixed by its outbox
+    /// (`public.outbox postgres`). No relay registered is not ready.
+    pub fn readiness(&self) -> Readiness {
+        let relays = self
+            .relays
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let [(_, only)] = relays.as_slice() {
+            return only.readiness();
+        }
+        let mut checks = BTreeMap::new();
+        let mut ready = !relays.is_empty();
+        for (outbox, health) in relays.iter() {
+            let r = health.readiness();
+            ready &= r.ready;
+            for (name, check) in r.checks {
+                checks.insert(format!("{outbox} {name}"), check);
+            }
+        }
+        if relays.is_empty() {
+            checks.insert("relay".to_owned(), "no relay".to_owned());
+        }
+        Readiness { ready, checks }
+    }
 }
 
 impl Health {
@@ -78,9 +117,10 @@ impl Health {
         self.state().relay = if running { Phase::Running } else { Phase::Stopped };
     }
 
-    /// The PostgreSQL session is up (None) or why not.
-    pub(crate) fn postgres(&self, problem: Option<String>) {
-        self.state().postgres = problem;
+    /// The PostgreSQL session of the claim loop `lane` (`""` for the
+    /// relay's own) is up (None) or why not.
+    pub(crate) fn postgres(&self, lane: &str, problem: Option<String>) {
+        self.state().postgres.insert(lane.to_owned(), problem);
     }
 
     /// The relay takes leases: not ready until the first tick.
@@ -121,12 +161,26 @@ impl Health {
                 Phase::Stopped => "stopped".to_owned(),
             },
         );
-        let postgres = match (&state.postgres, state.relay) {
-            (Some(problem), _) => problem.clone(),
-            (None, Phase::Starting) => "connecting".to_owned(),
-            (None, _) => ok(),
-        };
-        checks.insert("postgres".to_owned(), postgres);
+        if state.postgres.is_empty() {
+            let check = match state.relay {
+                Phase::Starting => "connecting".to_owned(),
+                _ => ok(),
+            };
+            checks.insert("postgres".to_owned(), check);
+        }
+        for (lane, problem) in &state.postgres {
+            let check = match (problem, state.relay) {
+                (Some(problem), _) => problem.clone(),
+                (None, Phase::Starting) => "connecting".to_owned(),
+                (None, _) => ok(),
+            };
+            let name = if lane.is_empty() {
+                "postgres".to_owned()
+            } else {
+                format!("postgres {lane}")
+            };
+            checks.insert(name, check);
+        }
         if let Some(l) = &state.leases {
             let check = match (l.valid_until, &l.error) {
                 (Some(until), _) if until > Instant::now() => ok(),
@@ -159,7 +213,7 @@ mod tests {
         let h = Health::default();
         assert!(!h.readiness().ready, "starting");
         h.running(true);
-        h.postgres(None);
+        h.postgres("", None);
         h.sink("redis".to_owned(), None);
         assert!(h.readiness().ready, "{:?}", h.readiness());
         h.takes_leases();
@@ -172,10 +226,38 @@ mod tests {
         assert!(!r.ready);
         assert_eq!(r.checks["sink redis"], "unavailable: connection refused");
         h.sink("redis".to_owned(), None);
-        h.postgres(Some("connection lost: db shut down".to_owned()));
+        h.postgres("", Some("connection lost: db shut down".to_owned()));
         assert!(!h.readiness().ready);
-        h.postgres(None);
+        h.postgres("", None);
+        h.postgres("lane orders", Some("reconnecting: refused".to_owned()));
+        assert_eq!(
+            h.readiness().checks["postgres lane orders"],
+            "reconnecting: refused"
+        );
+        assert_eq!(h.readiness().checks["postgres"], "ok");
+        h.postgres("lane orders", None);
         h.running(false);
         assert_eq!(h.readiness().checks["relay"], "stopped");
+    }
+
+    #[test]
+    fn a_registry_is_ready_when_every_relay_is() {
+        let registry = Registry::default();
+        assert!(!registry.readiness().ready, "no relay");
+        let (a, b) = (Arc::new(Health::default()), Arc::new(Health::default()));
+        registry.register("public.outbox", Arc::clone(&a));
+        a.running(true);
+        assert_eq!(
+            registry.readiness().checks["postgres"],
+            "ok",
+            "one relay keeps plain names"
+        );
+        registry.register("tenant.outbox", Arc::clone(&b));
+        let r = registry.readiness();
+        assert!(!r.ready);
+        assert_eq!(r.checks["public.outbox relay"], "ok");
+        assert_eq!(r.checks["tenant.outbox relay"], "starting");
+        b.running(true);
+        assert!(registry.readiness().ready);
     }
 }

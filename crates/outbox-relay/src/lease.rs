@@ -70,7 +70,9 @@ pub(crate) type Backends = Vec<(i32, DateTime<Utc>)>;
 pub(crate) struct LeaseSettings {
     pub(crate) pg: crate::pg::PgConfig,
     pub(crate) relay_id: Uuid,
-    pub(crate) name: String,
+    /// The relay's context: its name for the lease table, the health its
+    /// ticks report to, the label of its gauge.
+    pub(crate) ctx: crate::RelayContext,
     pub(crate) timeout: Duration,
     /// The relay's fallback poll. The tick reports due rows, so it is the
     /// poll: ticking at least this often lets the relay skip a claim
@@ -133,13 +135,14 @@ impl Leases {
             backends: Backends::new(),
         }]));
         let stop = CancellationToken::new();
+        settings.ctx.health().takes_leases();
         let ticker = Ticker {
             relay_id: settings.relay_id,
-            settings,
             sql: sql.clone(),
             view: tx,
             lanes: Arc::clone(&lanes),
-            held: metrics::gauge!(crate::metric::PARTITIONS_HELD),
+            held: metrics::gauge!(crate::metric::PARTITIONS_HELD, &[settings.ctx.label()]),
+            settings,
         };
         let relay_id = ticker.relay_id;
         let handle = tokio::spawn(ticker.run(stop.clone()));
@@ -255,7 +258,10 @@ impl Ticker {
                     Ok(c) => Some(c),
                     Err(error) => {
                         let error = error_chain(&error);
-                        crate::health::global().lease_failed(format!("connecting: {error}"));
+                        self.settings
+                            .ctx
+                            .health()
+                            .lease_failed(format!("connecting: {error}"));
                         warn!(%error, "lease connection failed; retrying");
                         None
                     }
@@ -267,11 +273,14 @@ impl Ticker {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => {
                         let error = error_chain(&error);
-                        crate::health::global().lease_failed(error.clone());
+                        self.settings.ctx.health().lease_failed(error.clone());
                         warn!(%error, "lease tick failed");
                     }
                     Err(_) => {
-                        crate::health::global().lease_failed("the tick timed out".to_owned());
+                        self.settings
+                            .ctx
+                            .health()
+                            .lease_failed("the tick timed out".to_owned());
                         warn!("lease tick timed out; reconnecting");
                         client = None;
                     }
@@ -314,7 +323,7 @@ impl Ticker {
                 c,
                 &TickParams {
                     relay_id: self.relay_id,
-                    name: &self.settings.name,
+                    name: self.settings.ctx.name(),
                     dead_after_secs: self.settings.dead_after().as_secs_f64(),
                     backend_pids: &pids,
                     backend_starts: &starts,
@@ -363,7 +372,10 @@ impl Ticker {
         #[allow(clippy::cast_precision_loss)] // a partition count
         self.held.set(next.claimable.len() as f64);
         if let Some(until) = next.valid_until {
-            crate::health::global().lease_tick(until, next.claimable.len(), next.count);
+            self.settings
+                .ctx
+                .health()
+                .lease_tick(until, next.claimable.len(), next.count);
         }
         self.view.send_replace(Arc::new(next));
         // The first tick always wakes the relay: a `--drain` relay that got
@@ -385,7 +397,11 @@ mod tests {
         LeaseSettings {
             pg: tokio_postgres::Config::new().into(),
             relay_id: Uuid::nil(),
-            name: "test".to_owned(),
+            ctx: crate::RelayContext::new(
+                Some("test".to_owned()),
+                "public.outbox".to_owned(),
+                crate::Signals::Process,
+            ),
             timeout,
             poll,
         }

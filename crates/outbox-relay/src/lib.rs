@@ -7,7 +7,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`relay`] | the cycle: wait, claim, deliver, mark, commit |
+//! | [`relay`] | the cycle: wait, claim, deliver, mark, commit; receipts into counters, metrics, logs, signals |
+//! | `context` | [`RelayContext`]: what one relay owns and reports (name, outbox, health, counters, [`Signals`]) |
 //! | `source` | where batches come from: the `Source` trait; `source::poll`, the polling claim with leases and its two-connection overlap; `source::wal`, log tailing through a replication slot |
 //! | `plan` | what became of each row: delivered, retry at, permanent, held back |
 //! | `config`, `counters`, `error` | [`RelayConfig`], [`Counters`], [`RelayError`] |
@@ -19,7 +20,7 @@
 //! | [`pg`] | from `DATABASE_URL` to a connection, for every crate: TLS as libpq does it, startup retries |
 //! | `retention` | [`Retention`]: cleanup or partition maintenance on a schedule, one relay at a time |
 //! | [`metric`] | what the relay records for Prometheus through the `metrics` facade: names, descriptions, handles |
-//! | [`health`] | readiness: PostgreSQL, leases, each sink's breaker, as `/readyz` reports it |
+//! | [`health`] | one relay's readiness (PostgreSQL, leases, each sink's breaker), and the process's [`health::Registry`] that `/readyz` reports |
 //! | `backlog` | [`Backlog`]: the backlog and dead-letter gauges, from one query on a schedule |
 //!
 //! Each sink is a feature, all but `kafka` on by default (it builds
@@ -37,6 +38,7 @@ mod backlog;
 pub mod backoff;
 mod breaker;
 mod config;
+mod context;
 mod counters;
 mod error;
 pub mod failpoint;
@@ -54,6 +56,7 @@ mod wake;
 pub use backlog::Backlog;
 pub use backoff::Backoff;
 pub use config::{ClaimMode, SourceKind, WalCleanup, WalSettings};
+pub use context::{RelayContext, Signals};
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use retention::Retention;

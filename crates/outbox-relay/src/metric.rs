@@ -9,12 +9,19 @@
 //! path never builds a label. Per-row facts (outcomes per aggregate type) are
 //! tallied per batch in the plan and recorded once per batch and type.
 //!
+//! Every metric a relay records carries the label `outbox` (its
+//! [`RelayContext::outbox`](crate::RelayContext::outbox), `schema.table`),
+//! so two relays in one process report separately; `outbox_build_info` is
+//! the process's.
+//!
 //! The full list, with types, labels and meaning, is in `docs/operations.md`
 //! ("Metrics"); [`describe`] gives each its `# HELP` text.
 
 use std::collections::HashMap;
 
 use metrics::{Counter, Gauge, Histogram, Unit};
+
+use crate::context::RelayContext;
 
 /// Events marked published (per `aggregate_type`, `sink`).
 pub const EVENTS_DELIVERED: &str = "outbox_events_delivered_total";
@@ -54,8 +61,8 @@ pub const WAL_LAG: &str = "outbox_wal_lag_bytes";
 pub const WAL_WINDOW: &str = "outbox_wal_window_events";
 /// 1 while the relay delivers (after READY, until it stopped).
 pub const RELAY_UP: &str = "outbox_relay_up";
-/// Counter: rows whose lease claim expired and was taken by another relay
-/// before this one marked them (`--claim lease`).
+/// Counter: rows whose deadline claim expired and was taken by another relay
+/// before this one marked them (`--claim deadline`).
 pub const CLAIMS_LOST: &str = "outbox_claims_lost_total";
 /// Always 1, labelled with the `version`.
 pub const BUILD_INFO: &str = "outbox_build_info";
@@ -69,7 +76,7 @@ pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_counter!(
         CLAIMS_LOST,
-        "Rows a lease claim lost before its mark: the claim expired and another relay took them, so they were delivered twice."
+        "Rows a deadline claim lost before its mark: the claim expired and another relay took them, so they were delivered twice."
     );
     describe_counter!(
         EVENTS_DELIVERED,
@@ -189,27 +196,28 @@ pub(crate) enum WakeCause {
     Lease,
 }
 
-/// The handles of the batch side (the source's commits and wake-ups).
+/// The handles of the batch side (receipts and wake-ups).
 pub(crate) struct BatchMetrics {
     sink: &'static str,
+    outbox: String,
     /// Looked up by `&str`, so a known type costs no allocation.
     by_type: HashMap<String, TypeCounters>,
     batches: Counter,
     batch_size: Histogram,
     batch_duration: Histogram,
-    wakeups: [Counter; 4],
 }
 
 impl BatchMetrics {
-    pub(crate) fn new(sink: &'static str) -> Self {
-        let wake = |cause: &'static str| metrics::counter!(WAKEUPS, "cause" => cause);
+    pub(crate) fn new(ctx: &RelayContext, sink: &'static str) -> Self {
+        let outbox = ctx.outbox().to_owned();
+        let label = [ctx.label()];
         Self {
             sink,
             by_type: HashMap::new(),
-            batches: metrics::counter!(BATCHES),
-            batch_size: metrics::histogram!(BATCH_SIZE),
-            batch_duration: metrics::histogram!(BATCH_DURATION),
-            wakeups: [wake("notify"), wake("poll"), wake("retry"), wake("lease")],
+            batches: metrics::counter!(BATCHES, &label),
+            batch_size: metrics::histogram!(BATCH_SIZE, &label),
+            batch_duration: metrics::histogram!(BATCH_DURATION, &label),
+            outbox,
         }
     }
 
@@ -225,6 +233,7 @@ impl BatchMetrics {
                 Some(c) => c,
                 None => {
                     let labels = [
+                        ("outbox", self.outbox.clone()),
                         ("aggregate_type", t.aggregate_type.clone()),
                         ("sink", self.sink.to_owned()),
                     ];
@@ -239,6 +248,20 @@ impl BatchMetrics {
             counters.delivered.increment(t.delivered);
             counters.failed.increment(t.failed);
             counters.dead.increment(t.dead);
+        }
+    }
+}
+
+/// The wake-ups of an idle source, by cause.
+pub(crate) struct WakeMetrics {
+    wakeups: [Counter; 4],
+}
+
+impl WakeMetrics {
+    pub(crate) fn new(ctx: &RelayContext) -> Self {
+        let wake = |cause: &'static str| metrics::counter!(WAKEUPS, "outbox" => ctx.outbox().to_owned(), "cause" => cause);
+        Self {
+            wakeups: [wake("notify"), wake("poll"), wake("retry"), wake("lease")],
         }
     }
 
@@ -261,11 +284,12 @@ pub(crate) struct DeliveryMetrics {
 }
 
 impl DeliveryMetrics {
-    pub(crate) fn new(sink: &'static str) -> Self {
+    pub(crate) fn new(ctx: &RelayContext, sink: &'static str) -> Self {
+        let label = [ctx.label()];
         Self {
-            sink_request: metrics::histogram!(SINK_REQUEST_DURATION, "sink" => sink),
-            lag: metrics::histogram!(DELIVERY_LAG),
-            relay_up: metrics::gauge!(RELAY_UP),
+            sink_request: metrics::histogram!(SINK_REQUEST_DURATION, "outbox" => ctx.outbox().to_owned(), "sink" => sink),
+            lag: metrics::histogram!(DELIVERY_LAG, &label),
+            relay_up: metrics::gauge!(RELAY_UP, &label),
         }
     }
 }
@@ -278,8 +302,9 @@ pub(crate) struct BreakerGauges {
 }
 
 impl BreakerGauges {
-    pub(crate) fn new(sink: &'static str, route: Option<&str>) -> Self {
+    pub(crate) fn new(ctx: &RelayContext, sink: &'static str, route: Option<&str>) -> Self {
         let labels = [
+            ctx.label(),
             ("sink", sink.to_owned()),
             ("route", route.unwrap_or_default().to_owned()),
         ];
@@ -314,7 +339,8 @@ mod tests {
         const BATCHES: u32 = 20_000;
         let types = ["orders".to_owned(), "payments".to_owned()];
         let run = || {
-            let mut batch = BatchMetrics::new("redis");
+            let ctx = RelayContext::new(None, "public.outbox".to_owned(), crate::Signals::Process);
+            let mut batch = BatchMetrics::new(&ctx, "redis");
             let lag = metrics::histogram!(DELIVERY_LAG);
             let started = Instant::now();
             for _ in 0..BATCHES {

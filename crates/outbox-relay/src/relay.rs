@@ -52,11 +52,12 @@ use std::time::Instant;
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::breaker::{Breaker, CircuitState, Probed};
 use crate::config::{ClaimMode, SourceKind};
 pub use crate::config::{OrderMode, RelayConfig};
+use crate::context::{RelayContext, Signals};
 pub use crate::counters::Counters;
 pub use crate::error::RelayError;
 use crate::metric::{BatchMetrics, DeliveryMetrics};
@@ -65,7 +66,7 @@ use crate::plan::{self, Blocked, Plan};
 use crate::sink::{Delivery, DeliveryError, Sink};
 use crate::source::poll::{self, Lane, PollSource};
 use crate::source::wal::WalSource;
-use crate::source::{Claim, Source, SourceError};
+use crate::source::{Book, Claim, Receipt, Receipts, Source, SourceError};
 use outbox::sql::ClaimSpec;
 
 /// How a cycle ended.
@@ -86,10 +87,67 @@ pub struct Relay {
     config: RelayConfig,
     pg: PgConfig,
     sink: Arc<dyn Sink>,
-    counters: Arc<Counters>,
+    ctx: RelayContext,
     metrics: DeliveryMetrics,
     /// Further lanes (see [`Relay::with_lane`]).
     lanes: Vec<ExtraLane>,
+}
+
+/// Turns a source's receipts into the relay's counters, metrics, debug
+/// line and first-batch signal: the one place a batch's bookkeeping is
+/// written, whichever source it came from.
+struct Books {
+    ctx: RelayContext,
+    metrics: BatchMetrics,
+    /// `OUTBOX_BATCH=committed` was sent: once per loop, since a datagram
+    /// per batch would cost a syscall per batch here and a message per
+    /// batch to systemd, which reads every one.
+    signalled: bool,
+}
+
+impl Books {
+    fn new(ctx: &RelayContext, sink: &'static str) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            metrics: BatchMetrics::new(ctx, sink),
+            signalled: false,
+        }
+    }
+}
+
+impl Book for Books {
+    fn book(&mut self, r: Receipt) {
+        let counters = self.ctx.counters();
+        counters.batches.fetch_add(1, Ordering::Relaxed);
+        counters
+            .delivered
+            .fetch_add(r.published as u64, Ordering::Relaxed);
+        counters.failed.fetch_add(r.failures.failed, Ordering::Relaxed);
+        counters
+            .dead_lettered
+            .fetch_add(r.failures.dead, Ordering::Relaxed);
+        let seconds = r.durable_at.duration_since(r.claimed_at).as_secs_f64();
+        self.metrics.committed(r.claimed, seconds, &r.tallies);
+        debug!(
+            batch = r.batch,
+            claimed = r.claimed,
+            delivered = r.published,
+            failed = r.failures.ids.len(),
+            seconds,
+            "batch committed"
+        );
+        if !self.signalled {
+            self.signalled = true;
+            self.ctx.signal("OUTBOX_BATCH=committed");
+        }
+    }
+}
+
+/// Every loop of the relay ended.
+fn stopped(ctx: &RelayContext, relay_up: &metrics::Gauge) {
+    ctx.health().running(false);
+    relay_up.set(0.0);
+    info!("relay stopped");
 }
 
 /// A lane besides the relay's own: a sink, how it claims, and the
@@ -110,14 +168,38 @@ impl Relay {
             // So operators can tell relays apart in pg_stat_activity.
             pg.postgres_mut().application_name("outbox-relay");
         }
+        let ctx = RelayContext::new(
+            config.name.clone(),
+            config.outbox.display_name().to_string(),
+            Signals::Process,
+        );
         Self {
             pg,
-            metrics: DeliveryMetrics::new(sink.name()),
+            metrics: DeliveryMetrics::new(&ctx, sink.name()),
+            ctx,
             sink,
-            counters: Arc::default(),
             config,
             lanes: Vec::new(),
         }
+    }
+
+    /// Sends this relay's signals to `signals` instead of the process's
+    /// notify socket (a process running several relays, tests).
+    #[must_use]
+    pub fn with_signals(mut self, signals: Signals) -> Self {
+        self.ctx = RelayContext::new(
+            self.config.name.clone(),
+            self.config.outbox.display_name().to_string(),
+            signals,
+        );
+        self.metrics = DeliveryMetrics::new(&self.ctx, self.sink.name());
+        self
+    }
+
+    /// What this relay owns and reports: its name, outbox, health,
+    /// counters and signals.
+    pub fn context(&self) -> &RelayContext {
+        &self.ctx
     }
 
     /// Delivers the aggregate types `types` to `sink`, claimed as `claim`
@@ -135,7 +217,7 @@ impl Relay {
 
     /// Totals shared with the running relay.
     pub fn counters(&self) -> Arc<Counters> {
-        Arc::clone(&self.counters)
+        Arc::clone(self.ctx.counters())
     }
 
     /// Runs until `cancel` fires, then returns after the batch at the sink is
@@ -143,14 +225,19 @@ impl Relay {
     /// invalidated; connection losses reconnect.
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
+        // Route breakers report to this relay's health and gauges.
+        self.sink.bind(&self.ctx);
+        for lane in &self.lanes {
+            lane.sink.bind(&self.ctx);
+        }
         match self.config.source {
             SourceKind::Poll => self.run_lanes(cancel).await,
             SourceKind::Wal => {
                 let source = WalSource::open(
                     self.config.clone(),
                     self.pg.clone(),
-                    Arc::clone(&self.counters),
-                    BatchMetrics::new(self.sink.name()),
+                    self.ctx.clone(),
+                    Receipts::new(Books::new(&self.ctx, self.sink.name())),
                     &cancel,
                 );
                 let Some(source) = source.await? else {
@@ -165,7 +252,11 @@ impl Relay {
                     window = self.config.wal.window,
                     "relay ready"
                 );
-                self.drive(source, cancel).await
+                self.started();
+                let (ctx, relay_up) = (self.ctx.clone(), self.metrics.relay_up.clone());
+                let result = self.drive(source, cancel).await;
+                stopped(&ctx, &relay_up);
+                result
             }
         }
     }
@@ -184,14 +275,14 @@ impl Relay {
                     ..self.config.clone()
                 },
                 pg: self.pg.clone(),
-                metrics: DeliveryMetrics::new(lane.sink.name()),
+                metrics: DeliveryMetrics::new(&self.ctx, lane.sink.name()),
                 sink: lane.sink,
-                counters: Arc::clone(&self.counters),
+                ctx: self.ctx.clone(),
                 lanes: Vec::new(),
             };
             let lane = Lane {
                 spec: ClaimSpec {
-                    lease: lane.claim == ClaimMode::Lease,
+                    deadline: lane.claim == ClaimMode::Deadline,
                     types: Some(true),
                 },
                 types: lane.types,
@@ -201,7 +292,7 @@ impl Relay {
         }
         let own = Lane {
             spec: ClaimSpec {
-                lease: self.config.claim == ClaimMode::Lease,
+                deadline: self.config.claim == ClaimMode::Deadline,
                 types: (!taken.is_empty()).then_some(false),
             },
             types: taken,
@@ -219,14 +310,17 @@ impl Relay {
                 None => return Ok(()),
             }
         }
-        let (config, pg) = (&opened[0].0.config, &opened[0].0.pg);
-        if let Some(leases) = poll::start_leases(config, pg, owner) {
+        let first = &opened[0].0;
+        if let Some(leases) = poll::start_leases(&first.config, &first.pg, &first.ctx, owner) {
             let mut handles: Vec<_> = (1..opened.len()).map(|_| leases.lane()).collect();
             handles.insert(0, leases);
             for ((_, source, _), handle) in opened.iter_mut().zip(handles) {
                 source.attach_leases(handle);
             }
         }
+        opened[0].0.started();
+        let ctx = opened[0].0.ctx.clone();
+        let relay_up = opened[0].0.metrics.relay_up.clone();
         let stop = cancel.child_token();
         let runs = opened.into_iter().map(|(relay, source, types)| {
             let stop = stop.clone();
@@ -239,7 +333,16 @@ impl Relay {
                 result
             }
         });
-        futures::future::join_all(runs).await.into_iter().collect()
+        let result = futures::future::join_all(runs).await.into_iter().collect();
+        stopped(&ctx, &relay_up);
+        result
+    }
+
+    /// Every loop is connected: READY, once per relay.
+    fn started(&self) {
+        self.ctx.signal("READY=1\nSTATUS=relay ready");
+        self.ctx.health().running(true);
+        self.metrics.relay_up.set(1.0);
     }
 
     /// Connects one lane of the polling source. None if cancelled first.
@@ -248,12 +351,11 @@ impl Relay {
         lane: Lane,
         cancel: &CancellationToken,
     ) -> Result<Option<PollSource>, RelayError> {
-        let batch_metrics = BatchMetrics::new(self.sink.name());
         PollSource::open(
             self.config.clone(),
             self.pg.clone(),
-            Arc::clone(&self.counters),
-            batch_metrics,
+            self.ctx.clone(),
+            Receipts::new(Books::new(&self.ctx, self.sink.name())),
             lane,
             cancel,
         )
@@ -280,12 +382,10 @@ impl Relay {
 
     /// The loop over cycles, from READY until shutdown.
     async fn drive(self, mut source: impl Source, cancel: CancellationToken) -> Result<(), RelayError> {
-        outbox::notify::send("READY=1\nSTATUS=relay ready");
-        crate::health::global().running(true);
-        self.metrics.relay_up.set(1.0);
         let started = Instant::now();
         let mut blocked = Blocked::default();
         let mut breaker = Breaker::new(self.sink.name(), None);
+        breaker.bind(&self.ctx);
         if self.sink.has_route_breakers() {
             breaker = breaker.without_strikes();
         }
@@ -313,9 +413,10 @@ impl Relay {
                 }
                 Ok(Step::Cancelled) => break,
                 Ok(Step::Drained) => {
+                    let counters = self.ctx.counters();
                     info!(
-                        delivered = self.counters.delivered.load(Ordering::Relaxed),
-                        batches = self.counters.batches.load(Ordering::Relaxed),
+                        delivered = counters.delivered.load(Ordering::Relaxed),
+                        batches = counters.batches.load(Ordering::Relaxed),
                         seconds = started.elapsed().as_secs_f64(),
                         "relay drained"
                     );
@@ -336,9 +437,6 @@ impl Relay {
             }
         }
         source.finish().await;
-        crate::health::global().running(false);
-        self.metrics.relay_up.set(0.0);
-        info!("relay stopped");
         fatal.map_or(Ok(()), Err)
     }
 
@@ -361,7 +459,8 @@ impl Relay {
             "relay drain stopped: the sink is unavailable, due rows are left undelivered"
         );
         let _ = self
-            .counters
+            .ctx
+            .counters()
             .sink_unavailable
             .set(format!("{}: {cause}", self.sink.name()));
         false
@@ -407,7 +506,7 @@ impl Relay {
         let open = breaker.record(&mut sent);
         let answers = screened.merge(batch.rows.len(), sent);
         if let Some(failpoint) = self.config.failpoint {
-            failpoint.park(batch.rows.len()).await;
+            failpoint.park(batch.rows.len(), self.ctx.signals()).await;
         }
         overlapped?;
 
@@ -419,7 +518,7 @@ impl Relay {
             answers,
             blocked,
         );
-        self.count_failures(&plan);
+        self.log_failures(&plan);
         *blocked = std::mem::take(&mut plan.blocked);
         // A drain stops at the first sink outage, even of one route: it
         // cannot wait for the route to come back, and must say so.
@@ -484,17 +583,12 @@ impl Relay {
         self.config.max_event_bytes.min(own)
     }
 
-    /// Counts a planned batch's failures and logs the first.
-    fn count_failures(&self, plan: &Plan) {
+    /// Logs a planned batch's first failure (its counts are booked from
+    /// its receipt, once they are durable).
+    fn log_failures(&self, plan: &Plan) {
         let Some(error) = &plan.failures.first_error else {
             return;
         };
-        self.counters
-            .failed
-            .fetch_add(plan.failures.failed, Ordering::Relaxed);
-        self.counters
-            .dead_lettered
-            .fetch_add(plan.failures.dead, Ordering::Relaxed);
         warn!(
             failed = plan.failures.ids.len(),
             delivered = plan.published,

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
+use outbox_relay::health::Registry;
 use outbox_relay::{
     Backlog, Backoff, ClaimMode, Counters, Failpoint, Relay, RelayConfig, SourceKind, WalSettings,
 };
@@ -56,20 +57,24 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let cancel = super::shutdown_token()?;
     let retention = retention
         .map(|schedule| tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone())));
-    let served = match endpoint {
-        Some(endpoint) => {
-            tracing::info!(address = %endpoint.local_addr()?, "serving /metrics, /healthz and /readyz");
-            let backlog = Backlog::default().run(pg.clone(), config.outbox.clone(), cancel.clone());
-            Some((endpoint.serve(cancel.clone()), tokio::spawn(backlog)))
-        }
-        None => None,
-    };
     let drain = config.drain;
-    let mut relay = Relay::new(pg, Arc::from(sink), config);
+    let outbox = config.outbox.clone();
+    let mut relay = Relay::new(pg.clone(), Arc::from(sink), config);
     if let Some(lane) = lane {
         relay = relay.with_lane(Arc::new(lane.router), lane.claim, lane.types);
     }
     let counters = relay.counters();
+    let served = match endpoint {
+        Some(endpoint) => {
+            tracing::info!(address = %endpoint.local_addr()?, "serving /metrics, /healthz and /readyz");
+            let ctx = relay.context().clone();
+            let relays = Arc::new(Registry::default());
+            relays.register(ctx.outbox(), Arc::clone(ctx.health()));
+            let backlog = Backlog::default().run(pg, outbox, ctx, cancel.clone());
+            Some((endpoint.serve(relays, cancel.clone()), tokio::spawn(backlog)))
+        }
+        None => None,
+    };
     let result = relay.run(cancel.clone()).await.context("running the relay");
     cancel.cancel();
     if let Some(task) = retention {
@@ -119,7 +124,8 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         Some(url) => Some(outbox_relay::sink::from_url(url, &options)?),
         None => None,
     };
-    let leases = claim == ClaimMode::Lease || lane.as_ref().is_some_and(|l| l.claim == ClaimMode::Lease);
+    let leases =
+        claim == ClaimMode::Deadline || lane.as_ref().is_some_and(|l| l.claim == ClaimMode::Deadline);
     if leases && args.source == SourceKind::Poll && args.claim_timeout < options.timeout * 2 {
         // Not an error: a sink that answers well within its timeout is
         // served. But a batch whose requests run into it outlives its claim.

@@ -95,7 +95,7 @@ pub(super) struct SinkTable {
     pub(super) cloudevents_mode: Option<String>,
     pub(super) cloudevents_source: Option<String>,
     pub(super) http_timeout: Option<String>,
-    /// How the route's batches are claimed (`lock` or `lease`), over
+    /// How the route's batches are claimed (`lock` or `deadline`; `lease` is its old name), over
     /// `--claim`.
     pub(super) claim: Option<String>,
     /// The [`PerSinkOptions`] keys the table sets.

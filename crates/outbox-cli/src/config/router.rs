@@ -45,7 +45,7 @@ impl RelayFile {
                 // `--claim`'s own parser, so the key takes what the flag does.
                 Some(value) => <ClaimMode as clap::ValueEnum>::from_str(value, false).map_err(|_| {
                     ConfigError(format!(
-                        "--config {name} claim = {value:?}: expected \"lock\" or \"lease\""
+                        "--config {name} claim = {value:?}: expected \"lock\" or \"deadline\""
                     ))
                 }),
             }
@@ -78,8 +78,8 @@ impl RelayFile {
             router = router.route(aggregate_type, sink);
         }
         let other_mode = match own {
-            ClaimMode::Lock => ClaimMode::Lease,
-            ClaimMode::Lease => ClaimMode::Lock,
+            ClaimMode::Lock => ClaimMode::Deadline,
+            ClaimMode::Deadline => ClaimMode::Lock,
         };
         Ok((
             first,

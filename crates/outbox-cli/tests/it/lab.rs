@@ -2,7 +2,7 @@
 //! the reference's exact counts, the HTML report is well formed (an XML
 //! parser reads it), has each experiment's table and an `<svg>` per plot,
 //! and a real headless chromium opens it and takes a screenshot. And
-//! `outbox lab slow-sink --quick` (issue 18): a lease claim holds no
+//! `outbox lab slow-sink --quick` (issue 18): a deadline claim holds no
 //! transaction open through a slow delivery, a lock claim does.
 
 use std::path::PathBuf;
@@ -132,7 +132,7 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
 /// `outbox lab slow-sink --quick` (a receiver answering in 2 s, 10,000
 /// updates of an unrelated table during delivery, then a VACUUM of it):
 /// under `--claim lock` a relay transaction outlives the receiver's 2 s and
-/// the VACUUM leaves the updates' dead tuples; under `--claim lease` no
+/// the VACUUM leaves the updates' dead tuples; under `--claim deadline` no
 /// relay transaction seen lasts over 100 ms and the VACUUM removes them.
 /// The figures are the experiment's side-by-side table in `--json`.
 #[tokio::test]
@@ -180,7 +180,7 @@ async fn issue_18_slow_sink_lease_claims_hold_back_no_vacuum() {
         row[i].as_str().unwrap().parse().unwrap()
     };
 
-    for claim in ["lock", "lease"] {
+    for claim in ["lock", "deadline"] {
         // The sampler found the relay's backends, and every event arrived.
         assert!(
             figure(claim, "relay backends") >= 1.0,
@@ -196,14 +196,14 @@ async fn issue_18_slow_sink_lease_claims_hold_back_no_vacuum() {
     let lock_dead = figure("lock", "dead after VACUUM");
     assert!(lock_dead > 0.0, "lock: the VACUUM removed every dead tuple");
     // Lease: claim and mark are short transactions; delivery holds none.
-    let lease_open = figure("lease", "oldest relay xact, s");
+    let lease_open = figure("deadline", "oldest relay xact, s");
     assert!(
         lease_open <= 0.1,
         "lease: a relay transaction open {lease_open} s"
     );
     // ≈ 0, not 0: a snapshot of another backend's (the sampler's own
     // query) running as the VACUUM starts may keep the last few updates.
-    let lease_dead = figure("lease", "dead after VACUUM");
+    let lease_dead = figure("deadline", "dead after VACUUM");
     assert!(
         lease_dead <= 100.0,
         "lease: {lease_dead} dead tuples of 10,000 updates left by the VACUUM"

@@ -11,12 +11,12 @@ mod config;
 mod conformance;
 mod consume;
 mod crash;
+mod deadline_claim;
 mod deploy;
 mod formats;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod lab;
-mod lease;
 mod logs;
 mod memory;
 mod metrics;

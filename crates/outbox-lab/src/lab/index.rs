@@ -167,7 +167,7 @@ async fn explain_ours(lab: &mut Scratch) -> anyhow::Result<Explained> {
     let defaults = outbox_relay::RelayConfig::default();
     let claim = outbox::sql::ClaimParams {
         types: &[],
-        lease: None,
+        deadline: None,
         limit: i64::from(defaults.batch_size),
         max_bytes: i64::try_from(defaults.batch_max_bytes)?,
         scope: outbox::sql::ClaimScope::All,

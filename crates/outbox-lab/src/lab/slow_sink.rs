@@ -4,7 +4,7 @@
 //! transaction that claimed it. While a receiver takes 2 s per request that
 //! transaction stays open, and VACUUM keeps every row version deleted after
 //! it began, in every table: PostgreSQL's horizon is the oldest running
-//! transaction's xid or snapshot. `--claim lease` claims in a short
+//! transaction's xid or snapshot. `--claim deadline` claims in a short
 //! transaction, delivers with none open and marks in a second one.
 //!
 //! For each claim mode the experiment starts a relay against a receiver
@@ -56,7 +56,7 @@ const WRITERS: usize = 4;
 /// The plot keeps the largest sample of each bucket this wide.
 const PLOT_BUCKET: f64 = 0.1;
 
-const MODES: [ClaimMode; 2] = [ClaimMode::Lock, ClaimMode::Lease];
+const MODES: [ClaimMode; 2] = [ClaimMode::Lock, ClaimMode::Deadline];
 
 /// The relay's backends: the oldest transaction among those holding an xid
 /// or a snapshot, how long it has been open and its age in transactions.
@@ -145,7 +145,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
         "Slow sink: a claim held open through delivery holds back VACUUM",
         "With --claim lock a batch is delivered inside the transaction that claimed it, so a slow \
          sink keeps a transaction open, and VACUUM cannot remove row versions deleted after it \
-         began, in any table. With --claim lease the claim commits before delivery and the marks \
+         began, in any table. With --claim deadline the claim commits before delivery and the marks \
          go in a second short transaction: no relay transaction outlives a round trip, and VACUUM \
          cleans the unrelated table while the sink is still busy.",
         format!(

@@ -140,6 +140,13 @@ pub trait Sink: Send + Sync {
         false
     }
 
+    /// Called by the relay that runs this sink when it starts: a sink
+    /// with state to report (the router's per-route breakers) reports it
+    /// to that relay's health, gauges and signals. Nothing by default.
+    fn bind(&self, ctx: &crate::RelayContext) {
+        let _ = ctx;
+    }
+
     /// The largest event (payload bytes) the sink accepts, where the sink
     /// can tell (NATS `max_payload`, a Kafka producer's
     /// `message.max.bytes`), once it connected. The relay lowers

@@ -214,6 +214,12 @@ impl Sink for Router {
     fn has_route_breakers(&self) -> bool {
         true
     }
+
+    fn bind(&self, ctx: &crate::RelayContext) {
+        for route in &self.sinks {
+            route.breaker().bind(ctx);
+        }
+    }
 }
 
 #[cfg(test)]

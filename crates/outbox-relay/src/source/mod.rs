@@ -12,19 +12,44 @@
 //! of it is durable) until the [`Plan`] passed to [`Source::settle`] is
 //! committed; any failure before that commit gives the whole batch back.
 //!
-//! [`poll`] claims with `FOR UPDATE SKIP LOCKED` and partition leases,
-//! woken by LISTEN/NOTIFY. [`wal`] reads a logical replication slot: its
-//! "claim" is the slot itself, and its "commit" the confirmed position.
+//! # Receipts
+//!
+//! Once a settled batch is durable, the source hands it back as a
+//! [`Receipt`] through the [`Receipts`] the relay gave it when it opened:
+//! its number, rows, outcomes and timings, at the moment it became durable
+//! (not at the next claim, which may wait for minutes). The relay turns
+//! receipts, and nothing else, into counters, metrics, log lines and
+//! signals (`Books` in `relay.rs`), so a source owns PostgreSQL and no
+//! bookkeeping, and a batch has one owner from claim to receipt. A batch that never becomes durable (rolled back, read again)
+//! has no receipt: it is delivered again, and booked then.
+//!
+//! # Adding a source
+//!
+//! A third source is one file (or folder) here implementing [`Source`], and
+//! one arm in `Relay::run` opening it for its [`SourceKind`]. It gets the
+//! relay's [`RelayContext`](crate::RelayContext) to report its PostgreSQL
+//! session's health (`health().postgres`) and send signals; it must keep
+//! the contract above, and hand out a receipt for each settled batch once,
+//! and only once, it is durable.
+//!
+//! [`poll`] claims with `FOR UPDATE SKIP LOCKED` (or by deadline) and
+//! partition leases, woken by LISTEN/NOTIFY. [`wal`] reads a logical
+//! replication slot: its "claim" is the slot itself, and its "commit" the
+//! write of its outcomes, which the confirmed position follows.
+//!
+//! [`SourceKind`]: crate::SourceKind
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::future::BoxFuture;
 use outbox::OutboxRow;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
-use crate::plan::Plan;
+use crate::metric::Tally;
+use crate::plan::{Failures, Plan};
 
 pub(crate) mod poll;
 pub(crate) mod wal;
@@ -45,6 +70,86 @@ pub(crate) struct Batch {
     /// outcomes were committed: rows of aggregates that batch blocked must
     /// be held back.
     pub(crate) overlapped: bool,
+}
+
+/// A settled batch, handed back by its source once its outcomes are
+/// durable (see the [module docs](self#receipts)).
+#[derive(Debug)]
+pub(crate) struct Receipt {
+    /// The batch's number in its source, from 1.
+    pub(crate) batch: u64,
+    /// Rows claimed.
+    pub(crate) claimed: usize,
+    /// Rows marked published (or, for the WAL source, deleted).
+    pub(crate) published: usize,
+    /// The rows that failed, and what became of them.
+    pub(crate) failures: Failures,
+    /// Outcomes per aggregate type, for the metrics.
+    pub(crate) tallies: Vec<Tally>,
+    /// When the batch was handed to the relay.
+    pub(crate) claimed_at: Instant,
+    /// When its outcomes became durable.
+    pub(crate) durable_at: Instant,
+}
+
+/// Whoever turns receipts into counters, metrics, logs and signals: the
+/// relay's `Books`.
+pub(crate) trait Book: Send + Sync {
+    /// Books one durable batch.
+    fn book(&mut self, receipt: Receipt);
+}
+
+/// Numbers the batches of one source and hands each receipt to the relay.
+pub(crate) struct Receipts {
+    last: u64,
+    books: Box<dyn Book>,
+}
+
+impl Receipts {
+    pub(crate) fn new(books: impl Book + 'static) -> Self {
+        Self {
+            last: 0,
+            books: Box::new(books),
+        }
+    }
+
+    /// The number of the next batch handed out.
+    pub(crate) fn next_batch(&mut self) -> u64 {
+        self.last += 1;
+        self.last
+    }
+
+    /// Batch `batch`'s `outcomes` are durable now.
+    pub(crate) fn durable(&mut self, batch: u64, claimed: usize, claimed_at: Instant, outcomes: Outcomes) {
+        self.books.book(Receipt {
+            batch,
+            claimed,
+            published: outcomes.published,
+            failures: outcomes.failures,
+            tallies: outcomes.tallies,
+            claimed_at,
+            durable_at: Instant::now(),
+        });
+    }
+}
+
+/// What a receipt needs of a [`Plan`]: its outcomes, without the
+/// aggregates it blocks (the relay keeps those).
+#[derive(Debug, Default)]
+pub(crate) struct Outcomes {
+    pub(crate) published: usize,
+    pub(crate) failures: Failures,
+    pub(crate) tallies: Vec<Tally>,
+}
+
+impl Outcomes {
+    pub(crate) fn from_plan(plan: Plan) -> Self {
+        Self {
+            published: plan.published,
+            failures: plan.failures,
+            tallies: plan.tallies,
+        }
+    }
 }
 
 /// What [`Source::claim`] found.
@@ -126,5 +231,5 @@ pub(crate) trait Source: Send {
     ) -> impl Future<Output = bool> + Send;
 
     /// At shutdown: commits the settled batch, gives back a claimed one.
-    fn finish(self) -> impl Future<Output = ()> + Send;
+    fn finish(&mut self) -> impl Future<Output = ()> + Send;
 }

@@ -19,9 +19,9 @@
 //! of aggregates that batch failed, which is why [`Batch::overlapped`] tells
 //! the relay to hold them back.
 //!
-//! # Lease claims
+//! # Deadline claims
 //!
-//! With `--claim lease` the same pipeline runs without transactions: the
+//! With `--claim deadline` the same pipeline runs without transactions: the
 //! claim writes a deadline on its rows and commits at once (it is its own
 //! statement), and the marks of a settled batch are one statement that
 //! checks the claim is still this relay's ([`Fence`]). So no transaction,
@@ -30,30 +30,27 @@
 //! partition may move meanwhile, and the claim's probe keeps the new owner
 //! behind this relay's claims (`CLAIM_PROBE` in `outbox::sql`).
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use outbox::sql::{
-    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, Fence, LeaseClaim, LeaseMarks, MarkFailedParams,
+    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, DeadlineClaim, DeadlineMarks, Fence, MarkFailedParams,
     OutboxSql, Partitions, RelayStatements, Strict,
 };
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Batch, Claim, Source, SourceError};
+use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{OrderMode, RelayConfig};
-use crate::counters::Counters;
+use crate::context::RelayContext;
 use crate::error::{RelayError, error_chain};
-use crate::health;
 use crate::lease::{LeaseSettings, Leases};
-use crate::metric::{BatchMetrics, Tally, WakeCause};
+use crate::metric::{WakeCause, WakeMetrics};
 use crate::pg::{PgConfig, Startup};
-use crate::plan::{Failures, Plan};
+use crate::plan::Plan;
 use crate::wake::{self, Wake, Wakeups};
 
 /// One connection with its prepared statements and notifications.
@@ -65,21 +62,57 @@ struct Session {
     statements: RelayStatements,
 }
 
-/// The source's two connections. The first LISTENs and takes every fresh
-/// claim; batches alternate between them while a backlog lasts.
-type Sessions = [Session; 2];
+/// The source's two connections, by role. Batches alternate between them
+/// while a backlog lasts.
+struct Sessions {
+    /// LISTENs, and takes every fresh claim (one after a wait).
+    listening: Session,
+    /// Takes the claims made while a batch of the listening one is at the
+    /// sink, and its claims alternate with it while the backlog lasts.
+    other: Session,
+}
+
+/// Which of the two [`Sessions`] a batch lives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Conn {
+    Listening,
+    Other,
+}
+
+impl Conn {
+    /// The connection the next batch goes to while this one is at the sink.
+    fn other(self) -> Self {
+        match self {
+            Self::Listening => Self::Other,
+            Self::Other => Self::Listening,
+        }
+    }
+}
+
+impl Sessions {
+    fn get(&self, conn: Conn) -> &Session {
+        match conn {
+            Conn::Listening => &self.listening,
+            Conn::Other => &self.other,
+        }
+    }
+
+    fn both(&self) -> [&Session; 2] {
+        [&self.listening, &self.other]
+    }
+}
 
 /// A batch claimed during the last delivery, not yet handed out.
 struct Claimed {
-    conn: usize,
+    conn: Conn,
     rows: ClaimedRows,
     /// The lease epoch it was claimed in (0 without leases).
     epoch: u64,
-    /// When its claim was sent: a lease claim's deadline counts from here.
+    /// When its claim was sent: a deadline claim's deadline counts from here.
     sent: Instant,
 }
 
-/// A lease claim in flight: its fence, its rows, and the local instant
+/// A deadline claim in flight: its fence, its rows, and the local instant
 /// by which it must be marked (before the server's deadline: the claim
 /// was written after it was sent).
 struct Held {
@@ -90,7 +123,8 @@ struct Held {
 
 /// The batch at the sink.
 struct AtSink {
-    conn: usize,
+    batch: u64,
+    conn: Conn,
     epoch: u64,
     rows: usize,
     started: Instant,
@@ -99,17 +133,16 @@ struct AtSink {
 
 /// A batch whose outcomes are known, waiting for its marks and COMMIT.
 struct Settled {
-    conn: usize,
+    batch: u64,
+    conn: Conn,
     claimed: usize,
-    published: usize,
-    failures: Failures,
-    tallies: Vec<Tally>,
+    outcomes: Outcomes,
     started: Instant,
     held: Option<Held>,
 }
 
 /// How a source claims: the statements' rendering, the types it takes or
-/// leaves, and the id a lease claim is written under (the relay's id in
+/// leaves, and the id a deadline claim is written under (the relay's id in
 /// the lease table, when it takes leases).
 pub(crate) struct Lane {
     pub(crate) spec: ClaimSpec,
@@ -150,8 +183,11 @@ pub(crate) struct PollSource {
     config: RelayConfig,
     pg: PgConfig,
     sql: OutboxSql,
-    counters: Arc<Counters>,
-    metrics: BatchMetrics,
+    ctx: RelayContext,
+    /// The lane's name in the relay's health (`""` for the relay's own).
+    lane: String,
+    wake_metrics: WakeMetrics,
+    receipts: Receipts,
     /// None after a lost connection, until the next claim reconnects.
     sessions: Option<Sessions>,
     pipeline: Pipeline,
@@ -164,8 +200,6 @@ pub(crate) struct PollSource {
     /// the default is strict.
     exceptions: Vec<String>,
     default_strict: bool,
-    /// `OUTBOX_BATCH=committed` was sent (for the first batch only).
-    signalled_batch: bool,
     /// What the claims take and how.
     spec: ClaimSpec,
     types: Vec<String>,
@@ -180,8 +214,8 @@ impl PollSource {
     pub(crate) async fn open(
         config: RelayConfig,
         pg: PgConfig,
-        counters: Arc<Counters>,
-        metrics: BatchMetrics,
+        ctx: RelayContext,
+        receipts: Receipts,
         lane: Lane,
         cancel: &CancellationToken,
     ) -> Result<Option<Self>, RelayError> {
@@ -194,13 +228,18 @@ impl PollSource {
             .collect();
         let mut source = Self {
             default_strict: config.ordering == OrderMode::Strict,
-            signalled_batch: false,
             exceptions,
             config,
             pg,
             sql,
-            counters,
-            metrics,
+            lane: lane
+                .types_display()
+                .map(|t| format!("lane {t}"))
+                .unwrap_or_default(),
+            wake_metrics: WakeMetrics::new(&ctx),
+            claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST, &[ctx.label()]),
+            ctx,
+            receipts,
             sessions: None,
             pipeline: Pipeline::default(),
             earliest_retry: None,
@@ -208,7 +247,6 @@ impl PollSource {
             spec: lane.spec,
             types: lane.types,
             owner: lane.owner,
-            claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST),
         };
         let Some(sessions) = source.connect_at_startup(cancel).await? else {
             return Ok(None);
@@ -233,12 +271,12 @@ impl PollSource {
     }
 
     fn use_sessions(&mut self, sessions: Sessions) {
-        // A lease claim holds no lock across delivery: nothing for another
+        // A deadline claim holds no lock across delivery: nothing for another
         // relay to terminate if this one is declared dead.
-        if let Some(leases) = self.leases.as_ref().filter(|_| !self.spec.lease) {
-            leases.set_backends(sessions.iter().map(|s| s.backend).collect());
+        if let Some(leases) = self.leases.as_ref().filter(|_| !self.spec.deadline) {
+            leases.set_backends(sessions.both().iter().map(|s| s.backend).collect());
         }
-        health::global().postgres(None);
+        self.ctx.health().postgres(&self.lane, None);
         self.sessions = Some(sessions);
     }
 
@@ -282,8 +320,10 @@ impl PollSource {
             return Ok(());
         };
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let (done, _) = self.round_trip(&ss[settled.conn], Some(settled), false).await?;
-        self.account(done);
+        let (done, _) = self
+            .round_trip(ss.get(settled.conn), Some(settled), false)
+            .await?;
+        self.committed(done);
         Ok(())
     }
 
@@ -301,18 +341,18 @@ impl PollSource {
         // Both branches are cancel-safe: `wait` loses no notification and
         // `woken` is a `Notify` permit, kept if not consumed.
         let (wake, cause) = tokio::select! {
-            wake = ss[0].wakeups.wait(wait, cancel) => (wake, WakeCause::Notify),
+            wake = ss.listening.wakeups.wait(wait, cancel) => (wake, WakeCause::Notify),
             () = woken => (Wake::Notified, WakeCause::Lease),
         };
         match wake {
             Wake::Cancelled => Ok(false),
             Wake::ConnectionLost => Err(SourceError::ConnectionLost),
             Wake::Notified => {
-                self.metrics.woke(cause);
+                self.wake_metrics.woke(cause);
                 Ok(true)
             }
             Wake::Timer => {
-                self.metrics.woke(timer);
+                self.wake_metrics.woke(timer);
                 Ok(true)
             }
         }
@@ -337,7 +377,7 @@ impl PollSource {
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
             types: &self.types,
-            lease: self.spec.lease.then_some(LeaseClaim {
+            deadline: self.spec.deadline.then_some(DeadlineClaim {
                 owner: self.owner,
                 timeout_ms: self.config.claim_timeout.as_secs_f64() * 1000.0,
             }),
@@ -362,8 +402,8 @@ impl PollSource {
             && lease
                 .as_ref()
                 .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid());
-        if self.spec.lease {
-            let (marked, claimed) = tokio::join!(self.mark_leased(s, settled), async {
+        if self.spec.deadline {
+            let (marked, claimed) = tokio::join!(self.mark_deadline_claim(s, settled), async {
                 if claim {
                     return s.statements.claim(client, &params).await.map(Some);
                 }
@@ -371,7 +411,7 @@ impl PollSource {
             });
             return Ok((marked?, claimed?));
         }
-        let failures = settled.as_ref().map(|d| &d.failures);
+        let failures = settled.as_ref().map(|d| &d.outcomes.failures);
         let (failed, committed, begun, claimed) = tokio::join!(
             async {
                 match failures {
@@ -413,10 +453,10 @@ impl PollSource {
         Ok((settled, claimed?))
     }
 
-    /// A lease claim's marks, in one statement that is its own transaction
-    /// (`MARK_LEASED`). Rows it finds taken by another relay (this claim
+    /// A deadline claim's marks, in one statement that is its own transaction
+    /// (`MARK_DEADLINE_CLAIM`). Rows it finds taken by another relay (this claim
     /// expired) are left to that relay and counted.
-    async fn mark_leased(
+    async fn mark_deadline_claim(
         &self,
         s: &Session,
         settled: Option<Settled>,
@@ -427,7 +467,7 @@ impl PollSource {
         let Some(held) = &d.held else {
             return Ok(Some(d));
         };
-        let f = &d.failures;
+        let f = &d.outcomes.failures;
         let delivered: Vec<i64> = if f.ids.is_empty() {
             held.ids.clone()
         } else {
@@ -438,7 +478,7 @@ impl PollSource {
                 .filter(|id| !failed.contains(id))
                 .collect()
         };
-        let marks = LeaseMarks {
+        let marks = DeadlineMarks {
             failed: MarkFailedParams {
                 ids: &f.ids,
                 errors: &f.errors,
@@ -449,7 +489,7 @@ impl PollSource {
             delivered: &delivered,
             fence: held.fence,
         };
-        let (published, failed) = s.statements.mark_leased(&s.client, &marks).await?;
+        let (published, failed) = s.statements.mark_deadline_claim(&s.client, &marks).await?;
         let lost = (held.ids.len() as u64).saturating_sub(published + failed);
         if lost > 0 {
             self.claims_lost.increment(lost);
@@ -460,21 +500,21 @@ impl PollSource {
                 "the claim expired before its mark and another relay took these rows: they were delivered twice (raise --claim-timeout above the slowest batch)"
             );
         }
-        d.published = usize::try_from(published).unwrap_or(usize::MAX);
+        d.outcomes.published = usize::try_from(published).unwrap_or(usize::MAX);
         Ok(Some(d))
     }
 
-    /// Gives a lease claim back unsent, due again now; a lock claim is
+    /// Gives a deadline claim back unsent, due again now; a lock claim is
     /// given back by its connection's ROLLBACK instead.
     /// `lease`: the claim's row ids and fence.
-    async fn release(&self, conn: usize, lease: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
+    async fn release(&self, conn: Conn, lease: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let s = &ss[conn];
+        let s = ss.get(conn);
         match lease {
             Some((ids, fence)) => {
-                s.statements.release_leased(&s.client, ids, fence).await?;
+                s.statements.release_deadline_claim(&s.client, ids, fence).await?;
             }
-            None if self.spec.lease => {}
+            None if self.spec.deadline => {}
             None => s.client.batch_execute("ROLLBACK").await?,
         }
         Ok(())
@@ -487,34 +527,17 @@ impl PollSource {
         self.release(claimed.conn, lease).await
     }
 
-    /// Books a committed batch: counters, the retry wake-up, a debug line.
-    fn account(&mut self, done: Option<Settled>) {
+    /// A batch was committed: wakes for its soonest retry, and makes its
+    /// receipt.
+    fn committed(&mut self, done: Option<Settled>) {
         let Some(d) = done else { return };
-        if let Some(soonest) = d.failures.soonest {
+        if let Some(soonest) = d.outcomes.failures.soonest {
             // Measured from after the commit, so the wake-up is never before
             // the time PostgreSQL recorded.
             let at = Instant::now() + soonest;
             self.retry_at(at);
         }
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.metrics
-            .committed(d.claimed, d.started.elapsed().as_secs_f64(), &d.tallies);
-        self.counters
-            .delivered
-            .fetch_add(d.published as u64, Ordering::Relaxed);
-        debug!(
-            claimed = d.claimed,
-            delivered = d.published,
-            failed = d.failures.ids.len(),
-            seconds = d.started.elapsed().as_secs_f64(),
-            "batch committed"
-        );
-        // Once: a datagram per batch would cost a syscall per batch here
-        // and a message per batch to systemd, which reads every one.
-        if !self.signalled_batch {
-            self.signalled_batch = true;
-            outbox::notify::send("OUTBOX_BATCH=committed");
-        }
+        self.receipts.durable(d.batch, d.claimed, d.started, d.outcomes);
     }
 
     /// Wakes for a retry due at `at`, unless one is due sooner. A wake-up
@@ -573,7 +596,7 @@ impl PollSource {
         let listening = self.open_session(true).await?;
         let other = self.open_session(false).await?;
         self.learn_next_retry(&listening).await;
-        Ok([listening, other])
+        Ok(Sessions { listening, other })
     }
 
     /// Learns when the next row waiting for a retry comes due, whoever
@@ -623,12 +646,13 @@ impl PollSource {
                     // Notifications sent while we were away are lost; the
                     // loop claims at once, which covers them.
                     info!("relay reconnected");
-                    outbox::notify::send("STATUS=reconnected");
+                    self.ctx.signal("STATUS=reconnected");
                     return Some(ss);
                 }
                 Err(error) => {
                     let error = error_chain(&error);
-                    health::global().postgres(Some(format!("reconnecting: {error}")));
+                    let problem = Some(format!("reconnecting: {error}"));
+                    self.ctx.health().postgres(&self.lane, problem);
                     warn!(
                         %error,
                         retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
@@ -646,7 +670,7 @@ impl PollSource {
     /// Hands a claimed batch to the relay.
     fn hand_out(
         &mut self,
-        conn: usize,
+        conn: Conn,
         claimed: ClaimedRows,
         epoch: u64,
         sent: Instant,
@@ -677,6 +701,7 @@ impl PollSource {
         let unblocks = self.any_strict() && !rows.is_empty();
         self.pipeline.idle = !full && !cut && !unblocks && !self.config.drain;
         self.pipeline.at_sink = Some(AtSink {
+            batch: self.receipts.next_batch(),
             conn,
             epoch,
             rows: rows.len(),
@@ -705,18 +730,18 @@ impl Source for PollSource {
             return Ok(Claim::Cancelled);
         }
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
-        if !ss[0].wakeups.drain() {
+        if !ss.listening.wakeups.drain() {
             return Err(SourceError::ConnectionLost);
         }
         let epoch = self.lease_epoch();
         let sent = Instant::now();
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let (_, rows) = self.round_trip(&ss[0], None, true).await?;
+        let (_, rows) = self.round_trip(&ss.listening, None, true).await?;
         let claimed = rows.is_some();
         let rows = rows.unwrap_or_default();
         if rows.rows.is_empty() {
-            if claimed && !self.spec.lease {
-                ss[0].client.batch_execute("COMMIT").await?;
+            if claimed && !self.spec.deadline {
+                ss.listening.client.batch_execute("COMMIT").await?;
             }
             if self.config.drain && (claimed || self.holds_nothing()) {
                 return Ok(Claim::Drained);
@@ -724,12 +749,12 @@ impl Source for PollSource {
             self.pipeline.idle = true;
             return Ok(Claim::Empty);
         }
-        Ok(self.hand_out(0, rows, epoch, sent, false))
+        Ok(self.hand_out(Conn::Listening, rows, epoch, sent, false))
     }
 
     fn may_deliver(&self) -> bool {
         if let Some(held) = self.pipeline.at_sink.as_ref().and_then(|a| a.held.as_ref()) {
-            // A lease claim is its own warrant, whatever the partitions do.
+            // A deadline claim is its own warrant, whatever the partitions do.
             return Instant::now() < held.deadline;
         }
         let epoch = self.pipeline.at_sink.as_ref().map_or(0, |a| a.epoch);
@@ -774,22 +799,22 @@ impl Source for PollSource {
         let Some(conn) = self.pipeline.at_sink.as_ref().map(|a| a.conn) else {
             return Ok(());
         };
-        let other = 1 - conn;
+        let other = conn.other();
         let settled = self.pipeline.settled.take();
         debug_assert!(settled.as_ref().is_none_or(|s| s.conn == other));
         let epoch = self.lease_epoch();
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
         // Notifications up to here are covered by the next claim.
-        let chain = full && ss[0].wakeups.drain();
+        let chain = full && ss.listening.wakeups.drain();
         let sent = Instant::now();
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let (done, next) = self.round_trip(&ss[other], settled, chain).await?;
-        self.account(done);
+        let (done, next) = self.round_trip(ss.get(other), settled, chain).await?;
+        self.committed(done);
         self.pipeline.prefetched = match next {
             Some(rows) if rows.rows.is_empty() => {
-                if !self.spec.lease {
+                if !self.spec.deadline {
                     let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-                    ss[other].client.batch_execute("COMMIT").await?;
+                    ss.get(other).client.batch_execute("COMMIT").await?;
                 }
                 None
             }
@@ -809,11 +834,10 @@ impl Source for PollSource {
             return;
         };
         self.pipeline.settled = Some(Settled {
+            batch: at_sink.batch,
             conn: at_sink.conn,
             claimed: at_sink.rows,
-            published: plan.published,
-            failures: plan.failures,
-            tallies: plan.tallies,
+            outcomes: Outcomes::from_plan(plan),
             started: at_sink.started,
             held: at_sink.held,
         });
@@ -834,10 +858,11 @@ impl Source for PollSource {
             || self
                 .sessions
                 .as_ref()
-                .is_none_or(|ss| ss.iter().any(|s| s.client.is_closed()));
+                .is_none_or(|ss| ss.both().iter().any(|s| s.client.is_closed()));
         if lost {
             let error = error_chain(&error);
-            health::global().postgres(Some(format!("connection lost: {error}")));
+            let problem = Some(format!("connection lost: {error}"));
+            self.ctx.health().postgres(&self.lane, problem);
             warn!(%error, "lost the postgres connection; batches in flight will be redelivered");
             // Dropping both connections rolls back whatever the surviving
             // one had open.
@@ -846,7 +871,7 @@ impl Source for PollSource {
         }
         warn!(error = %error_chain(&error), "batch failed; retrying");
         if let Some(ss) = &self.sessions {
-            for s in ss {
+            for s in ss.both() {
                 // Outside a transaction this is a harmless warning.
                 let _ = s.client.batch_execute("ROLLBACK").await;
             }
@@ -855,7 +880,7 @@ impl Source for PollSource {
         !wait_or_cancel(pause, cancel).await
     }
 
-    async fn finish(mut self) {
+    async fn finish(&mut self) {
         if self.sessions.is_some() {
             if let Some(claimed) = self.pipeline.prefetched.take() {
                 let _ = self.release_claimed(&claimed).await;
@@ -873,17 +898,21 @@ impl Source for PollSource {
 /// The partition leases a relay with `config`'s ordering takes, started;
 /// None under `--ordering none`. Shared by the relay's lanes
 /// ([`Leases::lane`]).
-pub(crate) fn start_leases(config: &RelayConfig, pg: &PgConfig, relay_id: Uuid) -> Option<Leases> {
+pub(crate) fn start_leases(
+    config: &RelayConfig,
+    pg: &PgConfig,
+    ctx: &RelayContext,
+    relay_id: Uuid,
+) -> Option<Leases> {
     if config.ordering == OrderMode::None {
         return None;
     }
-    health::global().takes_leases();
     let mut pg = pg.clone();
     pg.postgres_mut().application_name("outbox-relay lease");
     let settings = LeaseSettings {
         pg,
         relay_id,
-        name: config.name.clone().unwrap_or_else(default_name),
+        ctx: ctx.clone(),
         timeout: config.lease_timeout,
         poll: config.poll_interval,
     };
@@ -893,17 +922,6 @@ pub(crate) fn start_leases(config: &RelayConfig, pg: &PgConfig, relay_id: Uuid) 
 /// The idle wait when nothing but a notification, a retry or a lease tick
 /// should wake the relay.
 const NO_POLL: Duration = Duration::from_secs(3600);
-
-/// `host:pid`, how a relay shows in `outbox relays` unless named.
-fn default_name() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".to_owned());
-    format!("{host}:{}", std::process::id())
-}
 
 /// Opening a session fails either on the connection or on the schema check.
 #[derive(Debug, thiserror::Error)]

@@ -27,7 +27,7 @@ pub use admin::{
 use relay::Shape;
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
-    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, Fence, LeaseClaim, LeaseMarks, MarkFailedParams,
+    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, DeadlineClaim, DeadlineMarks, Fence, MarkFailedParams,
     Partitions, RelayStatements, Strict, TickParams, TickRow, TickStatement, backend_identity,
     setup_batch_session,
 };
@@ -227,7 +227,7 @@ const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {deadline_cte}{lease_cte} locked A
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
      RETURNING {claimed_cols}";
 
-/// What a lease claim (`--claim lease`, migration 0005) puts in the claim
+/// What a deadline claim (`--claim deadline`, migration 0005) puts in the claim
 /// templates in place of the lock claim's mark. `{p_owner}` is the relay's
 /// id, `{p_timeout}` the claim timeout in milliseconds. The claim writes one
 /// deadline, read once (`deadline`), on every row it takes, as
@@ -235,18 +235,18 @@ const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {deadline_cte}{lease_cte} locked A
 /// index then skips a held row like any row not yet due and finds it due
 /// again once the claim expired, with no index or scan of its own. The
 /// deadline comes back with the rows: with `claimed_by` it is the fence the
-/// mark checks (`MARK_LEASED`).
+/// mark checks (`MARK_DEADLINE_CLAIM`).
 const DEADLINE_CTE: &str =
     "deadline AS (SELECT clock_timestamp() + {p_timeout}::float8 * interval '1 millisecond' AS at), ";
 const SET_LEASE: &str =
     "claimed_by = {p_owner}::uuid, claimed_until = deadline.at, next_attempt_at = deadline.at";
 
-/// A lease claim under partition order: a row waits while an earlier event
+/// A deadline claim under partition order: a row waits while an earlier event
 /// of its aggregate is held by another relay's unexpired claim (this
 /// relay's own claims are its pipeline's, ordered as the lock claim's are). The lock claim needs no
 /// such test, as ownership of a partition cannot move while a batch of it
 /// is in flight (its lease rows are locked `FOR SHARE` until the commit);
-/// a lease claim commits before delivery, so a partition can move to
+/// a deadline claim commits before delivery, so a partition can move to
 /// another relay while its batch is at the sink, and this is what keeps
 /// that relay from overtaking it. One probe of
 /// `<table>_pending_by_aggregate_idx`. (Strict order's own probe already
@@ -262,14 +262,14 @@ const CLAIM_PROBE: &str = "AND NOT EXISTS (SELECT 1 FROM {t} AS e \
 const TYPE_FILTER: &str = "AND ({a}aggregate_type = ANY({p_types}::text[])) = {p_types_in}::bool";
 
 /// `$1..$5` the failed rows as in `MARK_FAILED`, `$6` the delivered rows'
-/// ids, `$7` the relay's id, `$8` the claim's deadline. A lease claim's
+/// ids, `$7` the relay's id, `$8` the claim's deadline. A deadline claim's
 /// outcomes in one statement, its own short transaction: delivered rows
 /// published, failed ones with their retry time or dead, and the claim
 /// cleared. Only rows still under this claim match: a claim that expired
 /// and was taken by another relay (which wrote its own deadline) is not
 /// marked by this one, whose delivery then counts as a duplicate. Returns
 /// rows published and rows failed.
-const MARK_LEASED: &str = "WITH now AS (SELECT clock_timestamp() AS at), \
+const MARK_DEADLINE_CLAIM: &str = "WITH now AS (SELECT clock_timestamp() AS at), \
      failed AS (UPDATE {t} AS o SET {failed_set}, claimed_by = NULL, claimed_until = NULL \
        FROM now, {failed_rows} \
       WHERE o.id = f.id AND o.claimed_by = $7::uuid AND o.claimed_until = $8::timestamptz RETURNING 1), \
@@ -280,7 +280,7 @@ const MARK_LEASED: &str = "WITH now AS (SELECT clock_timestamp() AS at), \
 /// `$1` ids, `$2` the relay's id, `$3` the claim's deadline. Gives a lease
 /// claim back unsent (shutdown, a claim found lapsed before delivery): due
 /// again now, attempts unchanged. Only rows still under this claim.
-const RELEASE_LEASED: &str = "UPDATE {t} SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = clock_timestamp() \
+const RELEASE_DEADLINE_CLAIM: &str = "UPDATE {t} SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = clock_timestamp() \
       WHERE id = ANY($1::int8[]) AND claimed_by = $2::uuid AND claimed_until = $3::timestamptz";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
@@ -334,7 +334,7 @@ const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
      UPDATE {t} AS o SET {failed_set}, published_at = NULL FROM now, {failed_rows} WHERE o.id = f.id";
 
 /// What every failed row's mark sets (`now.at`: the clock, read once), from
-/// the rows `FAILED_ROWS` binds: `MARK_FAILED`'s and `MARK_LEASED`'s.
+/// the rows `FAILED_ROWS` binds: `MARK_FAILED`'s and `MARK_DEADLINE_CLAIM`'s.
 const FAILED_SET: &str = "attempts = f.attempts, last_error = f.error, \
      next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', dead_at = CASE WHEN f.dead THEN now.at END";
 
@@ -491,7 +491,7 @@ const DELETE_PROCESSED: &str = "WITH batch AS ( \
 const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (event_id) DO NOTHING";
 
 /// A claim template with what `spec` asks for in place: the lock claim's
-/// mark or a lease claim's deadline, the type filter, and each parameter's
+/// mark or a deadline claim's deadline, the type filter, and each parameter's
 /// number. A shape has fixed parameters (`relay::Shape::FIXED`); the type
 /// filter's two, the lease's two and the byte bound follow, in that order,
 /// each only where used (`relay::claim_params` binds them the same way).
@@ -505,7 +505,7 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
         Some(_) => (param(), param()),
         None => (String::new(), String::new()),
     };
-    let (owner, timeout) = if spec.lease {
+    let (owner, timeout) = if spec.deadline {
         (param(), param())
     } else {
         (String::new(), String::new())
@@ -521,7 +521,7 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
             .replace("{p_types_in}", &types_in)
     };
     let ordered = matches!(shape, Shape::Partitions | Shape::FewPartitions);
-    let (deadline, set, from, col, probe) = if spec.lease {
+    let (deadline, set, from, col, probe) = if spec.deadline {
         (
             DEADLINE_CTE.replace("{p_timeout}", &timeout),
             SET_LEASE.replace("{p_owner}", &owner),
@@ -565,8 +565,8 @@ pub struct OutboxSql {
     /// The claim in each shape (`relay::Shape`), bounded by bytes and for
     /// one row (`ONE_ROW`).
     pub(crate) claims: [[String; 2]; 4],
-    pub(crate) mark_leased: String,
-    pub(crate) release_leased: String,
+    pub(crate) mark_deadline_claim: String,
+    pub(crate) release_deadline_claim: String,
     pub(crate) relay_tick: String,
     pub(crate) relay_leave: String,
     pub(crate) relays: String,
@@ -648,8 +648,8 @@ impl OutboxSql {
             insert_events: render(INSERT_EVENTS),
             claims: Shape::ALL.map(claims),
             claim_spec: spec,
-            mark_leased: render(MARK_LEASED),
-            release_leased: render(RELEASE_LEASED),
+            mark_deadline_claim: render(MARK_DEADLINE_CLAIM),
+            release_deadline_claim: render(RELEASE_DEADLINE_CLAIM),
             relay_tick: render(RELAY_TICK),
             relay_leave: render(RELAY_LEAVE),
             relays: render(RELAYS),
@@ -701,7 +701,7 @@ mod tests {
     fn renders_quoted_names_and_no_placeholders() {
         let sql = OutboxSql::new(&Config::new("app", "events").unwrap());
         let spec = ClaimSpec {
-            lease: true,
+            deadline: true,
             types: Some(true),
         };
         let leased = OutboxSql::with_claims(&Config::new("app", "events").unwrap(), spec);

@@ -24,17 +24,17 @@ type Param<'p> = &'p (dyn ToSql + Sync);
 /// must match.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ClaimSpec {
-    /// A lease claim (migration 0005): a deadline written in the claim's
+    /// A deadline claim (migration 0005): a deadline written in the claim's
     /// own transaction, instead of a mark the batch's transaction commits.
-    pub lease: bool,
+    pub deadline: bool,
     /// Restricted to some aggregate types: `Some(true)` only the types
     /// [`ClaimParams::types`] lists, `Some(false)` all but those.
     pub types: Option<bool>,
 }
 
-/// A lease claim's own parameters.
+/// A deadline claim's own parameters.
 #[derive(Debug, Clone, Copy)]
-pub struct LeaseClaim {
+pub struct DeadlineClaim {
     /// The relay claiming, written as `claimed_by`.
     pub owner: Uuid,
     /// How long the claim holds its rows.
@@ -47,9 +47,9 @@ pub struct ClaimParams<'a> {
     /// The types the claim takes or leaves (see [`ClaimSpec::types`]);
     /// ignored by a claim rendered without a type filter.
     pub types: &'a [String],
-    /// A lease claim's owner and timeout; `Some` exactly when the claim
+    /// A deadline claim's owner and timeout; `Some` exactly when the claim
     /// was rendered for leases.
-    pub lease: Option<LeaseClaim>,
+    pub deadline: Option<DeadlineClaim>,
     /// The batch size (dead letters are never claimed: `dead_at` is set).
     pub limit: i64,
     /// The batch's payload bytes: rows are claimed in id order while their
@@ -107,11 +107,11 @@ pub struct MarkFailedParams<'a> {
     pub dead: &'a [bool],
 }
 
-/// A lease claim's outcomes (`MARK_LEASED`): the failed rows as
+/// A deadline claim's outcomes (`MARK_DEADLINE_CLAIM`): the failed rows as
 /// [`MarkFailedParams`], the delivered ones, and the claim they were
 /// under.
 #[derive(Debug, Clone, Copy)]
-pub struct LeaseMarks<'a> {
+pub struct DeadlineMarks<'a> {
     /// The failed rows.
     pub failed: MarkFailedParams<'a>,
     /// The delivered rows' ids.
@@ -120,7 +120,7 @@ pub struct LeaseMarks<'a> {
     pub fence: Fence,
 }
 
-/// Who holds a lease claim and until when: what the claim wrote, and what
+/// Who holds a deadline claim and until when: what the claim wrote, and what
 /// its mark must still find on a row to touch it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fence {
@@ -167,8 +167,8 @@ pub struct RelayStatements {
     mark_failed: Statement,
     next_retry: Statement,
     fetch_payload: Statement,
-    /// `MARK_LEASED` and `RELEASE_LEASED`, prepared only for lease claims.
-    leased: Option<(Statement, Statement)>,
+    /// `MARK_DEADLINE_CLAIM` and `RELEASE_DEADLINE_CLAIM`, prepared only for deadline claims.
+    deadline: Option<(Statement, Statement)>,
     spec: ClaimSpec,
 }
 
@@ -180,29 +180,29 @@ impl OutboxSql {
             .flat_map(|one| Shape::ALL.map(|s| self.claim_text(s, one)))
             .collect();
         let claims = futures::future::try_join_all(texts.into_iter().map(|t| client.prepare(t)));
-        let leased = async {
-            if !self.claim_spec.lease {
+        let deadline = async {
+            if !self.claim_spec.deadline {
                 return Ok(None);
             }
             let (mark, release) = tokio::try_join!(
-                client.prepare(&self.mark_leased),
-                client.prepare(&self.release_leased)
+                client.prepare(&self.mark_deadline_claim),
+                client.prepare(&self.release_deadline_claim)
             )?;
             Ok(Some((mark, release)))
         };
-        let (claims, mark_failed, next_retry, fetch_payload, leased) = tokio::try_join!(
+        let (claims, mark_failed, next_retry, fetch_payload, deadline) = tokio::try_join!(
             claims,
             client.prepare(&self.mark_failed),
             client.prepare(&self.next_retry),
             client.prepare(&self.fetch_payload),
-            leased,
+            deadline,
         )?;
         Ok(RelayStatements {
             claims,
             mark_failed,
             next_retry,
             fetch_payload,
-            leased,
+            deadline,
             spec: self.claim_spec,
         })
     }
@@ -308,8 +308,8 @@ impl Shape {
 /// cost, about 60 µs per claim, a fifth of the relay's time at batch size 1.
 fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<Param<'a>>) {
     debug_assert_eq!(
-        spec.lease,
-        p.lease.is_some(),
+        spec.deadline,
+        p.deadline.is_some(),
         "a claim's parameters must match its statement"
     );
     let mut params: Vec<Param<'a>> = vec![&p.limit];
@@ -335,7 +335,7 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<
     if let Some(types_in) = &spec.types {
         params.extend([&p.types as Param<'a>, types_in]);
     }
-    if let Some(lease) = &p.lease {
+    if let Some(lease) = &p.deadline {
         params.extend([&lease.owner as Param<'a>, &lease.timeout_ms]);
     }
     if p.limit == 1 {
@@ -360,7 +360,7 @@ pub struct ClaimedRows {
     /// else may be claimed before it does (see the claim's `CUT`). A lease
     /// claim's transaction has ended: nothing stays locked.
     pub cut: bool,
-    /// A lease claim's owner and deadline: what its mark must match.
+    /// A deadline claim's owner and deadline: what its mark must match.
     pub fence: Option<Fence>,
 }
 
@@ -378,7 +378,7 @@ impl RelayStatements {
         let mut fence = None;
         while let Some(row) = stream.try_next().await? {
             locked = row.try_get("locked_rows")?;
-            if let Some(lease) = &p.lease
+            if let Some(lease) = &p.deadline
                 && fence.is_none()
             {
                 // One deadline for the whole claim (`DEADLINE_CTE`).
@@ -453,15 +453,19 @@ impl RelayStatements {
         client.execute(&self.mark_failed, &params).await
     }
 
-    /// Records a lease claim's outcomes, checking the claim is still its
-    /// own (`MARK_LEASED`), in its own short transaction. Returns rows
+    /// Records a deadline claim's outcomes, checking the claim is still its
+    /// own (`MARK_DEADLINE_CLAIM`), in its own short transaction. Returns rows
     /// published and rows failed: fewer than asked means the claim expired
     /// and another relay took those rows.
     ///
     /// # Panics
-    /// If the statements were not prepared for lease claims.
-    pub async fn mark_leased(&self, client: &Client, p: &LeaseMarks<'_>) -> Result<(u64, u64), Error> {
-        let (mark, _) = self.leased.as_ref().expect("prepared for lease claims");
+    /// If the statements were not prepared for deadline claims.
+    pub async fn mark_deadline_claim(
+        &self,
+        client: &Client,
+        p: &DeadlineMarks<'_>,
+    ) -> Result<(u64, u64), Error> {
+        let (mark, _) = self.deadline.as_ref().expect("prepared for deadline claims");
         let f = &p.failed;
         let params: [Param<'_>; 8] = [
             &f.ids,
@@ -478,13 +482,18 @@ impl RelayStatements {
         Ok((count(0)?, count(1)?))
     }
 
-    /// Gives a lease claim's rows back unsent, due now (`RELEASE_LEASED`).
+    /// Gives a deadline claim's rows back unsent, due now (`RELEASE_DEADLINE_CLAIM`).
     /// Returns rows released.
     ///
     /// # Panics
-    /// If the statements were not prepared for lease claims.
-    pub async fn release_leased(&self, client: &Client, ids: &[i64], fence: Fence) -> Result<u64, Error> {
-        let (_, release) = self.leased.as_ref().expect("prepared for lease claims");
+    /// If the statements were not prepared for deadline claims.
+    pub async fn release_deadline_claim(
+        &self,
+        client: &Client,
+        ids: &[i64],
+        fence: Fence,
+    ) -> Result<u64, Error> {
+        let (_, release) = self.deadline.as_ref().expect("prepared for deadline claims");
         let params: [Param<'_>; 3] = [&ids, &fence.owner, &fence.until];
         client.execute(release, &params).await
     }

@@ -48,7 +48,7 @@ async fn setup() -> (Db, i32) {
 async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i32]) -> Vec<String> {
     let p = ClaimParams {
         types: &[],
-        lease: None,
+        deadline: None,
         limit,
         max_bytes: i64::MAX,
         scope: ClaimScope::Partitions(Partitions {
@@ -182,7 +182,7 @@ async fn a_batch_of_one_holds_its_partitions_lease_until_it_ends() {
 async fn claim_bytes(c: &Client, s: &RelayStatements, limit: i64, max_bytes: i64) -> (Vec<i64>, bool) {
     let p = ClaimParams {
         types: &[],
-        lease: None,
+        deadline: None,
         limit,
         max_bytes,
         scope: ClaimScope::All,
@@ -263,7 +263,7 @@ async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
     a.batch_execute("BEGIN").await.unwrap();
     let p = ClaimParams {
         types: &[],
-        lease: None,
+        deadline: None,
         limit: 10,
         max_bytes: i64::MAX,
         scope: ClaimScope::All,
@@ -283,7 +283,7 @@ async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
     }
 }
 
-/// A lease claim by `owner` over every partition (the lease rows must name
+/// A deadline claim by `owner` over every partition (the lease rows must name
 /// it), in its own transaction: the claimed rows as `id:aggregate`, and the
 /// fence its mark needs.
 async fn lease_claim(
@@ -296,7 +296,7 @@ async fn lease_claim(
     let every: Vec<i32> = (0..64).collect();
     let p = ClaimParams {
         types: &[],
-        lease: Some(outbox::sql::LeaseClaim { owner, timeout_ms }),
+        deadline: Some(outbox::sql::DeadlineClaim { owner, timeout_ms }),
         limit,
         max_bytes: i64::MAX,
         scope: ClaimScope::Partitions(Partitions {
@@ -316,7 +316,7 @@ async fn lease_claim(
     (names, ids, claimed.fence)
 }
 
-/// Lease claims (`--claim lease`): no transaction spans the delivery, so the
+/// Deadline claims (`--claim deadline`): no transaction spans the delivery, so the
 /// partitions can move while a batch is out. The new owner's claim skips
 /// aggregates with an earlier event under a live claim (order), takes them
 /// once the claim expired, and the old holder's mark then touches nothing
@@ -325,7 +325,7 @@ async fn lease_claim(
 async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones() {
     let (db, _) = setup().await;
     let spec = outbox::sql::ClaimSpec {
-        lease: true,
+        deadline: true,
         types: None,
     };
     let sql = OutboxSql::with_claims(&Config::default(), spec);
@@ -343,7 +343,7 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
     set_owner(ME).await;
     // ME claims a0..a4's first events, for a minute, and commits at once.
     let (mine, my_ids, fence) = lease_claim(&a, &sa, ME, 5, 60_000.0).await;
-    let fence = fence.expect("a lease claim returns its fence");
+    let fence = fence.expect("a deadline claim returns its fence");
     assert_eq!(mine.len(), 5, "{mine:?}");
     assert_eq!(fence.owner, ME);
     assert_eq!(
@@ -368,8 +368,8 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
     }
 
     // ME's mark under its live claim publishes its five.
-    fn marks(delivered: &[i64], fence: outbox::sql::Fence) -> outbox::sql::LeaseMarks<'_> {
-        outbox::sql::LeaseMarks {
+    fn marks(delivered: &[i64], fence: outbox::sql::Fence) -> outbox::sql::DeadlineMarks<'_> {
+        outbox::sql::DeadlineMarks {
             failed: outbox::sql::MarkFailedParams {
                 ids: &[],
                 errors: &[],
@@ -381,7 +381,10 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
             fence,
         }
     }
-    assert_eq!(sa.mark_leased(&a, &marks(&my_ids, fence)).await.unwrap(), (5, 0));
+    assert_eq!(
+        sa.mark_deadline_claim(&a, &marks(&my_ids, fence)).await.unwrap(),
+        (5, 0)
+    );
 
     // Fencing: ME claims the next five for 1 ms; the claim expires, OTHER
     // takes and publishes them, and ME's late mark changes nothing.
@@ -393,7 +396,7 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
     let (taken, taken_ids, taken_fence) = lease_claim(&b, &sb, OTHER, 5, 60_000.0).await;
     assert_eq!(taken, late, "the expired claim's rows, taken over");
     assert_eq!(
-        sb.mark_leased(&b, &marks(&taken_ids, taken_fence.unwrap()))
+        sb.mark_deadline_claim(&b, &marks(&taken_ids, taken_fence.unwrap()))
             .await
             .unwrap(),
         (5, 0)
@@ -411,7 +414,7 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
     };
     let before = marks_of_late().await;
     assert_eq!(
-        sa.mark_leased(&a, &marks(&late_ids, late_fence.unwrap()))
+        sa.mark_deadline_claim(&a, &marks(&late_ids, late_fence.unwrap()))
             .await
             .unwrap(),
         (0, 0),

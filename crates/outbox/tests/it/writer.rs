@@ -326,29 +326,29 @@ async fn claim_uses_the_partial_index() {
         count: 64,
         strict: None,
     });
-    // A lease claim (`--claim lease`) walks the same index: a claimed row
+    // A deadline claim (`--claim deadline`) walks the same index: a claimed row
     // is skipped as not yet due, an expired one found due, with no scan of
     // the claimed rows; its probe for earlier claimed events of the
     // aggregate is an index probe too.
-    let lease_sql = outbox::sql::OutboxSql::with_claims(
+    let deadline_sql = outbox::sql::OutboxSql::with_claims(
         &Config::default(),
         outbox::sql::ClaimSpec {
-            lease: true,
+            deadline: true,
             types: None,
         },
     );
-    let lease = Some(outbox::sql::LeaseClaim {
+    let deadline = Some(outbox::sql::DeadlineClaim {
         owner: uuid::Uuid::nil(),
         timeout_ms: 60_000.0,
     });
     let shapes = [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)];
-    for ((scope, limit), (sql, lease)) in shapes
+    for ((scope, limit), (sql, deadline)) in shapes
         .into_iter()
-        .flat_map(|shape| [(shape, (&sql, None)), (shape, (&lease_sql, lease))])
+        .flat_map(|shape| [(shape, (&sql, None)), (shape, (&deadline_sql, deadline))])
     {
         let claim = outbox::sql::ClaimParams {
             types: &[],
-            lease,
+            deadline,
             limit,
             max_bytes: 16 << 20,
             scope,
@@ -404,7 +404,7 @@ async fn claims_in_a_batch_session_are_not_jit_compiled() {
         async move {
             let claim = outbox::sql::ClaimParams {
                 types: &[],
-                lease: None,
+                deadline: None,
                 limit,
                 max_bytes: 16 << 20,
                 scope,

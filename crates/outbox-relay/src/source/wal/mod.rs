@@ -30,7 +30,6 @@ mod window;
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -48,12 +47,11 @@ use self::decode::{Decoded, Decoder};
 use self::turn::{Timing, Turn};
 use self::watch::{Problem, SlotWatch};
 use self::window::{Dead, Window, Writes};
-use super::{Batch, Claim, Source, SourceError};
+use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{RelayConfig, WalCleanup};
-use crate::counters::Counters;
+use crate::context::RelayContext;
 use crate::error::{RelayError, error_chain};
-use crate::health;
-use crate::metric::{self, BatchMetrics};
+use crate::metric;
 use crate::pg::{PgConfig, Startup};
 use crate::plan::Plan;
 
@@ -84,8 +82,11 @@ pub(crate) struct WalSource {
     config: RelayConfig,
     pg: PgConfig,
     sql: Arc<WalSql>,
-    counters: Arc<Counters>,
-    metrics: BatchMetrics,
+    ctx: RelayContext,
+    receipts: Receipts,
+    /// Batches settled whose writes have not been made yet: their receipts
+    /// wait for the write (see [`WalSource::flush`]).
+    unwritten: Vec<(u64, usize, std::time::Instant, Outcomes)>,
     /// `outbox_wal_window_events` (the slot's gauges are the watch's).
     window_gauge: Gauge,
     /// For the writes and the slot's state; `None` after it failed.
@@ -94,11 +95,10 @@ pub(crate) struct WalSource {
     stream: Option<Stream>,
     window: Window,
     /// The batch at the sink, and when it was handed out.
-    at_sink: Option<(Arc<[OutboxRow]>, Instant)>,
+    at_sink: Option<(u64, Arc<[OutboxRow]>, std::time::Instant)>,
     watch: SlotWatch,
     /// `drain`: the marker was emitted, and read back.
     drain_marker: (bool, bool),
-    signalled_batch: bool,
     /// The last position handed to the replication client to confirm.
     confirmed: u64,
     /// The prefix of the drain marker (see `DRAIN_MARKER`).
@@ -125,8 +125,8 @@ impl WalSource {
     pub(crate) async fn open(
         config: RelayConfig,
         pg: PgConfig,
-        counters: Arc<Counters>,
-        metrics: BatchMetrics,
+        ctx: RelayContext,
+        receipts: Receipts,
         cancel: &CancellationToken,
     ) -> Result<Option<WalSource>, RelayError> {
         let sql = Arc::new(WalSql::new(&config.outbox).map_err(RelayError::Schema)?);
@@ -157,26 +157,26 @@ impl WalSource {
             confirmed_lsn = %slot.confirmed_lsn,
             "log tailing: the slot is ready"
         );
-        health::global().postgres(None);
+        ctx.health().postgres("", None);
         let mut watch_pg = pg.clone();
         watch_pg
             .postgres_mut()
             .application_name("outbox-relay slot watch");
-        let watch = SlotWatch::start(watch_pg, Arc::clone(&sql), config.wal.retained_warn);
+        let watch = SlotWatch::start(watch_pg, Arc::clone(&sql), config.wal.retained_warn, &ctx);
         Ok(Some(WalSource {
             window: window(&config),
             config,
             pg,
-            counters,
-            metrics,
-            window_gauge: metrics::gauge!(metric::WAL_WINDOW),
+            window_gauge: metrics::gauge!(metric::WAL_WINDOW, &[ctx.label()]),
+            ctx,
+            receipts,
+            unwritten: Vec::new(),
             client: Some(client),
             turn: None,
             stream: None,
             at_sink: None,
             watch,
             drain_marker: (false, false),
-            signalled_batch: false,
             confirmed: 0,
             drain_prefix: format!("outbox-drain:{}", sql.slot()),
             retry_in: FIRST_RETRY,
@@ -195,6 +195,8 @@ impl WalSource {
     fn reset(&mut self) {
         self.stream = None;
         self.at_sink = None;
+        // Read again, so delivered (and booked) again.
+        self.unwritten.clear();
         self.window = window(&self.config);
         self.show_window();
     }
@@ -264,7 +266,7 @@ impl WalSource {
                 }
             };
             info!(slot = self.slot(), "streaming the slot");
-            health::global().postgres(None);
+            self.ctx.health().postgres("", None);
             self.stream = Some(Stream {
                 client,
                 decoder: Decoder::new(schema, table, self.sql.prefix()),
@@ -360,8 +362,15 @@ impl WalSource {
     /// Commits the writes the finished events imply, then confirms the
     /// position past them. Discarded if this relay lost its turn: the next
     /// reader reads those events again.
+    ///
+    /// The batches settled before it get their receipts once their writes
+    /// committed: a settled batch's deletes and dead letters are what make
+    /// it durable (the confirmed position only follows them).
     async fn flush(&mut self) -> Result<(), SourceError> {
         let (writes, confirmable) = self.window.take_writes();
+        // Taken now: a failed write drops them (the batches are read and
+        // delivered again after the reset that follows).
+        let settled = std::mem::take(&mut self.unwritten);
         if !self.turn_valid() {
             return Ok(());
         }
@@ -373,6 +382,7 @@ impl WalSource {
                 if since.elapsed() < UNFOUND_GRACE {
                     // Not visible yet: hold the position until they are.
                     self.window.restore(unfound, confirmable);
+                    self.unwritten = settled;
                     return Ok(());
                 }
                 warn!(
@@ -383,6 +393,9 @@ impl WalSource {
                 );
             }
             self.unfound_since = None;
+        }
+        for (batch, claimed, started, outcomes) in settled {
+            self.receipts.durable(batch, claimed, started, outcomes);
         }
         if let (Some(lsn), Some(stream)) = (confirmable, &self.stream) {
             stream.client.update_applied_lsn(Lsn::from_u64(lsn));
@@ -572,7 +585,8 @@ impl Source for WalSource {
                     .next_batch(now, batch_size, self.config.batch_max_bytes);
                 if !rows.is_empty() {
                     let rows: Arc<[OutboxRow]> = rows.into();
-                    self.at_sink = Some((Arc::clone(&rows), now));
+                    let batch = self.receipts.next_batch();
+                    self.at_sink = Some((batch, Arc::clone(&rows), std::time::Instant::now()));
                     let full = self.window.has_ready(now);
                     return Ok(Claim::Batch(Batch {
                         rows,
@@ -628,28 +642,20 @@ impl Source for WalSource {
     }
 
     fn settle(&mut self, plan: Plan) {
-        let Some((rows, started)) = self.at_sink.take() else {
+        let Some((batch, rows, started)) = self.at_sink.take() else {
             return;
         };
         self.window.settle(&rows, &plan.failures, Instant::now());
         self.retry_in = FIRST_RETRY;
         self.show_window();
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .delivered
-            .fetch_add(plan.published as u64, Ordering::Relaxed);
-        self.metrics
-            .committed(rows.len(), started.elapsed().as_secs_f64(), &plan.tallies);
         debug!(
             rows = rows.len(),
             delivered = plan.published,
             failed = plan.failures.ids.len(),
             "batch settled"
         );
-        if !self.signalled_batch {
-            self.signalled_batch = true;
-            outbox::notify::send("OUTBOX_BATCH=committed");
-        }
+        self.unwritten
+            .push((batch, rows.len(), started, Outcomes::from_plan(plan)));
     }
 
     async fn hold(&mut self) -> Result<(), SourceError> {
@@ -665,7 +671,9 @@ impl Source for WalSource {
             retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
             "log tailing: reading again from the slot's confirmed position"
         );
-        health::global().postgres(Some(format!("reconnecting: {error}")));
+        self.ctx
+            .health()
+            .postgres("", Some(format!("reconnecting: {error}")));
         self.reset();
         tokio::select! {
             () = cancel.cancelled() => false,
@@ -673,7 +681,7 @@ impl Source for WalSource {
         }
     }
 
-    async fn finish(mut self) {
+    async fn finish(&mut self) {
         if let Err(error) = self.flush().await {
             warn!(error = %error_chain(&error), "the last writes failed; their events will be read again");
             return;

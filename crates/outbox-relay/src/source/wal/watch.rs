@@ -74,12 +74,18 @@ impl Drop for SlotWatch {
 
 impl SlotWatch {
     /// Starts watching `sql`'s slot; warns above `retained_warn` bytes.
-    pub(crate) fn start(pg: PgConfig, sql: Arc<WalSql>, retained_warn: u64) -> SlotWatch {
+    pub(crate) fn start(
+        pg: PgConfig,
+        sql: Arc<WalSql>,
+        retained_warn: u64,
+        ctx: &crate::RelayContext,
+    ) -> SlotWatch {
         let (tx, rx) = watch::channel(None);
         let stop = CancellationToken::new();
+        let labels = [ctx.label(), ("slot", sql.slot().to_owned())];
         let gauges = Gauges {
-            retained: metrics::gauge!(metric::WAL_RETAINED, "slot" => sql.slot().to_owned()),
-            lag: metrics::gauge!(metric::WAL_LAG, "slot" => sql.slot().to_owned()),
+            retained: metrics::gauge!(metric::WAL_RETAINED, &labels),
+            lag: metrics::gauge!(metric::WAL_LAG, &labels),
         };
         let task = tokio::spawn(run(pg, sql, retained_warn, gauges, tx, stop.clone()));
         SlotWatch {

@@ -1,4 +1,4 @@
-//! `outbox relay --claim lease`: a batch claimed by a deadline in a short
+//! `outbox relay --claim deadline`: a batch claimed by a deadline in a short
 //! transaction, delivered with none open, marked in a second one that checks
 //! the claim is still the relay's. Crashes between delivery and mark, an
 //! expired claim's late mark (fencing), strict order through a failure, and
@@ -27,7 +27,14 @@ async fn kill_between_delivery_and_mark_redelivers_once_the_claim_expires() {
     let mut db = Db::start().await;
     let redis = Redis::start().await.unwrap();
     db.insert_events(500, 10).await;
-    let lease = ["--claim", "lease", "--claim-timeout", "2s", "--batch-size", "50"];
+    let lease = [
+        "--claim",
+        "deadline",
+        "--claim-timeout",
+        "2s",
+        "--batch-size",
+        "50",
+    ];
     let mut relay = start_relay(
         &db.url,
         &redis.url(),
@@ -85,7 +92,14 @@ async fn an_expired_claim_is_not_marked_by_its_old_holder() {
     let addr = http_addr();
     // `--ordering none`: any relay may claim any row, so the second one
     // needs no partition of the first.
-    let lease = ["--claim", "lease", "--claim-timeout", "1s", "--ordering", "none"];
+    let lease = [
+        "--claim",
+        "deadline",
+        "--claim-timeout",
+        "1s",
+        "--ordering",
+        "none",
+    ];
     let frozen = start_relay(
         &db.url,
         &redis.url(),
@@ -131,7 +145,7 @@ async fn an_expired_claim_is_not_marked_by_its_old_holder() {
     assert_eq!((events.len(), distinct_events(&events)), (200, 100));
 }
 
-/// Strict order with lease claims, two relays sharing the partitions: one
+/// Strict order with deadline claim, two relays sharing the partitions: one
 /// event refused twice holds its aggregate's later events back until it
 /// goes through; every aggregate arrives in order, each event once.
 #[tokio::test]
@@ -143,7 +157,7 @@ async fn strict_order_holds_through_a_failure_with_lease_claims() {
     receiver.set_refuse(Some((r#""agg":3,"seq":5"#, 500)));
     let flags = [
         "--claim",
-        "lease",
+        "deadline",
         "--ordering",
         "strict",
         "--backoff-base",
@@ -198,6 +212,7 @@ async fn a_route_can_claim_by_lease_while_the_others_lock() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("routes.toml");
+    // `lease`, the mode's name before `deadline`: deployed files keep working.
     std::fs::write(
         &config,
         format!(
@@ -251,7 +266,7 @@ async fn a_claim_timeout_shorter_than_the_sinks_is_warned_about() {
             "--sink",
             "redis://127.0.0.1:6379",
             "--claim",
-            "lease",
+            "deadline",
             "--claim-timeout",
             timeout,
         ];
