@@ -35,14 +35,16 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use outbox::sql::{
-    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, DeadlineClaim, DeadlineMarks, Fence, MarkFailedParams,
-    OutboxSql, Partitions, RelayStatements, Strict,
+    ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, Fence, OutboxSql, Partitions, RelayStatements, Strict,
 };
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use uuid::Uuid;
 
+mod claim;
+
+use self::claim::{ByDeadline, ByLock, Claiming};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{OrderMode, RelayConfig};
 use crate::context::RelayContext;
@@ -200,11 +202,10 @@ pub(crate) struct PollSource {
     /// the default is strict.
     exceptions: Vec<String>,
     default_strict: bool,
-    /// What the claims take and how.
-    spec: ClaimSpec,
+    /// The aggregate types its claims take or leave (`ClaimSpec::types`).
     types: Vec<String>,
-    owner: Uuid,
-    claims_lost: metrics::Counter,
+    /// By lock or by deadline.
+    claiming: Box<dyn Claiming>,
 }
 
 impl PollSource {
@@ -226,6 +227,15 @@ impl PollSource {
             .filter(|(_, mode)| *mode != config.ordering)
             .map(|(t, _)| t.clone())
             .collect();
+        let claiming: Box<dyn Claiming> = if lane.spec.deadline {
+            Box::new(ByDeadline {
+                owner: lane.owner,
+                timeout: config.claim_timeout,
+                claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST, &[ctx.label()]),
+            })
+        } else {
+            Box::new(ByLock)
+        };
         let mut source = Self {
             default_strict: config.ordering == OrderMode::Strict,
             exceptions,
@@ -237,16 +247,14 @@ impl PollSource {
                 .map(|t| format!("lane {t}"))
                 .unwrap_or_default(),
             wake_metrics: WakeMetrics::new(&ctx),
-            claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST, &[ctx.label()]),
+            claiming,
             ctx,
             receipts,
             sessions: None,
             pipeline: Pipeline::default(),
             earliest_retry: None,
             leases: None,
-            spec: lane.spec,
             types: lane.types,
-            owner: lane.owner,
         };
         let Some(sessions) = source.connect_at_startup(cancel).await? else {
             return Ok(None);
@@ -273,7 +281,7 @@ impl PollSource {
     fn use_sessions(&mut self, sessions: Sessions) {
         // A deadline claim holds no lock across delivery: nothing for another
         // relay to terminate if this one is declared dead.
-        if let Some(leases) = self.leases.as_ref().filter(|_| !self.spec.deadline) {
+        if let Some(leases) = self.leases.as_ref().filter(|_| self.claiming.holds_locks()) {
             leases.set_backends(sessions.both().iter().map(|s| s.backend).collect());
         }
         self.ctx.health().postgres(&self.lane, None);
@@ -358,29 +366,19 @@ impl PollSource {
         }
     }
 
-    /// On one connection, in one round trip: the failure marks and COMMIT of
-    /// `settled` (if any), then, if `claim`, BEGIN and the next claim.
-    ///
-    /// The transaction is driven by hand rather than through
-    /// `tokio_postgres::Transaction` because tokio-postgres pipelines
-    /// requests whose futures are polled together, in the order polled. If
-    /// a mark fails, PostgreSQL answers the COMMIT with a rollback, so
-    /// nothing of the batch is marked and it is redelivered; the caller then
-    /// rolls back the claim that followed.
+    /// On one connection, in one round trip: the outcomes of `settled` (if
+    /// any) made durable, then, if `claim`, the next claim (see
+    /// [`Claiming::round_trip`]).
     async fn round_trip(
         &self,
         s: &Session,
         settled: Option<Settled>,
         claim: bool,
     ) -> Result<(Option<Settled>, Option<ClaimedRows>), SourceError> {
-        let client = &s.client;
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
             types: &self.types,
-            deadline: self.spec.deadline.then_some(DeadlineClaim {
-                owner: self.owner,
-                timeout_ms: self.config.claim_timeout.as_secs_f64() * 1000.0,
-            }),
+            deadline: self.claiming.deadline(),
             limit: i64::from(self.config.batch_size),
             max_bytes: i64::try_from(self.config.batch_max_bytes).unwrap_or(i64::MAX),
             scope: match &lease {
@@ -402,122 +400,16 @@ impl PollSource {
             && lease
                 .as_ref()
                 .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid());
-        if self.spec.deadline {
-            let (marked, claimed) = tokio::join!(self.mark_deadline_claim(s, settled), async {
-                if claim {
-                    return s.statements.claim(client, &params).await.map(Some);
-                }
-                Ok(None)
-            });
-            return Ok((marked?, claimed?));
-        }
-        let failures = settled.as_ref().map(|d| &d.outcomes.failures);
-        let (failed, committed, begun, claimed) = tokio::join!(
-            async {
-                match failures {
-                    Some(f) if !f.ids.is_empty() => {
-                        let failed = MarkFailedParams {
-                            ids: &f.ids,
-                            errors: &f.errors,
-                            attempts: &f.attempts,
-                            delay_ms: &f.delay_ms,
-                            dead: &f.dead_letter,
-                        };
-                        s.statements.mark_failed(client, &failed).await
-                    }
-                    _ => Ok(0),
-                }
-            },
-            async {
-                if settled.is_some() {
-                    client.batch_execute("COMMIT").await?;
-                }
-                Ok::<_, tokio_postgres::Error>(())
-            },
-            async {
-                if claim {
-                    client.batch_execute("BEGIN").await?;
-                }
-                Ok::<_, tokio_postgres::Error>(())
-            },
-            async {
-                if claim {
-                    return s.statements.claim(client, &params).await.map(Some);
-                }
-                Ok(None)
-            },
-        );
-        failed?;
-        committed?;
-        begun?;
-        Ok((settled, claimed?))
+        self.claiming
+            .round_trip(s, settled, claim.then_some(&params))
+            .await
     }
 
-    /// A deadline claim's marks, in one statement that is its own transaction
-    /// (`MARK_DEADLINE_CLAIM`). Rows it finds taken by another relay (this claim
-    /// expired) are left to that relay and counted.
-    async fn mark_deadline_claim(
-        &self,
-        s: &Session,
-        settled: Option<Settled>,
-    ) -> Result<Option<Settled>, SourceError> {
-        let Some(mut d) = settled else {
-            return Ok(None);
-        };
-        let Some(held) = &d.held else {
-            return Ok(Some(d));
-        };
-        let f = &d.outcomes.failures;
-        let delivered: Vec<i64> = if f.ids.is_empty() {
-            held.ids.clone()
-        } else {
-            let failed: std::collections::HashSet<i64> = f.ids.iter().copied().collect();
-            held.ids
-                .iter()
-                .copied()
-                .filter(|id| !failed.contains(id))
-                .collect()
-        };
-        let marks = DeadlineMarks {
-            failed: MarkFailedParams {
-                ids: &f.ids,
-                errors: &f.errors,
-                attempts: &f.attempts,
-                delay_ms: &f.delay_ms,
-                dead: &f.dead_letter,
-            },
-            delivered: &delivered,
-            fence: held.fence,
-        };
-        let (published, failed) = s.statements.mark_deadline_claim(&s.client, &marks).await?;
-        let lost = (held.ids.len() as u64).saturating_sub(published + failed);
-        if lost > 0 {
-            self.claims_lost.increment(lost);
-            warn!(
-                lost,
-                claimed = held.ids.len(),
-                timeout_ms = self.config.claim_timeout.as_millis() as u64,
-                "the claim expired before its mark and another relay took these rows: they were delivered twice (raise --claim-timeout above the slowest batch)"
-            );
-        }
-        d.outcomes.published = usize::try_from(published).unwrap_or(usize::MAX);
-        Ok(Some(d))
-    }
-
-    /// Gives a deadline claim back unsent, due again now; a lock claim is
-    /// given back by its connection's ROLLBACK instead.
-    /// `lease`: the claim's row ids and fence.
-    async fn release(&self, conn: Conn, lease: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
+    /// Gives a batch on `conn` back unsent (see [`Claiming::release`]);
+    /// `held`: a deadline claim's row ids and fence.
+    async fn release(&self, conn: Conn, held: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let s = ss.get(conn);
-        match lease {
-            Some((ids, fence)) => {
-                s.statements.release_deadline_claim(&s.client, ids, fence).await?;
-            }
-            None if self.spec.deadline => {}
-            None => s.client.batch_execute("ROLLBACK").await?,
-        }
-        Ok(())
+        self.claiming.release(ss.get(conn), held).await
     }
 
     /// Gives back a batch claimed ahead, not handed out.
@@ -740,8 +632,8 @@ impl Source for PollSource {
         let claimed = rows.is_some();
         let rows = rows.unwrap_or_default();
         if rows.rows.is_empty() {
-            if claimed && !self.spec.deadline {
-                ss.listening.client.batch_execute("COMMIT").await?;
+            if claimed {
+                self.claiming.close_empty(&ss.listening).await?;
             }
             if self.config.drain && (claimed || self.holds_nothing()) {
                 return Ok(Claim::Drained);
@@ -812,10 +704,8 @@ impl Source for PollSource {
         self.committed(done);
         self.pipeline.prefetched = match next {
             Some(rows) if rows.rows.is_empty() => {
-                if !self.spec.deadline {
-                    let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-                    ss.get(other).client.batch_execute("COMMIT").await?;
-                }
+                let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+                self.claiming.close_empty(ss.get(other)).await?;
                 None
             }
             Some(rows) => Some(Claimed {
