@@ -165,7 +165,10 @@ mod tests {
             let expected = wait.nominal();
             nominal.push(expected.as_millis());
             let got = wait.next_delay();
-            assert!(got <= expected && got >= expected.mul_f64(0.8), "{got:?} for {expected:?}");
+            assert!(
+                got <= expected && got >= expected.mul_f64(0.8),
+                "{got:?} for {expected:?}"
+            );
         }
         assert_eq!(nominal, [100, 200, 400, 800, 1000, 1000]);
         wait.reset();

@@ -399,7 +399,10 @@ mod tests {
         // Jitter takes up to a fifth off each wait, never adds.
         let nominal = Duration::from_millis(100 + 200 + 400 + 800);
         let elapsed = started.elapsed();
-        assert!(elapsed <= nominal && elapsed >= nominal.mul_f64(0.8), "{elapsed:?}");
+        assert!(
+            elapsed <= nominal && elapsed >= nominal.mul_f64(0.8),
+            "{elapsed:?}"
+        );
         assert_eq!(b.state(), CircuitState::HalfOpen);
     }
 

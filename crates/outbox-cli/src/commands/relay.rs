@@ -207,7 +207,10 @@ mod tests {
             .map(|(k, _)| k)
             .filter(|k| k.starts_with("OUTBOX_"))
             .collect();
-        assert!(set.is_empty(), "unset {set:?}: they change the defaults this test compares");
+        assert!(
+            set.is_empty(),
+            "unset {set:?}: they change the defaults this test compares"
+        );
         let cli = Cli::try_parse_from(["outbox", "relay"]).expect("no flags parse");
         let Command::Relay(args) = cli.command else {
             panic!("parsed as another command")
