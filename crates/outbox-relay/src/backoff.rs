@@ -19,7 +19,7 @@
 //! `exponential-backoff` are iterators, so a row's delay after its n-th
 //! attempt would mean stepping an iterator n times, and their jitter adds
 //! to the delay (a probe could then wait past `max`). The rule is one
-//! function here ([`doubled`]).
+//! function here (`doubled`).
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //!
 //! Owns one run of a job: the paced page loop (`pace.rs`), the cursor
 //! saved after each acknowledged page, and what a failed delivery does.
-//! Failures go the relay's way, through its parts: the [`Breaker`] opens
+//! Failures go the relay's way, through its parts: the `Breaker` opens
 //! when a page is all unavailable and probes the sink until it answers
 //! (no attempt spent, unless the sink answers its probes but keeps failing
 //! pages: then they count); `plan` turns the first failed row's answer
