@@ -49,7 +49,7 @@ pub(crate) struct Global {
     /// (recorded in the row, `dead_at`: other commands need not agree on
     /// it). `migrate` marks rows with this many attempts as dead letters
     /// when it first records them in the row.
-    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 5,
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = outbox_relay::defaults::MAX_ATTEMPTS,
           value_parser = clap::value_parser!(i32).range(1..), global = true)]
     pub(crate) max_attempts: i32,
     /// How long to keep trying to reach PostgreSQL at startup.
@@ -204,7 +204,7 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "OUTBOX_CONFIG")]
     pub(crate) config: Option<std::path::PathBuf>,
     /// Rows claimed and delivered per transaction.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 100,
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = outbox_relay::defaults::BATCH_SIZE,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub(crate) batch_size: u32,
     /// Poll interval [default: 5s as a fallback to NOTIFY, 1s with --no-notify].
@@ -237,7 +237,7 @@ pub(crate) struct RelayArgs {
     /// With --source wal: events read and not yet delivered (or dead) at
     /// most; the slot's position stays behind them, so a crash re-sends at
     /// most this many (or one larger transaction).
-    #[arg(long, env = "OUTBOX_WAL_WINDOW", default_value_t = 5000,
+    #[arg(long, env = "OUTBOX_WAL_WINDOW", default_value_t = outbox_relay::defaults::WAL_WINDOW,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub(crate) wal_window: u32,
     /// With --source wal: `delete` delivered rows by primary key, or leave

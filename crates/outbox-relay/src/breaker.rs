@@ -3,8 +3,9 @@
 //!
 //! A batch every answer of which is [`DeliveryError::Unavailable`] (or
 //! not sent because of one) opens the breaker: the sink, not the events,
-//! failed. Open, the sink is [`Sink::probe`]d at 100 ms, doubling to 1 s,
-//! so delivery resumes within one probe interval of the sink's return. A
+//! failed. Open, the sink is [`Sink::probe`]d at 100 ms, doubling to 1 s
+//! (a [`Doubling`], jittered down), so delivery resumes within one probe
+//! interval of the sink's return. A
 //! probe that succeeds half-opens it: the next batch decides, closing it if
 //! anything was delivered and opening it again (the backoff carried on) if
 //! the sink is still unavailable. Each change of state is logged once, with
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::backoff::Doubling;
 use crate::context::RelayContext;
 use crate::metric::BreakerGauges;
 use crate::sink::{Delivery, DeliveryError, Sink};
@@ -78,8 +80,8 @@ pub(crate) struct Breaker {
     /// Since when and why the sink has been unavailable (set while open or
     /// half-open).
     down: Option<(Instant, String)>,
-    /// The next probe interval.
-    interval: Duration,
+    /// The probe intervals.
+    interval: Doubling,
     /// Batches in a row found unavailable while half-open.
     strikes: u32,
     /// Whether strikes count (see [`Breaker::without_strikes`]).
@@ -125,7 +127,7 @@ impl Breaker {
             route,
             state: CircuitState::Closed,
             down: None,
-            interval: FIRST_PROBE,
+            interval: Doubling::new(FIRST_PROBE, MAX_PROBE),
             strikes: 0,
             striking: true,
             reporter: None,
@@ -239,7 +241,7 @@ impl Breaker {
                 );
                 self.signal(&format!("STATUS=sink {} unavailable", self.label()));
                 self.down = Some((Instant::now(), cause.to_owned()));
-                self.interval = FIRST_PROBE;
+                self.interval.reset();
                 self.state = CircuitState::Open;
                 self.report();
             }
@@ -252,9 +254,7 @@ impl Breaker {
 
     /// How long to wait before the next probe; backs off.
     pub(crate) fn next_probe(&mut self) -> Duration {
-        let interval = self.interval;
-        self.interval = (self.interval * 2).min(MAX_PROBE);
-        interval
+        self.interval.next_delay()
     }
 
     /// A probe succeeded: half-open.
@@ -365,12 +365,15 @@ mod tests {
     fn probes_back_off_to_one_second_and_restart_after_closing() {
         let mut b = Breaker::new("nats", None);
         b.open("no responders");
-        let waits: Vec<_> = (0..6).map(|_| b.next_probe()).collect();
-        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000].map(Duration::from_millis));
+        let nominal = [100, 200, 400, 800, 1000, 1000].map(Duration::from_millis);
+        for n in nominal {
+            let wait = b.next_probe();
+            assert!(wait <= n && wait >= n.mul_f64(0.8), "{wait:?}, nominal {n:?}");
+        }
         b.half_open();
         b.record(&mut [Ok(())]);
         b.open("no responders");
-        assert_eq!(b.next_probe(), FIRST_PROBE);
+        assert!(b.next_probe() <= FIRST_PROBE, "back to the first interval");
     }
 
     #[tokio::test(start_paused = true)]
@@ -412,7 +415,13 @@ mod tests {
             4,
             "3 failed probes, then one answered"
         );
-        assert_eq!(started.elapsed(), Duration::from_millis(100 + 200 + 400 + 800));
+        // Jitter takes up to a fifth off each wait, never adds.
+        let nominal = Duration::from_millis(100 + 200 + 400 + 800);
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed <= nominal && elapsed >= nominal.mul_f64(0.8),
+            "{elapsed:?}"
+        );
         assert_eq!(b.state(), CircuitState::HalfOpen);
     }
 

@@ -1,7 +1,8 @@
 //! How a relay is configured: [`RelayConfig`] and the ordering modes.
 //!
-//! Plain data with defaults; the CLI fills it from flags, environment and
-//! TOML, the lab and bench fill it directly.
+//! Plain data with defaults (each defined once, in `crate::defaults`); the
+//! CLI fills it from flags, environment and TOML, the lab and bench fill it
+//! directly.
 
 use std::fmt;
 use std::time::Duration;
@@ -9,6 +10,7 @@ use std::time::Duration;
 use outbox::Config as OutboxConfig;
 
 use crate::backoff::Backoff;
+use crate::defaults;
 use crate::error::RelayError;
 use crate::failpoint::Failpoint;
 
@@ -44,11 +46,11 @@ pub struct RelayConfig {
     /// How this relay shows in `outbox relays` (default `host:pid`).
     pub name: Option<String>,
     /// The largest payload (as JSON text) sent to the sink (default
-    /// [`DEFAULT_MAX_EVENT_BYTES`]); a larger one is a dead letter at once,
+    /// [`defaults::MAX_EVENT_BYTES`]); a larger one is a dead letter at once,
     /// never sent. Lowered to the sink's own limit where the sink knows it.
     pub max_event_bytes: u64,
     /// The payload bytes one claim may take (default
-    /// [`DEFAULT_BATCH_MAX_BYTES`]): rows in id order while they fit, and
+    /// [`defaults::BATCH_MAX_BYTES`]): rows in id order while they fit, and
     /// always the first, so memory stays bounded by this or one event.
     pub batch_max_bytes: u64,
     /// A test-only pause point.
@@ -159,44 +161,34 @@ pub struct WalSettings {
 impl Default for WalSettings {
     fn default() -> Self {
         Self {
-            window: 5000,
+            window: defaults::WAL_WINDOW as usize,
             cleanup: WalCleanup::Delete,
-            retained_warn: 1 << 30,
+            retained_warn: defaults::WAL_RETAINED_WARN,
         }
     }
 }
-
-/// `--max-event-bytes`' default: 1 MiB, NATS's default `max_payload` and
-/// Kafka's default `message.max.bytes`.
-pub(crate) const DEFAULT_MAX_EVENT_BYTES: u64 = 1024 * 1024;
-
-/// `--claim-timeout`'s default: six times the sinks' default timeout.
-pub(crate) const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// `--batch-max-bytes`' default: 16 MiB, a hundred events of 160 kB.
-pub(crate) const DEFAULT_BATCH_MAX_BYTES: u64 = 16 * 1024 * 1024;
 
 impl Default for RelayConfig {
     fn default() -> Self {
         Self {
             outbox: OutboxConfig::default(),
-            batch_size: 100,
+            batch_size: defaults::BATCH_SIZE,
             backoff: Backoff::default(),
-            poll_interval: Duration::from_secs(5),
+            poll_interval: defaults::POLL_INTERVAL,
             notify: true,
-            connect_timeout: Duration::from_secs(10),
+            connect_timeout: defaults::CONNECT_TIMEOUT,
             drain: false,
             ordering: OrderMode::Partition,
             ordering_for: Vec::new(),
-            lease_timeout: Duration::from_secs(10),
+            lease_timeout: defaults::LEASE_TIMEOUT,
             name: None,
-            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
-            batch_max_bytes: DEFAULT_BATCH_MAX_BYTES,
+            max_event_bytes: defaults::MAX_EVENT_BYTES,
+            batch_max_bytes: defaults::BATCH_MAX_BYTES,
             failpoint: None,
             source: SourceKind::Poll,
             wal: WalSettings::default(),
             claim: ClaimMode::Lock,
-            claim_timeout: DEFAULT_CLAIM_TIMEOUT,
+            claim_timeout: defaults::CLAIM_TIMEOUT,
         }
     }
 }

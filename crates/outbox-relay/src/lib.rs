@@ -14,7 +14,9 @@
 //! | `config`, `counters`, `error` | [`RelayConfig`], [`Counters`], [`RelayError`] |
 //! | `wake` | the session, LISTEN/NOTIFY and the fallback poll |
 //! | `lease` | sharing the outbox between relays: heartbeat, rebalancing, partitions held |
-//! | [`backoff`] | retry delays and the dead-letter limit |
+//! | [`backoff`] | every delay that doubles: retry delays and the dead-letter limit, reconnect and probe waits |
+//! | [`defaults`] | every setting's default, defined once (the CLI's flags default to them) |
+//! | [`replay`] | re-delivering published events, resumably: the engine behind `outbox replay` |
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
 //! | [`pg`] | from `DATABASE_URL` to a connection, for every crate: TLS as libpq does it, startup retries |
@@ -40,6 +42,7 @@ mod breaker;
 mod config;
 mod context;
 mod counters;
+pub mod defaults;
 mod error;
 pub mod failpoint;
 pub mod health;
@@ -48,6 +51,7 @@ pub mod metric;
 pub mod pg;
 mod plan;
 pub mod relay;
+pub mod replay;
 mod retention;
 pub mod sink;
 mod source;

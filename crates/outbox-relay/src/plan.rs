@@ -200,9 +200,33 @@ const UNAVAILABLE_RETRY: Duration = crate::breaker::MAX_PROBE;
 /// The message recorded in `last_error` for a row the relay held back.
 const HELD_BACK: &str = "held back: an earlier event of this aggregate failed in the previous batch";
 
-/// Computes each row's outcome. `carried` are the aggregates the previous
-/// batch blocked.
+/// Computes each row's outcome, and logs the rows that became dead
+/// letters. `carried` are the aggregates the previous batch blocked.
 pub(crate) fn plan(
+    backoff: Backoff,
+    sink: &str,
+    rows: &[OutboxRow],
+    outcomes: Vec<Outcome>,
+    carried: &Blocked,
+) -> Plan {
+    let plan = decide(backoff, sink, rows, outcomes, carried);
+    let f = &plan.failures;
+    for (k, _) in f.dead_letter.iter().enumerate().filter(|(_, dead)| **dead) {
+        let row = &rows[f.positions[k]];
+        tracing::warn!(
+            id = row.id,
+            event_id = %row.event_id,
+            attempts = f.attempts[k],
+            error = %f.errors[k],
+            "dead letter"
+        );
+    }
+    plan
+}
+
+/// What [`plan`] decides, without its log: replay plans a failed row the
+/// same way, but marks nothing, so makes no dead letter to log.
+pub(crate) fn decide(
     backoff: Backoff,
     sink: &str,
     rows: &[OutboxRow],
@@ -297,7 +321,6 @@ pub(crate) fn plan(
         if dead {
             tally.dead += 1;
             failures.dead += 1;
-            tracing::warn!(id = row.id, event_id = %row.event_id, attempts, error = %message, "dead letter");
         } else {
             failures.due_in(delay);
         }

@@ -18,7 +18,7 @@ use crate::exit::ConfigError;
 
 /// With no NOTIFY the poll interval is the delivery latency, so the default
 /// is shorter than the fallback poll's.
-pub(crate) const POLL_WITHOUT_NOTIFY: Duration = Duration::from_secs(1);
+pub(crate) const POLL_WITHOUT_NOTIFY: Duration = outbox_relay::defaults::POLL_INTERVAL_WITHOUT_NOTIFY;
 
 /// What the relay runs with, checked: `outbox config show` checks the same.
 pub(crate) struct Prepared {
@@ -195,4 +195,46 @@ fn drain_verdict(counters: &Counters) -> anyhow::Result<()> {
         anyhow::bail!("the drain made {dead} dead letter(s): see `outbox dlq list`");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    /// The flags' defaults are the library's, every one: `outbox relay` with
+    /// no flags makes exactly `RelayConfig::default()`. Compared whole (as
+    /// its `Debug`), so a field added later is covered without a line here.
+    #[test]
+    fn the_flags_defaults_are_the_librarys() {
+        let set: Vec<String> = std::env::vars()
+            .map(|(k, _)| k)
+            .filter(|k| k.starts_with("OUTBOX_"))
+            .collect();
+        assert!(
+            set.is_empty(),
+            "unset {set:?}: they change the defaults this test compares"
+        );
+        let cli = Cli::try_parse_from(["outbox", "relay"]).expect("no flags parse");
+        let Command::Relay(args) = cli.command else {
+            panic!("parsed as another command")
+        };
+        let prepared = prepare(&cli.global, args, None).expect("the defaults are valid");
+        assert_eq!(
+            format!("{:#?}", prepared.config),
+            format!("{:#?}", RelayConfig::default())
+        );
+        // `--no-notify` polls at its own default.
+        let cli = Cli::try_parse_from(["outbox", "relay", "--no-notify"]).expect("parses");
+        let Command::Relay(args) = cli.command else {
+            panic!("parsed as another command")
+        };
+        let prepared = prepare(&cli.global, args, None).expect("valid");
+        assert_eq!(
+            prepared.config.poll_interval,
+            outbox_relay::defaults::POLL_INTERVAL_WITHOUT_NOTIFY
+        );
+    }
 }

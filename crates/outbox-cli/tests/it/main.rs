@@ -26,6 +26,7 @@ mod outage;
 mod partitions;
 mod relay;
 mod replay;
+mod replay_engine;
 mod retention;
 mod retry;
 mod routing;

@@ -7,11 +7,11 @@
 
 use std::time::{Duration, Instant};
 
-use rand::Rng;
 use tokio_postgres::error::SqlState;
 use tracing::warn;
 
 use super::PgConfig;
+use crate::backoff::Doubling;
 use crate::error::error_chain;
 
 /// Why a connection could not be made.
@@ -141,7 +141,7 @@ pub(crate) struct Startup {
     target: String,
     timeout: Duration,
     deadline: Instant,
-    delay: Duration,
+    delay: Doubling,
     attempts: u32,
 }
 
@@ -151,7 +151,7 @@ impl Startup {
             target: config.target(),
             timeout,
             deadline: Instant::now() + timeout,
-            delay: Duration::from_millis(100),
+            delay: Doubling::new(Duration::from_millis(100), Duration::from_secs(2)),
             attempts: 0,
         }
     }
@@ -168,7 +168,7 @@ impl Startup {
                 source: error,
             });
         }
-        let delay = self.delay.mul_f64(rand::rng().random_range(0.8..1.0));
+        let delay = self.delay.next_delay();
         if Instant::now() + delay >= self.deadline {
             return Err(ConnectError::GaveUp {
                 target: self.target.clone(),
@@ -187,7 +187,6 @@ impl Startup {
             "postgres not reachable yet; retrying"
         );
         outbox::notify::send("OUTBOX_CONNECT=retrying");
-        self.delay = (self.delay * 2).min(Duration::from_secs(2));
         Ok(delay)
     }
 }

@@ -2,40 +2,41 @@
 //!
 //! Owns the command's flow: starting a job (target and filter checked,
 //! then counted and recorded) or resuming one under its lock, `--dry-run`,
-//! `--list`, and the summary. The target is `target.rs`'s, the page loop
-//! and its retries `pages.rs`'s, the pacer and progress `pace.rs`'s. The
-//! SQL is `outbox::sql::ReplaySql`'s; the sinks are the relay's.
-//!
-//! What it keeps: every matching published row with an id up to the job's
-//! bound is acknowledged by the sink at least once, with its original
-//! `event_id`, in id order (so in order per aggregate: an aggregate's rows
-//! are never split across pages out of order, and a page is sent only
-//! after the previous one was acknowledged). The cursor is saved only
-//! after the sink acknowledged everything up to it, so a crash or SIGKILL
-//! re-sends at most the page in flight. Live delivery is untouched: no row
-//! is claimed, locked or marked, and no transaction stays open while the
-//! sink has a page.
+//! `--list`, progress (`progress.rs`) and the summary. The target is
+//! `target.rs`'s. The engine (the paced page loop, its retries through the
+//! relay's breaker and backoff, the cursor, and what replay guarantees) is
+//! `outbox_relay::replay`'s; the SQL is `outbox::sql::ReplaySql`'s.
+
+use std::time::Instant;
 
 use anyhow::Context;
 use outbox::sql::{NewReplay, ReplayFilter, ReplayJob, ReplaySql, ReplayState};
+use outbox_relay::replay::{DEFAULT_RATE, End, Replay, Settings};
 use outbox_relay::sink::format::Formatter;
+use outbox_relay::{Backoff, Sink};
 use tokio_postgres::Client;
 
 use crate::cli::{Global, ReplayArgs};
 use crate::exit::ConfigError;
 
-mod pace;
-mod pages;
+mod progress;
 mod target;
 
-use pages::{Rate, Replay};
+use progress::Progress;
 use target::{Target, format_name, parse_format};
 
-/// Events per second when `--rate` is not given: about a fiftieth of what
-/// one relay delivers to Redis at batch 100 (docs/bench.md), so the sink
-/// and PostgreSQL keep nearly all their room for live delivery, and still
-/// 3.6 million events an hour.
-const DEFAULT_RATE: f64 = 1000.0;
+/// A rate for people.
+struct Rate(f64);
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_infinite() {
+            f.write_str("unlimited rate")
+        } else {
+            write!(f, "{}/s", self.0)
+        }
+    }
+}
 
 pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
@@ -110,9 +111,7 @@ async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow:
         explain_nothing(&client, config, &sql).await?;
     }
     say_removed(&job);
-    Replay::new(&client, &sql, sink, job, rate, g.max_attempts)
-        .run()
-        .await
+    run_job(g, &client, &sql, sink, job, rate).await
 }
 
 /// A connection to a migrated outbox.
@@ -183,9 +182,86 @@ async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) 
         job.format,
         Rate(rate)
     );
-    Replay::new(client, sql, sink, job, rate, g.max_attempts)
-        .run()
-        .await
+    run_job(g, client, sql, sink, job, rate).await
+}
+
+/// Runs a created or resumed (and locked) job with the engine, showing
+/// progress, and says how it ended.
+async fn run_job(
+    g: &Global,
+    client: &Client,
+    sql: &ReplaySql,
+    sink: Box<dyn Sink>,
+    job: ReplayJob,
+    rate: f64,
+) -> anyhow::Result<()> {
+    let cancel = crate::commands::shutdown_token()?;
+    let settings = Settings {
+        rate,
+        backoff: Backoff {
+            max_attempts: g.max_attempts,
+            ..Backoff::default()
+        },
+        pause_after_id: std::env::var("OUTBOX_FAILPOINT")
+            .ok()
+            .and_then(|v| v.strip_prefix("replay-pause-after-id=")?.parse().ok()),
+    };
+    let mut progress = Progress::new(&job);
+    let started = Instant::now();
+    let mut replay = Replay::new(client, sql, sink, job, settings);
+    let end = replay
+        .run(&cancel, &mut |job| progress.sent(job.sent, job.cursor_id))
+        .await;
+    progress.finish();
+    let job = replay.job();
+    let end = end.map_err(|e| {
+        anyhow::Error::new(e).context(format!(
+            "replay job {} failed after id {}; fix the cause, then `outbox replay --resume {}`",
+            job.id, job.cursor_id, job.id
+        ))
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    #[allow(clippy::cast_precision_loss)]
+    let per_sec = if secs > 0.0 {
+        replay.sent_now() as f64 / secs
+    } else {
+        0.0
+    };
+    match end {
+        End::Done => {
+            println!(
+                "replay job {} done: matched {}, sent {} ({} in this run), removed by cleanup {}{}, {secs:.2} s, \
+                 {per_sec:.0} events/s",
+                job.id,
+                job.matched,
+                job.sent,
+                replay.sent_now(),
+                if job.removed.exact { "" } else { "at most " },
+                job.removed.count,
+            );
+            let more = replay.removed_meanwhile().await?;
+            if more > 0 {
+                eprintln!(
+                    "warning: cleanup removed {more} more matching events while replay job {} ran; those it had \
+                     not sent yet were not sent",
+                    job.id
+                );
+            }
+        }
+        End::Stopped => {
+            println!(
+                "replay job {} stopped after id {} (sent {} of {}; {} in this run, {secs:.2} s, {per_sec:.0} \
+                 events/s); resume with `outbox replay --resume {}`",
+                job.id,
+                job.cursor_id,
+                job.sent,
+                job.matched,
+                replay.sent_now(),
+                job.id
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `--dry-run`: what a replay would send, and what cleanup removed.

@@ -531,8 +531,9 @@ impl PollSource {
 
     /// Reconnects with backoff until it works or `cancel` fires.
     async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Sessions> {
-        let mut delay = Duration::from_millis(100);
+        let mut wait = crate::backoff::Doubling::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
+            let delay = wait.next_delay();
             match self.open_sessions().await {
                 Ok(ss) => {
                     // Notifications sent while we were away are lost; the
@@ -555,7 +556,6 @@ impl PollSource {
             if wait_or_cancel(delay, cancel).await {
                 return None;
             }
-            delay = (delay * 2).min(Duration::from_secs(5));
         }
     }
 

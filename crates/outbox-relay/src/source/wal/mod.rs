@@ -107,7 +107,7 @@ pub(crate) struct WalSource {
     unfound_since: Option<Instant>,
     /// How long the next recovery waits: doubling from 100 ms to 5 s while
     /// failures repeat, back to 100 ms once a batch went through.
-    retry_in: Duration,
+    retry_in: crate::backoff::Doubling,
 }
 
 /// What a wait ended with.
@@ -179,7 +179,7 @@ impl WalSource {
             drain_marker: (false, false),
             confirmed: 0,
             drain_prefix: format!("outbox-drain:{}", sql.slot()),
-            retry_in: FIRST_RETRY,
+            retry_in: crate::backoff::Doubling::new(FIRST_RETRY, Duration::from_secs(5)),
             unfound_since: None,
             sql,
         }))
@@ -646,7 +646,7 @@ impl Source for WalSource {
             return;
         };
         self.window.settle(&rows, &plan.failures, Instant::now());
-        self.retry_in = FIRST_RETRY;
+        self.retry_in.reset();
         self.show_window();
         debug!(
             rows = rows.len(),
@@ -664,8 +664,7 @@ impl Source for WalSource {
 
     async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
         let error = error_chain(&error);
-        let delay = self.retry_in;
-        self.retry_in = (delay * 2).min(Duration::from_secs(5));
+        let delay = self.retry_in.next_delay();
         warn!(
             %error,
             retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),

@@ -1,63 +1,14 @@
-//! How fast a replay goes and what it shows meanwhile: the pacer and the
-//! progress bar (or log lines).
+//! What a replay shows while it runs: a progress bar on a terminal, log
+//! lines otherwise. (The pace is the engine's, `outbox_relay::replay`.)
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use outbox::sql::ReplayJob;
-use tokio_util::sync::CancellationToken;
 
 /// How often progress is logged when stderr is not a terminal.
 const LOG_EVERY: Duration = Duration::from_secs(5);
-
-/// The pacer: events go out no faster than the rate, page by page.
-pub(super) struct Pace {
-    rate: f64,
-    since: Instant,
-    /// Events admitted since `since`.
-    admitted: f64,
-}
-
-impl Pace {
-    pub(super) fn new(rate: f64) -> Self {
-        Self {
-            rate,
-            since: Instant::now(),
-            admitted: 0.0,
-        }
-    }
-
-    /// Waits until `n` more events may go; false if cancelled meanwhile.
-    /// A page goes at the time its first event is due, so the average over
-    /// the run is the rate.
-    pub(super) async fn admit(&mut self, n: usize, cancel: &CancellationToken) -> bool {
-        if self.rate.is_infinite() {
-            return true;
-        }
-        let due = self.since + Duration::from_secs_f64(self.admitted / self.rate);
-        let now = Instant::now();
-        // Behind by more than a second (a slow sink): start again rather
-        // than burst to catch up.
-        if now > due + Duration::from_secs(1) {
-            self.reset();
-        }
-        #[allow(clippy::cast_precision_loss)]
-        {
-            self.admitted += n as f64;
-        }
-        // Cancel-safe: a sleep.
-        tokio::select! {
-            () = cancel.cancelled() => false,
-            () = tokio::time::sleep_until(due.max(now).into()) => true,
-        }
-    }
-
-    pub(super) fn reset(&mut self) {
-        self.since = Instant::now();
-        self.admitted = 0.0;
-    }
-}
 
 /// A bar with an ETA on a terminal, a log line every few seconds otherwise.
 pub(super) struct Progress {

@@ -1,0 +1,52 @@
+//! Every default of a relay's settings, defined here once.
+//!
+//! [`RelayConfig::default`](crate::RelayConfig), [`Backoff::default`](crate::Backoff)
+//! and [`WalSettings::default`](crate::WalSettings) are built from these,
+//! and the CLI's flags default to them: its `default_value_t`s name them,
+//! and where a flag's default is written for people (`"200ms"`, `"1MiB"`),
+//! a test in `outbox-cli` parses `outbox relay` with no flags and compares
+//! the whole resulting config with `RelayConfig::default()`.
+
+use std::time::Duration;
+
+/// `--batch-size`: rows claimed and delivered per transaction.
+pub const BATCH_SIZE: u32 = 100;
+
+/// `--max-attempts`: failed attempts after which a row is a dead letter.
+/// The schema's due-row function is rendered with it too, so it is the
+/// `outbox` crate's.
+pub const MAX_ATTEMPTS: i32 = outbox::DEFAULT_MAX_ATTEMPTS;
+
+/// `--backoff-base`: the delay after a row's first failed attempt.
+pub const BACKOFF_BASE: Duration = Duration::from_millis(200);
+
+/// `--backoff-max`: the cap on a row's retry delay.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
+
+/// `--poll-interval` with NOTIFY: only a fallback.
+pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
+
+/// `--poll-interval` with `--no-notify`: then it is the delivery latency.
+pub const POLL_INTERVAL_WITHOUT_NOTIFY: Duration = Duration::from_secs(1);
+
+/// `--connect-timeout`: how long to keep trying PostgreSQL at startup.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `--lease-timeout`: how soon a dead relay's partitions move to the others.
+pub const LEASE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `--max-event-bytes`: 1 MiB, NATS's default `max_payload` and Kafka's
+/// default `message.max.bytes`.
+pub const MAX_EVENT_BYTES: u64 = 1024 * 1024;
+
+/// `--batch-max-bytes`: 16 MiB, a hundred events of 160 kB.
+pub const BATCH_MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+/// `--claim-timeout`: six times the sinks' default timeout.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `--wal-window`: events read whose position the server was not sent.
+pub const WAL_WINDOW: u32 = 5000;
+
+/// `--wal-retained-warn`: 1 GiB of WAL held back by the slot.
+pub const WAL_RETAINED_WARN: u64 = 1 << 30;
