@@ -15,7 +15,6 @@ mod deploy;
 mod formats;
 #[cfg(feature = "kafka")]
 mod kafka;
-mod lab;
 mod lease;
 mod logs;
 mod memory;
@@ -30,7 +29,6 @@ mod retention;
 mod retry;
 mod routing;
 mod scale;
-mod soak;
 mod support;
 mod tls;
 mod wal;
