@@ -104,33 +104,6 @@ pub(crate) enum Command {
     /// PostgreSQL exactly once: run --apply per event inside the inbox
     /// transaction, acknowledge after commit.
     Consume(ConsumeArgs),
-    /// Run the whole pattern end to end on a throwaway PostgreSQL and Redis
-    /// (or on DATABASE_URL / OUTBOX_SINK when set).
-    Demo(DemoArgs),
-    /// Measure relay throughput against the no-sink floor and the naive
-    /// per-row relay, or (--source wal) log tailing beside the polling
-    /// relay, on a throwaway PostgreSQL and Redis (or DATABASE_URL /
-    /// OUTBOX_SINK, in a scratch schema it drops).
-    Bench(outbox_lab::bench::BenchArgs),
-    /// Reproduce the reference design's experiments (dual write, crash
-    /// before mark, retries, watermark relay, latency, ordering, ...) on a
-    /// throwaway PostgreSQL, redis-server and HTTP receiver (or
-    /// DATABASE_URL, in schema outbox_lab), each figure beside the
-    /// reference's. Exit codes: 0 every correctness verdict holds; 1 one
-    /// failed (a lost event, a duplicate side effect behind the inbox, an
-    /// order violation where the mode promises order) or an experiment
-    /// could not run; 2 an unknown experiment. Timings are never judged.
-    Lab(outbox_lab::lab::LabArgs),
-    /// Crash-consistency soak: writers commit events while relays are
-    /// killed (also between the sink's ack and the mark), frozen past their
-    /// lease and cut off, PostgreSQL restarts, the sink goes away, a slot
-    /// is lost and recovered; then it drains and checks every delivery
-    /// against the ledger of what committed: lost, phantom, duplicates per
-    /// fault, order, dead letters, side effects behind the inbox. On a
-    /// throwaway PostgreSQL and redis-server (or DATABASE_URL / --sink,
-    /// whose servers it never stops). Exit codes: 0 every check holds; 1
-    /// one failed; 2 a usage mistake.
-    Soak(outbox_lab::soak::SoakArgs),
     /// The relay's settings as flags, environment and --config combine.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -542,17 +515,6 @@ pub(crate) struct AdminArgs {
     /// variable: arguments show in `ps`.
     #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
     pub(crate) admin_token: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub(crate) struct DemoArgs {
-    /// Orders to place.
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub(crate) orders: u32,
-    /// Where events go; must be Redis (the demo consumes a Redis stream).
-    /// Without it the demo starts its own redis-server.
-    #[arg(long, env = "OUTBOX_SINK")]
-    pub(crate) sink: Option<String>,
 }
 
 /// `TYPE=MODE` of `--ordering-for`.

@@ -30,7 +30,6 @@ pub(crate) struct ConfigError(pub(crate) String);
 fn is_config(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
         cause.is::<ConfigError>()
-            || cause.is::<outbox_lab::ConfigError>()
             || cause.is::<SinkError>()
             || cause.is::<UrlError>()
             || cause

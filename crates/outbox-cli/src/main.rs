@@ -17,22 +17,15 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    // The demo prints its own story; relay info lines would interleave with it.
-    let default_filter = match cli.command {
-        cli::Command::Demo(_) | cli::Command::Bench(_) => "warn",
-        // The soak's own connections retry through PostgreSQL restarts it
-        // caused; their warnings would bury its progress.
-        cli::Command::Soak(_) => "warn,outbox_relay::pg=error",
-        // lapin warns with the whole message, payload included, for each
-        // unroutable one; the row's last_error already says so.
-        _ => "info,tokio_postgres=warn,lapin=error",
-    };
+    // lapin warns with the whole message, payload included, for each
+    // unroutable one; the row's last_error already says so.
+    let default_filter = "info,tokio_postgres=warn,lapin=error";
     let log_format = cli.global.log_format;
     logging::init(log_format, default_filter);
     // The relay is one flow of awaits over three sockets: on one thread it
     // pays no cross-thread wake-ups (futex calls) per round trip, which
     // measured about half its CPU time at batch size 1. The short commands
-    // and the bench, which runs several tasks at once, keep the pool.
+    // keep the pool.
     let mut builder = match cli.command {
         cli::Command::Relay(_) => {
             return_large_allocations();

@@ -1,25 +1,33 @@
-//! `outbox lab` and `outbox bench`: the reference design's experiments and
-//! the relay's measurements, run against throwaway services.
+//! `outbox-lab`: the reference design's experiments, the relay's
+//! measurements, the crash-consistency soak and the demo, run against
+//! throwaway services. A binary of its own, so the production binary
+//! `outbox` links neither this crate nor the testkit.
 //!
 //! - [`mod@lab`]: each experiment breaks something (a dual write, a crash before
 //!   the mark, a watermark relay...) and reports `measure | ours | reference
 //!   | verdict`, as text, JSON and one HTML page with plots;
 //! - [`mod@bench`]: throughput, latency, idle cost and writer rate, each figure
-//!   beside a baseline measured in the same run.
+//!   beside a baseline measured in the same run;
+//! - [`mod@soak`]: writers, relays and consumers under a seeded storm of
+//!   faults, every delivery checked against a ledger;
+//! - [`mod@demo`]: the whole pattern end to end, printed as it happens.
 //!
-//! Both work in one harness (`scratch`: a scratch schema, the throwaway
-//! PostgreSQL and redis-server, the `outbox relay` child processes) and
-//! render through one report module (`report`, with `plot` beside it).
+//! They work in one harness (`scratch`: a scratch schema, the throwaway
+//! PostgreSQL and redis-server, the child processes) and render through
+//! one report module (`report`, with `plot` beside it).
 //!
-//! The relays and helper applications run as child processes of
-//! [`std::env::current_exe`] (its `relay` and `lab --app` commands), so these
-//! entry points are meant to be called from the `outbox` binary.
+//! The relays and the other commands measured run as child processes of
+//! the production binary `outbox` (`OUTBOX_BIN`, else the `outbox` beside
+//! this executable); the lab's own helpers (`lab --app`, the soak's doomed
+//! writer) are children of [`std::env::current_exe`], so these entry
+//! points are meant to be called from the `outbox-lab` binary.
 //!
 //! Errors are [`anyhow::Error`]: this is a tool crate whose errors end up
-//! printed by the CLI, not matched on. The one distinction the CLI needs (a
+//! printed by the binary, not matched on. The one distinction it needs (a
 //! usage mistake, exit code 2) is a [`ConfigError`] somewhere in the chain.
 
 pub mod bench;
+pub mod demo;
 pub mod lab;
 mod latency;
 mod plot;
@@ -31,9 +39,10 @@ use std::time::Duration;
 
 pub use scratch::Database;
 
-/// A usage mistake found by the lab or the bench itself (an unknown
-/// experiment, a sink that is not Redis, a malformed `DATABASE_URL`): the
-/// CLI exits 2 for it.
+/// A usage mistake found by the lab, the bench, the soak or the demo
+/// itself (an unknown experiment, a sink that is not Redis, a malformed
+/// `DATABASE_URL`, a server the soak was not told it owns, no `outbox`
+/// binary): `outbox-lab` exits 2 for it.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct ConfigError(pub String);

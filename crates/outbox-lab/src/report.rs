@@ -428,7 +428,7 @@ mod tests {
     fn html_escapes_every_text() {
         let mut o = Outcome::new("x", "<t>", "s&s", "setup <b>".to_owned());
         o.row("m<", "1", "r>", Verdict::Pass);
-        let page = html("outbox lab", &[o], "ctx\"");
+        let page = html("outbox-lab lab", &[o], "ctx\"");
         assert!(!page.contains("<t>") && !page.contains("<b>") && !page.contains("m<"));
         assert!(page.contains("&lt;t&gt;") && page.contains("s&amp;s"));
     }

@@ -1,9 +1,10 @@
 //! The one harness the lab and the bench share: where PostgreSQL and Redis
 //! come from (`DATABASE_URL` and `--sink`, or throwaway servers started
 //! here), a scratch schema with a migrated outbox and the harness's own
-//! connection, and the `outbox` child processes (`relay`, short commands,
-//! the lab's `--app`) started on it and stopped, with none of the user's
-//! `OUTBOX_*` settings.
+//! connection, and the child processes started on it and stopped, with
+//! none of the user's `OUTBOX_*` settings: the production binary `outbox`
+//! (`relay`, short commands; found by [`outbox_bin`]) and this binary
+//! itself (the lab's `--app`, the soak's doomed writer).
 //!
 //! What is the lab's alone (the shop's tables, the inbox consumers) is in
 //! `lab/shop.rs`; what is the bench's alone (its stream, bulk fills) in
@@ -12,6 +13,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -281,8 +283,8 @@ impl Scratch {
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
-    /// This binary with the scratch outbox's flags and `DATABASE_URL`, and
-    /// none of the user's `OUTBOX_*` settings.
+    /// The `outbox` binary with the scratch outbox's flags and
+    /// `DATABASE_URL`, and none of the user's `OUTBOX_*` settings.
     pub(crate) fn outbox_cmd(&self, args: &[&str]) -> anyhow::Result<tokio::process::Command> {
         self.outbox_cmd_on(&self.pg_url, args)
     }
@@ -296,6 +298,14 @@ impl Scratch {
         let mut cmd = outbox_command(pg_url)?;
         cmd.args(args)
             .args(["--schema", self.schema, "--channel", self.channel]);
+        Ok(cmd)
+    }
+
+    /// This binary (`outbox-lab <args>`) on the scratch's `DATABASE_URL`,
+    /// for the lab's own child processes (`lab --app`).
+    pub(crate) fn lab_cmd(&self, args: &[&str]) -> anyhow::Result<tokio::process::Command> {
+        let mut cmd = lab_command(&self.pg_url)?;
+        cmd.args(args);
         Ok(cmd)
     }
 
@@ -402,10 +412,21 @@ impl Scratch {
     }
 }
 
-/// This binary on `pg_url` (`DATABASE_URL`, `RUST_LOG=info`), with none of
-/// the user's `OUTBOX_*` settings and no `NOTIFY_SOCKET`; killed on drop.
+/// The `outbox` binary ([`outbox_bin`]) on `pg_url` (`DATABASE_URL`,
+/// `RUST_LOG=info`), with none of the user's `OUTBOX_*` settings and no
+/// `NOTIFY_SOCKET`; killed on drop.
 pub(crate) fn outbox_command(pg_url: &str) -> anyhow::Result<tokio::process::Command> {
+    Ok(child_command(outbox_bin()?, pg_url))
+}
+
+/// [`outbox_command`] for this binary itself (`outbox-lab`): the children
+/// that are the lab's own commands (`lab --app`, `soak --doomed-writer`).
+pub(crate) fn lab_command(pg_url: &str) -> anyhow::Result<tokio::process::Command> {
     let exe = std::env::current_exe().context("locating this binary")?;
+    Ok(child_command(exe, pg_url))
+}
+
+fn child_command(exe: PathBuf, pg_url: &str) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(exe);
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("OUTBOX_") || key == "NOTIFY_SOCKET" {
@@ -415,7 +436,65 @@ pub(crate) fn outbox_command(pg_url: &str) -> anyhow::Result<tokio::process::Com
     cmd.env("DATABASE_URL", pg_url)
         .env("RUST_LOG", "info")
         .kill_on_drop(true);
-    Ok(cmd)
+    cmd
+}
+
+/// The production binary, `outbox`, that runs the relays and the other
+/// commands the lab, the bench and the soak drive: `OUTBOX_BIN` if set,
+/// else the `outbox` beside this executable (where `cargo build` puts
+/// both). Missing, it is a [`ConfigError`] naming both ways to fix that.
+pub(crate) fn outbox_bin() -> anyhow::Result<PathBuf> {
+    const FIX: &str = "build it with `cargo build -p outbox-cli` (the same profile as outbox-lab), \
+                       or set OUTBOX_BIN to its path";
+    if let Some(path) = std::env::var_os("OUTBOX_BIN") {
+        let path = PathBuf::from(path);
+        if path.is_file() {
+            return Ok(path);
+        }
+        return Err(ConfigError(format!(
+            "OUTBOX_BIN is {}, which is not a file: {FIX}",
+            path.display()
+        ))
+        .into());
+    }
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let beside = exe.with_file_name("outbox");
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    Err(ConfigError(format!(
+        "the relay binary `outbox` is not at {} and OUTBOX_BIN is not set: {FIX}",
+        beside.display()
+    ))
+    .into())
+}
+
+/// `pg_url` with `application_name` set to `name` (replacing any), so the
+/// harness can tell its own children's backends apart in
+/// `pg_stat_activity`. `name` needs no quoting or encoding: ASCII letters,
+/// digits, `-` and `_`.
+pub(crate) fn with_application_name(pg_url: &str, name: &str) -> String {
+    debug_assert!(
+        name.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+        "{name:?}"
+    );
+    match url::Url::parse(pg_url) {
+        Ok(mut u) if u.scheme().starts_with("postgres") => {
+            let kept: Vec<(String, String)> = u
+                .query_pairs()
+                .filter(|(k, _)| k != "application_name")
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect();
+            u.query_pairs_mut()
+                .clear()
+                .extend_pairs(kept)
+                .append_pair("application_name", name);
+            u.to_string()
+        }
+        // key=value form: a later key wins.
+        _ => format!("{pg_url} application_name={name}"),
+    }
 }
 
 /// The run's progress bar: `len` steps drawn by `template`, ticking.
@@ -442,4 +521,36 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn application_name_replaces_the_urls_own_and_keeps_the_rest() {
+        assert_eq!(
+            with_application_name(
+                "postgres://u:p@127.0.0.1:5432/db?application_name=shop&sslmode=disable",
+                "outbox-soak-poll-relay-0"
+            ),
+            "postgres://u:p@127.0.0.1:5432/db?sslmode=disable&application_name=outbox-soak-poll-relay-0"
+        );
+        assert_eq!(
+            with_application_name("postgresql://127.0.0.1/db", "a_1"),
+            "postgresql://127.0.0.1/db?application_name=a_1"
+        );
+        assert_eq!(
+            with_application_name("host=127.0.0.1 dbname=db application_name=shop", "a"),
+            "host=127.0.0.1 dbname=db application_name=shop application_name=a"
+        );
+        // What the relay parses is what was meant, both ways.
+        for url in [
+            "postgres://u@127.0.0.1/db?application_name=shop",
+            "host=127.0.0.1 user=u dbname=db application_name=shop",
+        ] {
+            let pg = parse_pg_url(&with_application_name(url, "outbox-soak-x"), LONG).unwrap();
+            assert_eq!(pg.postgres().get_application_name(), Some("outbox-soak-x"));
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! # outbox-testkit
 //!
-//! Throwaway real services for the outbox's tests, the `outbox demo`
-//! command and the lab: nothing is mocked, everything is started fresh on
+//! Throwaway real services for the outbox's tests and for `outbox-lab`
+//! (its demo, lab, bench and soak; the production binary `outbox` never
+//! links this crate): nothing is mocked, everything is started fresh on
 //! 127.0.0.1 and a free port, and vanishes when its value is dropped.
 //!
 //! | item | owns |

@@ -5,7 +5,6 @@ mod admin;
 mod cleanup;
 mod config;
 mod consume;
-mod demo;
 mod dlq;
 mod migrate;
 mod partitions;
@@ -38,18 +37,6 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Replay(args) => replay::run(g, args).await,
         Command::Partitions(command) => partitions::run(g, command).await,
         Command::Admin(args) => admin::run(g, args).await,
-        Command::Demo(args) => demo::run(g, args).await,
-        Command::Bench(args) => outbox_lab::bench::run(&lab_database(g), args).await,
-        Command::Lab(args) => outbox_lab::lab::run(&lab_database(g), args).await,
-        Command::Soak(args) => outbox_lab::soak::run(&lab_database(g), args).await,
-    }
-}
-
-/// Where `outbox lab` and `outbox bench` find PostgreSQL.
-fn lab_database(g: &Global) -> outbox_lab::Database {
-    outbox_lab::Database {
-        url: g.database_url.clone(),
-        connect_timeout: g.connect_timeout,
     }
 }
 

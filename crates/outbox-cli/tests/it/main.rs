@@ -16,7 +16,6 @@ mod deploy;
 mod formats;
 #[cfg(feature = "kafka")]
 mod kafka;
-mod lab;
 mod logs;
 mod memory;
 mod metrics;
@@ -31,7 +30,6 @@ mod retention;
 mod retry;
 mod routing;
 mod scale;
-mod soak;
 mod support;
 mod tls;
 mod wal;

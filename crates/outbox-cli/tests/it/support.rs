@@ -2,7 +2,6 @@
 //! state with a timeout.
 
 use std::future::Future;
-use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
@@ -244,71 +243,4 @@ pub fn first_delivery_violations(events: &[StreamEvent]) -> usize {
         .cloned()
         .collect();
     order_violations(&firsts)
-}
-
-/// Opens the report in headless chromium: the DOM it built has every
-/// section (an element of each id in `sections`), the console logged no
-/// error, and the screenshot is a PNG (kept as the test's artifact).
-pub async fn open_in_chromium(report: &Path, screenshot: &Path, sections: &[&str]) {
-    let chromium = ["chromium", "chromium-browser"]
-        .into_iter()
-        .find(|c| {
-            std::process::Command::new("which")
-                .arg(c)
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-        .expect(
-            "chromium is not installed: `apt-get install chromium` (scripts/test.sh installs it as root)",
-        );
-    let url = format!("file://{}", report.display());
-    let _ = std::fs::remove_file(screenshot);
-    let base = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--hide-scrollbars",
-        "--enable-logging=stderr",
-        "--v=0",
-        "--window-size=1280,4000",
-    ];
-    let run = |extra: Vec<String>| {
-        let mut cmd = tokio::process::Command::new(chromium);
-        cmd.args(base).args(extra).arg(&url).kill_on_drop(true);
-        async move {
-            tokio::time::timeout(Duration::from_secs(120), cmd.output())
-                .await
-                .expect("chromium within 2 minutes")
-                .expect("run chromium")
-        }
-    };
-    let dom = run(vec!["--dump-dom".to_owned()]).await;
-    assert!(dom.status.success(), "chromium --dump-dom: {}", text(&dom.stderr));
-    let dom_text = text(&dom.stdout);
-    for name in sections {
-        assert!(
-            dom_text.contains(&format!("id=\"{name}\"")),
-            "chromium's DOM lacks {name}"
-        );
-    }
-    assert!(dom_text.contains("<svg"), "chromium's DOM has the plots");
-    let console_errors: Vec<&str> = text(&dom.stderr)
-        .lines()
-        .filter(|l| l.contains("CONSOLE") || l.contains("Uncaught"))
-        .map(|_| "console message")
-        .collect();
-    assert!(console_errors.is_empty(), "{}", text(&dom.stderr));
-
-    let shot = run(vec![format!("--screenshot={}", screenshot.display())]).await;
-    assert!(
-        shot.status.success(),
-        "chromium --screenshot: {}",
-        text(&shot.stderr)
-    );
-    let png = std::fs::read(screenshot).expect("the screenshot was written");
-    assert!(
-        png.len() > 10_000 && png.starts_with(b"\x89PNG"),
-        "a PNG screenshot"
-    );
-    eprintln!("screenshot: {}", screenshot.display());
 }

@@ -1,4 +1,4 @@
-//! `outbox bench`: how the relay performs on this machine, each figure next
+//! `outbox-lab bench`: how the relay performs on this machine, each figure next
 //! to a baseline measured in the same run, so the figures are ratios.
 //!
 //! Phases (`--phases`):
@@ -24,7 +24,7 @@
 //! server; the report says so; `wal_level = logical` with `--source wal`).
 //! With `DATABASE_URL` it works in a scratch schema `outbox_bench`, dropped
 //! at the end, with its replication slot. The relay runs as its own process
-//! (this binary's `relay` command), so its memory is its own.
+//! (`outbox relay`, the production binary), so its memory is its own.
 //!
 //! This module also holds the bench's part of the shared scratch: its
 //! schema, its one Redis stream, and bulk fills.
@@ -49,7 +49,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::latency::Wakeup;
-use crate::scratch::{Postgres, Scratch, progress_bar};
+use crate::scratch::{Postgres, Scratch, outbox_bin, progress_bar};
 use crate::{ConfigError, Database};
 use latency::Clock;
 use results::Report;
@@ -64,7 +64,7 @@ const STREAM: &str = "outbox_bench.event.orders";
 /// Distinct aggregates the bench's events are spread over, interleaved.
 const AGGREGATES: usize = 500;
 
-/// `outbox bench`'s arguments.
+/// `outbox-lab bench`'s arguments.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// What to measure: `poll`, the polling relay against its baselines;
@@ -122,7 +122,7 @@ pub struct BenchArgs {
     pub outage_rate: u32,
 }
 
-/// What `outbox bench` measures (`--source`).
+/// What `outbox-lab bench` measures (`--source`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Source {
@@ -134,7 +134,7 @@ pub enum Source {
     Wal,
 }
 
-/// A part of `outbox bench`.
+/// A part of `outbox-lab bench`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Phase {
     /// Drain N events at each batch size: relay, floor, naive (with
@@ -262,7 +262,7 @@ const DEAD_TUPLES: [Strategy; 3] = [Strategy::Relay, Strategy::Wal, Strategy::Em
 /// The outage phase's relays.
 const OUTAGE: [Strategy; 2] = [Strategy::Relay, Strategy::Wal];
 
-/// Runs `outbox bench`: the phases, then the report; fails (exit 1) only
+/// Runs `outbox-lab bench`: the phases, then the report; fails (exit 1) only
 /// if a run lost or duplicated an event, never for speed.
 pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     let plan = Plan::new(&args);
@@ -296,6 +296,8 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
+    // The relays are `outbox`'s: a missing binary is told before anything starts.
+    outbox_bin()?;
     let pg = Postgres::start(db, plan.source == Source::Wal).await?;
     let throwaway_pg = pg.is_throwaway();
     let mut scratch = Scratch::bench(pg.config.clone(), pg.url.clone(), args.redis_url.clone()).await?;

@@ -1,5 +1,5 @@
 //! The shop application the experiments break: one request places one
-//! order. It runs as its own process (`outbox lab --app <style>:<path>:<customer>`)
+//! order. It runs as its own process (`outbox-lab lab --app <style>:<path>:<customer>`)
 //! so that "the process died here" is a real kill -9 of a real process with
 //! an open connection, not a simulation.
 //!

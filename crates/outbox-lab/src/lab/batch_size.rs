@@ -4,7 +4,7 @@
 //! bigger batches share them, until the sink is the limit and throughput
 //! plateaus. The price of a big batch shows after a crash between deliver
 //! and mark: the whole batch is sent again. Throughput is the bench's own
-//! drain (`outbox bench`'s relay strategy: N events pre-inserted, drained
+//! drain (`outbox-lab bench`'s relay strategy: N events pre-inserted, drained
 //! to a Redis stream by `outbox relay` as a child process); the re-sends are
 //! counted at the HTTP receiver after a kill -9 at the
 //! `pause-after-deliver` failpoint.

@@ -36,7 +36,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
          of five failure paths is run once by a real process that is kill -9'd at its crash point. \
          The naive shipping service ships whatever arrives; the outbox run ships behind the inbox.",
         "paths: ok, crash-after-commit, send-then-rollback, send-then-crash, receiver-down (connection refused); \
-         app = separate process (outbox lab --app); receiver = HTTP server on 127.0.0.1; \
+         app = separate process (outbox-lab lab --app); receiver = HTTP server on 127.0.0.1; \
          outbox run: relay (HTTP sink) against a receiver answering 503 to its first 2 requests"
             .to_owned(),
     );
@@ -202,7 +202,7 @@ async fn request(
     sink: &str,
 ) -> anyhow::Result<Request> {
     let spec = format!("{style}:{}:{customer}", path.name());
-    let cmd = lab.outbox_cmd(&["lab", "--app", &spec, "--app-sink", sink])?;
+    let cmd = lab.lab_cmd(&["lab", "--app", &spec, "--app-sink", sink])?;
     let mut app = Spawned::spawn_notified(cmd)?;
     if let Some(at) = path.crash_point() {
         app.wait_for_notification(&app::parked(at), LONG)

@@ -1,4 +1,4 @@
-//! `outbox lab`: the reference design's experiments, reproduced on this
+//! `outbox-lab lab`: the reference design's experiments, reproduced on this
 //! machine, each figure printed beside the reference's.
 //!
 //! Each experiment is one module that reads as a story: what it breaks, what
@@ -38,13 +38,13 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 use crate::report::{self, Outcome};
-use crate::scratch::{Postgres, Scratch, progress_bar};
+use crate::scratch::{Postgres, Scratch, outbox_bin, progress_bar};
 use crate::{ConfigError, Database};
 
-/// `outbox lab`'s arguments.
+/// `outbox-lab lab`'s arguments.
 #[derive(Debug, clap::Args)]
 pub struct LabArgs {
-    /// `list`, `all`, or experiment names (see `outbox lab list`).
+    /// `list`, `all`, or experiment names (see `outbox-lab lab list`).
     #[arg(default_value = "list")]
     pub experiments: Vec<String>,
     /// Smaller sizes, for CI.
@@ -125,7 +125,7 @@ const EXPERIMENTS: [(&str, &str); 14] = [
     ),
 ];
 
-/// Runs `outbox lab`: lists the experiments, runs the named ones, or (with
+/// Runs `outbox-lab lab`: lists the experiments, runs the named ones, or (with
 /// `--app`) is one step of the shop application an experiment started.
 pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
     if let Some(spec) = &args.app {
@@ -135,12 +135,14 @@ pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
     }
     let names = selected(&args.experiments)?;
     if names.is_empty() {
-        println!("experiments (outbox lab all | outbox lab <name>...):");
+        println!("experiments (outbox-lab lab all | outbox-lab lab <name>...):");
         for (name, summary) in EXPERIMENTS {
             println!("  {name:<18} {summary}");
         }
         return Ok(());
     }
+    // The relays are `outbox`'s: a missing binary is told before anything starts.
+    outbox_bin()?;
 
     let pg = Postgres::start(db, names.contains(&"wal")).await?;
     let throwaway = pg.is_throwaway();
@@ -192,7 +194,7 @@ pub async fn run(db: &Database, args: LabArgs) -> anyhow::Result<()> {
         println!("\n{context}");
     }
     if let Some(path) = &args.report {
-        let page = report::html("outbox lab", &outcomes, &context);
+        let page = report::html("outbox-lab lab", &outcomes, &context);
         tokio::fs::write(path, page)
             .await
             .with_context(|| format!("writing the report to {}", path.display()))?;
@@ -228,7 +230,7 @@ fn selected(requested: &[String]) -> anyhow::Result<Vec<&'static str>> {
     }
     for r in requested {
         if !EXPERIMENTS.iter().any(|(n, _)| n == r) {
-            return Err(ConfigError(format!("unknown experiment {r:?}; see `outbox lab list`")).into());
+            return Err(ConfigError(format!("unknown experiment {r:?}; see `outbox-lab lab list`")).into());
         }
     }
     Ok(EXPERIMENTS

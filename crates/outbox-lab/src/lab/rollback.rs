@@ -18,7 +18,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
         "Writer: ROLLBACK and a crash before COMMIT leave nothing",
         "INSERT order + INSERT event in one transaction, then ROLLBACK; and the same in a separate \
          process that is kill -9'd while its transaction is open. Both must leave 0 orders and 0 events.",
-        "one order + one OrderPlaced event per transaction; the crash: `outbox lab --app outbox:send-then-crash`, \
+        "one order + one OrderPlaced event per transaction; the crash: `outbox-lab lab --app outbox:send-then-crash`, \
          killed once PostgreSQL shows its backend idle in transaction"
             .to_owned(),
     );
@@ -59,7 +59,7 @@ pub(super) async fn run(lab: &mut Scratch) -> anyhow::Result<Outcome> {
     );
 
     // 2. The writer process dies with the transaction open.
-    let cmd = lab.outbox_cmd(&[
+    let cmd = lab.lab_cmd(&[
         "lab",
         "--app",
         &format!("outbox:{}:killed", Path::SendThenCrash.name()),

@@ -5,7 +5,7 @@
 //! WAL source (`relay --source wal`) reads the inserts from a replication
 //! slot and deletes what it delivered; `Outbox::emit` writes no row at
 //! all, only a logical decoding message. The experiment drains the same
-//! events the three ways (the bench's drain, `outbox bench --source wal`
+//! events the three ways (the bench's drain, `outbox-lab bench --source wal`
 //! at lab scale), counts the WAL and the dead tuples each leaves, and
 //! stops the sink while a writer keeps going: the slot holds the WAL back
 //! until the sink returns, then the relay catches up. The reference design

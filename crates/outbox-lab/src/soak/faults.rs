@@ -62,6 +62,9 @@ pub(crate) struct Chaos {
     /// The run's own servers; `None` when given by URL (their faults are
     /// then skipped, and said so).
     pub(crate) pg: tokio::sync::Mutex<Option<outbox_testkit::Postgres>>,
+    /// Whether PostgreSQL is the run's own: only then may a fault reach
+    /// past the soak's database (`ALTER SYSTEM`, a restart).
+    own_pg: bool,
     pub(crate) redis: tokio::sync::Mutex<Option<outbox_testkit::Redis>>,
     pub(crate) pg_config: PgConfig,
     pub(crate) pg_url: String,
@@ -113,6 +116,7 @@ impl Chaos {
         Self {
             fleet,
             writers,
+            own_pg: pg.is_some(),
             pg: tokio::sync::Mutex::new(pg),
             redis: tokio::sync::Mutex::new(redis),
             pg_config,
@@ -398,13 +402,18 @@ impl Chaos {
         Ok("not within 30 s".to_owned())
     }
 
+    /// Terminates the relays' backends: only the soak's own (its
+    /// database, its relays' `application_name`s), whoever else shares the
+    /// server.
     async fn terminate(&self) -> anyhow::Result<(bool, String)> {
         let db = connect(&self.pg_config).await?;
+        let relays = self.fleet.relay_application_names();
         let n: i64 = db
             .query_one(
                 "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
-                  WHERE application_name = 'outbox-relay' AND pid <> pg_backend_pid()",
-                &[],
+                  WHERE datname = current_database() AND application_name = ANY($1) \
+                    AND pid <> pg_backend_pid()",
+                &[&relays],
             )
             .await?
             .get(0);
@@ -486,8 +495,17 @@ impl Chaos {
     /// small `max_slot_wal_keep_size`, WAL written past it, a checkpoint),
     /// runs the documented `outbox migrate --wal --recover` and starts them
     /// again. The WAL writers hold their `emit` meanwhile: an emitted event
-    /// in lost WAL has no row to recover from (docs/wal.md says so).
+    /// in lost WAL has no row to recover from (docs/wal.md says so). Only
+    /// on the run's own PostgreSQL: `ALTER SYSTEM` and the checkpoints
+    /// reach every slot of the server.
     async fn slot(&self) -> anyhow::Result<(bool, String)> {
+        if !self.own_pg {
+            bail!(Skipped(
+                "PostgreSQL was given by URL, and ALTER SYSTEM SET max_slot_wal_keep_size would reach \
+                 every slot on it"
+                    .to_owned()
+            ));
+        }
         let db = connect(&self.pg_config).await?;
         let slot = names::config(Src::Wal)?.wal_slot()?;
         self.writers.emit_paused.store(true, Ordering::Relaxed);

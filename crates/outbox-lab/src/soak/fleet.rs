@@ -1,7 +1,10 @@
 //! The soak's processes: the relays (polling and log-tailing) and the
-//! inbox consumers, each an `outbox relay` or `outbox consume` child of this
-//! binary, started, killed, frozen and restarted by the faults, and watched
-//! for exits nobody asked for (those are restarted too, and reported).
+//! inbox consumers, each an `outbox relay` or `outbox consume` child (of
+//! the production binary), started, killed, frozen and restarted by the
+//! faults, and watched for exits nobody asked for (those are restarted too,
+//! and reported). Each connects with an `application_name` of its own
+//! (`outbox-soak-<name>`), never the production default `outbox-relay`, so
+//! a fault on a shared server finds the soak's backends and no others.
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +16,7 @@ use tokio::sync::Mutex;
 
 use super::names::{self, SCHEMA};
 use super::schedule::Src;
-use crate::scratch::outbox_command;
+use crate::scratch::{outbox_command, with_application_name};
 
 /// How long a child may take to say `READY=1` (a relay waits for
 /// PostgreSQL, which may be restarting).
@@ -26,6 +29,11 @@ pub(crate) const LEASE_TIMEOUT: Duration = Duration::from_secs(3);
 /// The largest payload the relays send; the soak's poison events are
 /// larger, so each is a dead letter at once.
 pub(crate) const MAX_EVENT_BYTES: &str = "16KiB";
+
+/// The `application_name` the child `name` connects with.
+fn application_name(name: &str) -> String {
+    format!("outbox-soak-{name}")
+}
 
 /// What a child is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,9 +71,10 @@ pub(crate) struct Fleet {
     batch_size: u32,
     started: Instant,
     pub(crate) procs: Vec<Mutex<Proc>>,
-    /// Each child's role, by index (fixed at birth, readable while a fault
-    /// holds the child).
+    /// Each child's role and name, by index (fixed at birth, readable while
+    /// a fault holds the child).
     roles: Vec<Role>,
+    names: Vec<String>,
     exits: std::sync::Mutex<Vec<Exit>>,
     /// The children's ERROR lines, the first `ERRORS_KEPT`.
     errors: std::sync::Mutex<Vec<String>>,
@@ -124,6 +133,7 @@ impl Fleet {
             batch_size,
             started,
             roles: procs.iter().map(|p| p.role.clone()).collect(),
+            names: procs.iter().map(|p| p.name.clone()).collect(),
             procs: procs.into_iter().map(Mutex::new).collect(),
             exits: std::sync::Mutex::new(Vec::new()),
             errors: std::sync::Mutex::new(Vec::new()),
@@ -149,6 +159,16 @@ impl Fleet {
             .collect()
     }
 
+    /// The `application_name` of the relays' connections: their batch
+    /// sessions and WAL streams (the lease, turn and watch connections name
+    /// themselves `outbox-relay …`, as in production).
+    pub(crate) fn relay_application_names(&self) -> Vec<String> {
+        self.relays(None)
+            .into_iter()
+            .map(|i| application_name(&self.names[i]))
+            .collect()
+    }
+
     /// The indexes of the consumers.
     pub(crate) fn consumers(&self) -> Vec<usize> {
         self.roles
@@ -162,7 +182,7 @@ impl Fleet {
     /// Starts `p` (with `OUTBOX_FAILPOINT=failpoint` if given) and waits
     /// for its `READY=1`.
     pub(crate) async fn start(&self, p: &mut Proc, failpoint: Option<&str>) -> anyhow::Result<()> {
-        let mut cmd = outbox_command(&self.pg_url)?;
+        let mut cmd = outbox_command(&with_application_name(&self.pg_url, &application_name(&p.name)))?;
         match &p.role {
             Role::Relay(src) => {
                 cmd.args(["relay", "--sink", &self.redis_url, "--log-format", "json"])

@@ -1,10 +1,19 @@
-//! `outbox soak`: the crash-consistency soak. Writers commit events into a
+//! `outbox-lab soak`: the crash-consistency soak. Writers commit events into a
 //! polled outbox and a log-tailed one while relays are killed (also between
 //! the sink's ack and the mark), frozen past their lease, cut off with
 //! `pg_terminate_backend`; PostgreSQL restarts (fast, immediate, crash);
 //! the sink goes away; a consumer dies; columns are added; the slot is
 //! invalidated and recovered. Then it drains and checks every delivery
 //! against the ledger of what committed (`check.rs`).
+//!
+//! It touches only what it started, unless told otherwise: a `DATABASE_URL`
+//! (a server it did not start) is refused unless `--i-own-this-server`
+//! says the server is the caller's to disturb, and even then every fault
+//! stays in the soak's own database and on its own connections (its
+//! children's `application_name`s, `outbox-soak-…`). The faults that act
+//! on the whole server (a restart, `ALTER SYSTEM` for the slot) strike only
+//! a server it started; on any other they are listed as skipped, like the
+//! outages of a `--sink` it was given.
 //!
 //! The parts: `schedule` (the seeded faults), `fleet` (the relay and
 //! consumer processes), `writers` (the writers and the ledger), `faults`
@@ -53,7 +62,7 @@ pub enum SoakSource {
     Both,
 }
 
-/// `outbox soak`'s arguments.
+/// `outbox-lab soak`'s arguments.
 #[derive(Debug, clap::Args)]
 pub struct SoakArgs {
     /// How long the writers write and the faults strike, before the drain
@@ -88,6 +97,14 @@ pub struct SoakArgs {
     /// stopped].
     #[arg(long)]
     pub sink: Option<String>,
+    /// Run on DATABASE_URL, a PostgreSQL this soak did not start: says
+    /// the server is yours to disturb. Without it a DATABASE_URL is
+    /// refused (exit 2). Even with it the faults stay in the soak's own
+    /// database and connections (its relays' backends are terminated, its
+    /// schema altered), and the server-wide ones (restarts, ALTER SYSTEM
+    /// for the slot fault) are skipped.
+    #[arg(long)]
+    pub i_own_this_server: bool,
     /// The relays' --batch-size.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub batch_size: u32,
@@ -138,7 +155,7 @@ fn budget(args: &SoakArgs) -> Budget {
     }
 }
 
-/// Runs `outbox soak`.
+/// Runs `outbox-lab soak`.
 pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
     if let Some(src) = &args.doomed_writer {
         let src = match src.as_str() {
@@ -159,6 +176,16 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
             "--sink must be a redis:// or rediss:// URL, not {sink:?}"
         )));
     }
+    if db.url.is_some() && !args.i_own_this_server {
+        bail!(ConfigError(
+            "the soak injects faults (it terminates backends, kills relays, invalidates a slot), and \
+             DATABASE_URL names a server it did not start: unset DATABASE_URL to run on a throwaway \
+             PostgreSQL, or pass --i-own-this-server if that server is yours to disturb (the faults \
+             then stay in its database; restarts and ALTER SYSTEM are skipped)"
+                .to_owned()
+        ));
+    }
+    crate::scratch::outbox_bin()?;
     let sources = match args.source {
         SoakSource::Poll => vec![Src::Poll],
         SoakSource::Wal => vec![Src::Wal],
@@ -176,7 +203,7 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
     let (planned, kills) = schedule::draw(&budget, &sources, &mut rng);
     if !args.json {
         eprintln!(
-            "outbox soak: seed {seed}, {:?} of load, {} faults and {} relay kills planned",
+            "outbox-lab soak: seed {seed}, {:?} of load, {} faults and {} relay kills planned",
             budget.duration,
             planned.len(),
             kills.len()
@@ -385,7 +412,7 @@ pub async fn run(db: &Database, args: SoakArgs) -> anyhow::Result<()> {
         report.print();
     }
     if let Some(path) = &args.report {
-        let page = crate::report::html("outbox soak", &[report.outcome().await?], &report.setup);
+        let page = crate::report::html("outbox-lab soak", &[report.outcome().await?], &report.setup);
         tokio::fs::write(path, page)
             .await
             .with_context(|| format!("writing the report to {}", path.display()))?;

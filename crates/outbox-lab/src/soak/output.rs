@@ -248,7 +248,7 @@ impl Report {
                 c.target
             );
         }
-        println!("\nreproduce the schedule: outbox soak --seed {}", self.seed);
+        println!("\nreproduce the schedule: outbox-lab soak --seed {}", self.seed);
     }
 
     /// The report page's one section.

@@ -87,7 +87,8 @@ pub(crate) enum Fault {
     PgRestart {
         stop: PgStop,
     },
-    /// `pg_terminate_backend` of every relay connection.
+    /// `pg_terminate_backend` of the soak's relays' connections (in its
+    /// database, by their `application_name`s).
     TerminateBackends,
     /// The sink (redis-server) stopped for this long.
     SinkOutage {

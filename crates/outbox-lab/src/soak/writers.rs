@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use super::names;
 use super::schedule::{Rng, Src};
 use super::unix_ms;
-use crate::scratch::{connect, outbox_command};
+use crate::scratch::{connect, lab_command};
 
 /// Bytes of a poison event's payload: over the relays' 16 KiB limit.
 const POISON_BYTES: usize = 20_000;
@@ -378,7 +378,8 @@ impl Writers {
     /// `src`'s outbox (ledger rows included), and SIGKILLs it there;
     /// whether it opened the transaction, and what happened.
     pub(crate) async fn doomed(&self, src: Src) -> anyhow::Result<(bool, String)> {
-        let mut cmd = outbox_command(&self.pg_url)?;
+        // A child of this binary: the doomed writer is the soak's own.
+        let mut cmd = lab_command(&self.pg_url)?;
         cmd.args(["soak", "--doomed-writer", src.name()]);
         let mut child = outbox_testkit::Spawned::spawn_notified(cmd)?;
         let opened = child
@@ -405,7 +406,7 @@ impl Writers {
     }
 }
 
-/// `outbox soak --doomed-writer <src>`: inserts 100 events and their ledger
+/// `outbox-lab soak --doomed-writer <src>`: inserts 100 events and their ledger
 /// rows in one transaction, says `SOAK_WRITER=open` and waits to be killed.
 pub(crate) async fn doomed_writer(pg: &PgConfig, src: Src) -> anyhow::Result<()> {
     let mut client = connect(pg).await?;

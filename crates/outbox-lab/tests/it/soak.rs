@@ -1,4 +1,4 @@
-//! `outbox soak --quick` (issue 19): writers, four polling relays, a WAL
+//! `outbox-lab soak --quick` (issue 19): writers, four polling relays, a WAL
 //! reader and its standby, and inbox consumers under a seeded storm of
 //! faults (relay SIGKILLs, also parked between the sink's ack and the
 //! mark; a split brain; PostgreSQL restarted fast and immediate; backends
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::{open_in_chromium, outbox_cmd, run_cli, text};
+use crate::support::{lab_cmd, open_in_chromium, run_lab, text};
 
 #[tokio::test]
 async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
@@ -23,11 +23,11 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
     let report = dir.join("soak.html");
     let _ = std::fs::remove_file(&report);
 
-    let mut cmd = outbox_cmd();
+    let mut cmd = lab_cmd();
     cmd.args(["soak", "--quick", "--json", "--report"]).arg(&report);
     let out = tokio::time::timeout(Duration::from_secs(420), cmd.output())
         .await
-        .expect("outbox soak --quick within 7 minutes")
+        .expect("outbox-lab soak --quick within 7 minutes")
         .unwrap();
     let stdout = text(&out.stdout);
     let found: Value = serde_json::from_str(&stdout)
@@ -128,11 +128,42 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
 /// before anything starts.
 #[tokio::test]
 async fn soak_refuses_a_sink_it_cannot_read_back() {
-    let out = run_cli(&["soak", "--quick", "--sink", "nats://127.0.0.1:4222"], &[]).await;
+    let out = run_lab(&["soak", "--quick", "--sink", "nats://127.0.0.1:4222"], &[]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(
         text(&out.stderr).contains("--sink must be a redis:// or rediss:// URL"),
         "{}",
         text(&out.stderr)
     );
+}
+
+/// A server the soak did not start (DATABASE_URL) is refused, before it
+/// connects, unless `--i-own-this-server` says the server may be disturbed:
+/// its faults terminate backends and invalidate a slot.
+#[tokio::test]
+async fn soak_refuses_a_server_it_did_not_start_without_being_told_it_owns_it() {
+    // Nothing listens there: a refusal comes before any connection.
+    let elsewhere = [("DATABASE_URL", "postgres://soak@127.0.0.1:9/nobody")];
+    let out = run_lab(&["soak", "--quick"], &elsewhere).await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("a server it did not start"), "{stderr}");
+    assert!(stderr.contains("--i-own-this-server"), "{stderr}");
+
+    // With the flag it goes on, and fails only at the connection (exit 1
+    // or 2, but not the refusal).
+    let out = run_lab(
+        &[
+            "soak",
+            "--quick",
+            "--i-own-this-server",
+            "--connect-timeout",
+            "1s",
+        ],
+        &elsewhere,
+    )
+    .await;
+    let stderr = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("--i-own-this-server"), "{stderr}");
 }

@@ -1,4 +1,4 @@
-//! `outbox demo`: the whole pattern end to end, printed as it happens.
+//! `outbox-lab demo`: the whole pattern end to end, printed as it happens.
 //!
 //! A shop writes orders and their events in one transaction (some
 //! transactions roll back), the relay delivers the events to a Redis Stream,
@@ -9,7 +9,8 @@
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL cluster and a
 //! redis-server (the testkit's), which vanish when it exits. With
 //! `DATABASE_URL` everything lives in the schema `outbox_demo`, dropped at
-//! the end, so the demo never touches other tables.
+//! the end, so the demo never touches other tables. It runs the relay in
+//! this process (the library's `Relay`), so it needs no `outbox` binary.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,18 +27,31 @@ use serde_json::json;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{DemoArgs, Global};
-use crate::exit::ConfigError;
+use crate::scratch::{connect, parse_pg_url};
+use crate::{ConfigError, Database};
 
 const SCHEMA: &str = "outbox_demo";
 const STREAM_PREFIX: &str = "outbox_demo.event";
 const GROUP: &str = "shipping";
 
-pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
+/// `outbox-lab demo`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Orders to place.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub orders: u32,
+    /// Where events go; must be Redis (the demo consumes a Redis stream).
+    /// Without it the demo starts its own redis-server.
+    #[arg(long, env = "OUTBOX_SINK")]
+    pub sink: Option<String>,
+}
+
+/// Runs `outbox-lab demo`; fails (exit 1) if the counts do not add up.
+pub async fn run(db: &Database, args: DemoArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     // Keep the throwaway servers alive until the end; dropping them stops them.
     let mut _postgres = None;
-    let pg_url = match &g.database_url {
+    let pg_url = match &db.url {
         Some(url) => {
             println!("using DATABASE_URL (everything goes into schema {SCHEMA}, dropped at the end)");
             url.clone()
@@ -74,8 +88,9 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
         }
     };
 
-    let pg = super::parse_pg_url(&pg_url, g)?;
-    let mut db = super::connect(&pg).await?;
+    let pg = parse_pg_url(&pg_url, db.connect_timeout)?;
+    let shared_services = db.url.is_some();
+    let mut db = connect(&pg).await?;
     let outbox_config = Config::new(SCHEMA, "outbox")?.with_channel("outbox_demo_new")?;
     let inbox_config = InboxConfig::new(SCHEMA, "processed_events")?;
     prepare_schema(&mut db, &outbox_config, &inbox_config).await?;
@@ -208,7 +223,7 @@ pub(crate) async fn run(g: &Global, args: DemoArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
 
-    cleanup(&db, &mut redis, &stream, g.database_url.is_some()).await?;
+    cleanup(&db, &mut redis, &stream, shared_services).await?;
 
     if published != written || shipments != paid || distinct_shipped != paid || processed != written {
         bail!("the counts do not add up: see the summary above");

@@ -1,8 +1,8 @@
-//! `outbox lab all --quick` (issue 6): every correctness verdict holds with
+//! `outbox-lab lab all --quick` (issue 6): every correctness verdict holds with
 //! the reference's exact counts, the HTML report is well formed (an XML
 //! parser reads it), has each experiment's table and an `<svg>` per plot,
 //! and a real headless chromium opens it and takes a screenshot. And
-//! `outbox lab slow-sink --quick` (issue 18): a deadline claim holds no
+//! `outbox-lab lab slow-sink --quick` (issue 18): a deadline claim holds no
 //! transaction open through a slow delivery, a lock claim does.
 
 use std::path::PathBuf;
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::{open_in_chromium, outbox_cmd, text};
+use crate::support::{lab_cmd, open_in_chromium, text};
 
 /// Every experiment `all` runs.
 const EXPERIMENTS: [&str; 14] = [
@@ -37,16 +37,16 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
     let report = dir.join("lab.html");
     let _ = std::fs::remove_file(&report);
 
-    let mut cmd = outbox_cmd();
+    let mut cmd = lab_cmd();
     cmd.args(["lab", "all", "--quick", "--json", "--report"])
         .arg(&report);
     let out = tokio::time::timeout(Duration::from_secs(600), cmd.output())
         .await
-        .expect("outbox lab all --quick within 10 minutes")
+        .expect("outbox-lab lab all --quick within 10 minutes")
         .unwrap();
     assert!(
         out.status.success(),
-        "outbox lab failed: {}\n{}",
+        "outbox-lab lab failed: {}\n{}",
         text(&out.stderr),
         text(&out.stdout)
     );
@@ -129,7 +129,7 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
     open_in_chromium(&report, &dir.join("lab-report.png"), &EXPERIMENTS).await;
 }
 
-/// `outbox lab slow-sink --quick` (a receiver answering in 2 s, 10,000
+/// `outbox-lab lab slow-sink --quick` (a receiver answering in 2 s, 10,000
 /// updates of an unrelated table during delivery, then a VACUUM of it):
 /// under `--claim lock` a relay transaction outlives the receiver's 2 s and
 /// the VACUUM leaves the updates' dead tuples; under `--claim deadline` no
@@ -137,15 +137,15 @@ async fn lab_all_quick_holds_its_verdicts_and_the_report_opens_in_chromium() {
 /// The figures are the experiment's side-by-side table in `--json`.
 #[tokio::test]
 async fn issue_18_slow_sink_lease_claims_hold_back_no_vacuum() {
-    let mut cmd = outbox_cmd();
+    let mut cmd = lab_cmd();
     cmd.args(["lab", "slow-sink", "--quick", "--json"]);
     let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
         .await
-        .expect("outbox lab slow-sink --quick within 5 minutes")
+        .expect("outbox-lab lab slow-sink --quick within 5 minutes")
         .unwrap();
     assert!(
         out.status.success(),
-        "outbox lab slow-sink failed: {}\n{}",
+        "outbox-lab lab slow-sink failed: {}\n{}",
         text(&out.stderr),
         text(&out.stdout)
     );
