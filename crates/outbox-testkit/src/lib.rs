@@ -12,7 +12,7 @@
 //! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
 //! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
-//! | [`Receiver`], [`Respond`], [`Received`] | an HTTP endpoint that records POSTs and answers as scripted |
+//! | [`Receiver`], [`Respond`], [`Post`] | an HTTP endpoint that records POSTs and answers as scripted |
 //! | [`Spawned`] | a child process: captured output lines, optionally a `NOTIFY_SOCKET`; signal, wait, kill (what it started too) on drop. Every server above runs in one |
 //! | [`Notifications`] | a `NOTIFY_SOCKET` to wait on: `READY=1`, `OUTBOX_FAILPOINT=… reached` |
 //! | [`conformance`] | the scenarios every sink passes, and the sinks that run them |
@@ -60,7 +60,7 @@ pub use nats::Nats;
 pub use notify::Notifications;
 pub use postgres::{PgSettings, Postgres};
 pub use rabbitmq::RabbitMq;
-pub use receiver::{Received, Receiver, Respond};
+pub use receiver::{Post, Receiver, Respond};
 pub use redis::Redis;
 pub use spawned::Spawned;
 

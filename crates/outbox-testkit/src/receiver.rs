@@ -56,7 +56,7 @@ impl Respond {
 
 /// One POST the [`Receiver`] got.
 #[derive(Clone, Debug)]
-pub struct Received {
+pub struct Post {
     /// When it arrived.
     pub at: Instant,
     /// The request path, e.g. `/events`.
@@ -71,7 +71,7 @@ pub struct Received {
     pub status: u16,
 }
 
-impl Received {
+impl Post {
     /// The first value of header `name` (give it lowercase).
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
@@ -97,7 +97,7 @@ pub struct Receiver {
 
 #[derive(Debug)]
 struct Shared {
-    log: Mutex<Vec<Received>>,
+    log: Mutex<Vec<Post>>,
     script: Mutex<Script>,
     retry_after: Mutex<Option<u64>>,
     /// Bodies longer than this get 413 (recorded).
@@ -260,7 +260,7 @@ impl Receiver {
     }
 
     /// Every POST so far, in arrival order.
-    pub fn received(&self) -> Vec<Received> {
+    pub fn received(&self) -> Vec<Post> {
         lock(&self.state.log).clone()
     }
 
@@ -271,7 +271,7 @@ impl Receiver {
 
     /// Waits until at least `n` POSTs have arrived and returns all of them
     /// (possibly more than `n`).
-    pub async fn wait_for_count(&self, n: usize, timeout: Duration) -> Result<Vec<Received>, Error> {
+    pub async fn wait_for_count(&self, n: usize, timeout: Duration) -> Result<Vec<Post>, Error> {
         let mut count = self.state.count.subscribe();
         // The sender lives in `self.state`, so the channel cannot close
         // while we borrow `self`.
@@ -345,7 +345,7 @@ async fn record(
     } else {
         *lock(&state.retry_after)
     };
-    let received = Received {
+    let received = Post {
         at,
         path: uri.path().to_owned(),
         headers: headers

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use super::relay::{self, POLL_WITHOUT_NOTIFY};
 use crate::cli::{Command, ConfigCommand};
-use crate::config::{Layered, Source, setting_keys, table_keys};
+use crate::config::{Layered, Origin, setting_keys, table_keys};
 
 /// What stands in for a secret.
 const HIDDEN: &str = "***";
@@ -60,7 +60,7 @@ pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
 type Tables = [(String, Vec<Row>)];
 
 fn as_json(
-    config: Option<&(String, Source)>,
+    config: Option<&(String, Origin)>,
     settings: &[Row],
     tables: &Tables,
     ordering: &[Row],
@@ -82,7 +82,7 @@ fn as_json(
 }
 
 /// Three columns: key, value (lists comma-separated, `–` for none), source.
-fn as_text(config: Option<&(String, Source)>, settings: &[Row], tables: &Tables, ordering: &[Row]) -> String {
+fn as_text(config: Option<&(String, Origin)>, settings: &[Row], tables: &Tables, ordering: &[Row]) -> String {
     let text = |v: &Value| match v {
         Value::Null => "–".to_owned(),
         Value::String(s) => s.clone(),
@@ -191,7 +191,7 @@ fn tables(layered: &Layered) -> Vec<(String, Vec<Row>)> {
                             } else {
                                 values.pop().into()
                             },
-                            source: Source::File(file.at(span)).to_string(),
+                            source: Origin::File(file.at(span)).to_string(),
                         }
                     }
                     None => Row {
@@ -216,7 +216,7 @@ fn ordering(layered: &Layered) -> Vec<Row> {
         .map(|(aggregate_type, mode, span)| Row {
             key: aggregate_type.to_owned(),
             value: mode.into(),
-            source: Source::File(file.at(&span)).to_string(),
+            source: Origin::File(file.at(&span)).to_string(),
         })
         .collect()
 }

@@ -1,7 +1,7 @@
 //! The command line with the file layered under flags and environment:
 //! where each setting came from, and clap kept the one parser.
 //!
-//! Owns [`Layered`] and [`Source`]: the file's top-level values are handed
+//! Owns [`Layered`] and [`Origin`]: the file's top-level values are handed
 //! to clap as extra flags, each checked alone by its own flag's value
 //! parser, only for settings clap's `ValueSource` says neither the command
 //! line nor the environment gave. It does not read the file (`file.rs`)
@@ -21,7 +21,7 @@ use crate::exit::ConfigError;
 
 /// Where an effective setting came from, highest precedence first.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Source {
+pub(crate) enum Origin {
     /// The command line.
     Flag,
     /// This environment variable.
@@ -32,13 +32,13 @@ pub(crate) enum Source {
     Default,
 }
 
-impl fmt::Display for Source {
+impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Source::Flag => f.write_str("flag"),
-            Source::Env(var) => write!(f, "env {var}"),
-            Source::File(at) => write!(f, "file {at}"),
-            Source::Default => f.write_str("default"),
+            Origin::Flag => f.write_str("flag"),
+            Origin::Env(var) => write!(f, "env {var}"),
+            Origin::File(at) => write!(f, "file {at}"),
+            Origin::Default => f.write_str("default"),
         }
     }
 }
@@ -53,7 +53,7 @@ pub(crate) struct Layered {
     /// The command's matches after layering: each setting's value as text.
     matches: ArgMatches,
     /// Each setting's source, and `config`'s.
-    sources: BTreeMap<&'static str, Source>,
+    sources: BTreeMap<&'static str, Origin>,
     /// The repeatable settings.
     lists: BTreeSet<&'static str>,
 }
@@ -90,8 +90,8 @@ impl Layered {
                 lists.insert(key);
             }
             let source = match matches.value_source(key) {
-                Some(ValueSource::CommandLine) => Source::Flag,
-                Some(ValueSource::EnvVariable) => Source::Env(
+                Some(ValueSource::CommandLine) => Origin::Flag,
+                Some(ValueSource::EnvVariable) => Origin::Env(
                     arg.get_env()
                         .map(|var| var.to_string_lossy().into_owned())
                         .unwrap_or_default(),
@@ -103,17 +103,17 @@ impl Layered {
                             ConfigError(format!("--config {at}: {key} = {}: {e}", shown(value.get_ref())))
                         })?;
                         extra.extend(args.into_iter().map(OsString::from));
-                        Source::File(at)
+                        Origin::File(at)
                     }
-                    None => Source::Default,
+                    None => Origin::Default,
                 },
             };
             sources.insert(key, source);
         }
         match matches.value_source("config") {
-            Some(ValueSource::CommandLine) => sources.insert("config", Source::Flag),
+            Some(ValueSource::CommandLine) => sources.insert("config", Origin::Flag),
             Some(ValueSource::EnvVariable) => {
-                sources.insert("config", Source::Env("OUTBOX_CONFIG".to_owned()))
+                sources.insert("config", Origin::Env("OUTBOX_CONFIG".to_owned()))
             }
             _ => None,
         };
@@ -122,7 +122,7 @@ impl Layered {
             .try_get_matches_from(argv.into_iter().chain(extra))
             .map_err(|e| ConfigError(e.to_string()))?;
         let cli = Cli::from_arg_matches(&layered).map_err(|e| ConfigError(e.to_string()))?;
-        if let Some(Source::File(at)) = sources.get("database_url") {
+        if let Some(Origin::File(at)) = sources.get("database_url") {
             tracing::warn!(
                 "database_url is set in {at}: a password there is a secret in a file; \
                  DATABASE_URL in the environment keeps it out"
@@ -139,8 +139,8 @@ impl Layered {
     }
 
     /// Where `key` (one of [`setting_keys`]) came from.
-    pub(crate) fn source(&self, key: &str) -> Source {
-        self.sources.get(key).cloned().unwrap_or(Source::Default)
+    pub(crate) fn source(&self, key: &str) -> Origin {
+        self.sources.get(key).cloned().unwrap_or(Origin::Default)
     }
 
     /// The settings `outbox relay` runs with (`config show`'s too).

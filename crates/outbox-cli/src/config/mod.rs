@@ -39,7 +39,7 @@
 //! | module | owns |
 //! |---|---|
 //! | `file.rs` | the file's shape, its keys, reading it, `path:line` |
-//! | `layered.rs` | the file under flags and environment, each setting's [`Source`] |
+//! | `layered.rs` | the file under flags and environment, each setting's [`Origin`] |
 //! | `router.rs` | the sink tables over the flags' options, the routers (split by claim mode) |
 
 mod file;
@@ -47,5 +47,5 @@ mod layered;
 mod router;
 
 pub(crate) use file::{ConfigFile, setting_keys, table_keys};
-pub(crate) use layered::{Layered, Source};
+pub(crate) use layered::{Layered, Origin};
 pub(crate) use router::OtherLane;

@@ -24,7 +24,7 @@ use crate::support::{Db, LONG, StreamEvent, start_relay, stop_relay, wait_until}
 pub(crate) const MACHINE_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// One message as a consumer sees it.
-struct Received {
+struct Consumed {
     event: StreamEvent,
     properties: BasicProperties,
 }
@@ -105,7 +105,7 @@ impl Topology {
     }
 
     /// Every message in the queue, in queue order.
-    async fn read_all(&self) -> Vec<Received> {
+    async fn read_all(&self) -> Vec<Consumed> {
         let n = self.depth().await as usize;
         let consumer = self
             .channel
@@ -128,7 +128,7 @@ impl Topology {
         {
             let d = d.expect("delivery");
             let body: serde_json::Value = serde_json::from_slice(&d.data).expect("JSON body");
-            out.push(Received {
+            out.push(Consumed {
                 event: StreamEvent {
                     event_id: body["event_id"].as_str().unwrap().to_owned(),
                     aggregate_id: body["aggregate_id"].as_str().unwrap().to_owned(),

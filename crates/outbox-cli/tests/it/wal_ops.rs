@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use outbox::{Config, Event, Outbox};
-use outbox_testkit::{PgSettings, Postgres, Received, Receiver, Redis, Respond};
+use outbox_testkit::{PgSettings, Postgres, Post, Receiver, Redis, Respond};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 
@@ -343,7 +343,7 @@ async fn an_idle_outbox_in_a_busy_database_keeps_the_slot_s_wal_bounded() {
 }
 
 /// The requests whose body names `aggregate`, with their index in the log.
-fn of_aggregate<'a>(received: &'a [Received], aggregate: &str) -> Vec<(usize, &'a Received)> {
+fn of_aggregate<'a>(received: &'a [Post], aggregate: &str) -> Vec<(usize, &'a Post)> {
     received
         .iter()
         .enumerate()
@@ -352,7 +352,7 @@ fn of_aggregate<'a>(received: &'a [Received], aggregate: &str) -> Vec<(usize, &'
 }
 
 /// Statuses, in order, of the requests carrying `event_id`.
-fn statuses_of(received: &[Received], event_id: &str) -> Vec<u16> {
+fn statuses_of(received: &[Post], event_id: &str) -> Vec<u16> {
     received
         .iter()
         .filter(|r| r.body["event_id"] == event_id)

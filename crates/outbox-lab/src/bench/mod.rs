@@ -70,7 +70,7 @@ pub struct BenchArgs {
     /// What to measure: `poll`, the polling relay against its baselines;
     /// `wal`, log tailing (`relay --source wal`) beside the polling relay.
     #[arg(long, value_enum, default_value = "poll")]
-    pub source: Source,
+    pub source: Measured,
     /// Events per drain.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     pub events: u32,
@@ -125,7 +125,7 @@ pub struct BenchArgs {
 /// What `outbox-lab bench` measures (`--source`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
-pub enum Source {
+pub enum Measured {
     /// The polling relay against its baselines (the floor, the naive relay,
     /// polling vs NOTIFY).
     Poll,
@@ -163,7 +163,7 @@ impl Phase {
 
 /// What to measure, after `--quick` is applied.
 struct Plan {
-    source: Source,
+    source: Measured,
     events: usize,
     reps: usize,
     batch_sizes: Vec<u32>,
@@ -184,9 +184,9 @@ impl Plan {
         };
         let batch_sizes = match (args.batch_sizes.is_empty(), args.source, args.quick) {
             (false, _, _) => args.batch_sizes.clone(),
-            (true, Source::Wal, _) => vec![100],
-            (true, Source::Poll, true) => vec![1, 10, 100],
-            (true, Source::Poll, false) => vec![1, 10, 100, 1000],
+            (true, Measured::Wal, _) => vec![100],
+            (true, Measured::Poll, true) => vec![1, 10, 100],
+            (true, Measured::Poll, false) => vec![1, 10, 100, 1000],
         };
         if args.quick {
             return Self {
@@ -223,16 +223,16 @@ impl Plan {
     /// The throughput phase's strategies.
     fn strategies(&self) -> &'static [Strategy] {
         match self.source {
-            Source::Poll => &[Strategy::Relay, Strategy::Floor, Strategy::Naive],
-            Source::Wal => &[Strategy::Relay, Strategy::Wal, Strategy::Emit],
+            Measured::Poll => &[Strategy::Relay, Strategy::Floor, Strategy::Naive],
+            Measured::Wal => &[Strategy::Relay, Strategy::Wal, Strategy::Emit],
         }
     }
 
     /// The latency phase's relays, and where their latencies start.
     fn latency(&self) -> ([Wakeup; 2], Clock) {
         match self.source {
-            Source::Poll => ([Wakeup::Notify, self.poll], Clock::CreatedAt),
-            Source::Wal => ([Wakeup::Notify, Wakeup::Wal], Clock::Sent),
+            Measured::Poll => ([Wakeup::Notify, self.poll], Clock::CreatedAt),
+            Measured::Wal => ([Wakeup::Notify, Wakeup::Wal], Clock::Sent),
         }
     }
 
@@ -269,8 +269,8 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     let mut phases = args.phases.clone();
     if phases.is_empty() {
         phases = match args.source {
-            Source::Poll => vec![Phase::Throughput, Phase::Latency, Phase::Idle, Phase::Writer],
-            Source::Wal => vec![
+            Measured::Poll => vec![Phase::Throughput, Phase::Latency, Phase::Idle, Phase::Writer],
+            Measured::Wal => vec![
                 Phase::Throughput,
                 Phase::Latency,
                 Phase::DeadTuples,
@@ -287,7 +287,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
-    if args.source == Source::Poll
+    if args.source == Measured::Poll
         && let Some(p) = phases.iter().find(|p| p.needs_wal())
     {
         return Err(ConfigError(format!(
@@ -298,7 +298,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     }
     // The relays are `outbox`'s: a missing binary is told before anything starts.
     outbox_bin()?;
-    let pg = Postgres::start(db, plan.source == Source::Wal).await?;
+    let pg = Postgres::start(db, plan.source == Measured::Wal).await?;
     let throwaway_pg = pg.is_throwaway();
     let mut scratch = Scratch::bench(pg.config.clone(), pg.url.clone(), args.redis_url.clone()).await?;
 
@@ -313,7 +313,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     let dropped = scratch.drop_all().await;
     measured?;
     dropped?;
-    if plan.source == Source::Wal {
+    if plan.source == Measured::Wal {
         report.set_targets();
     }
 

@@ -7,7 +7,7 @@
 use anyhow::bail;
 use serde::Serialize;
 
-use super::Source;
+use super::Measured;
 use super::idle::IdleRun;
 use super::latency::{Clock, LatencyRun};
 use super::throughput::{Run, Strategy};
@@ -112,7 +112,7 @@ pub(super) struct WriterRow {
 
 #[derive(Debug, Serialize)]
 pub(super) struct Report {
-    pub(super) source: Source,
+    pub(super) source: Measured,
     pub(super) events: usize,
     pub(super) reps: usize,
     /// True when PostgreSQL was the bench's own throwaway cluster (fsync=off).
@@ -132,7 +132,7 @@ pub(super) struct Report {
 }
 
 impl Report {
-    pub(super) fn new(source: Source, events: usize, reps: usize, throwaway_postgres: bool) -> Self {
+    pub(super) fn new(source: Measured, events: usize, reps: usize, throwaway_postgres: bool) -> Self {
         Self {
             source,
             events,

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use outbox::Event;
-use outbox_testkit::{Received, Receiver, Respond, Spawned};
+use outbox_testkit::{Post, Receiver, Respond, Spawned};
 use serde_json::json;
 
 use crate::report::{Outcome, Table, Verdict};
@@ -211,7 +211,7 @@ fn step(order: i64, seq: i64) -> Event {
 }
 
 /// Orders whose events did not first arrive in sequence.
-fn violations(received: &[Received]) -> usize {
+fn violations(received: &[Post]) -> usize {
     let mut seen: HashMap<i64, Vec<i64>> = HashMap::new();
     for r in received.iter().filter(|r| r.status == 200) {
         let (Some(order), Some(seq)) = (

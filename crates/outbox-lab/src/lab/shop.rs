@@ -5,7 +5,7 @@
 
 use anyhow::Context;
 use outbox::{Event, Processed};
-use outbox_testkit::Received;
+use outbox_testkit::Post;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -60,7 +60,7 @@ impl Scratch {
     }
 
     /// The naive consumer: one shipment per request that got a 2xx.
-    pub(super) async fn ship_naively(&self, received: &[Received]) -> anyhow::Result<()> {
+    pub(super) async fn ship_naively(&self, received: &[Post]) -> anyhow::Result<()> {
         for r in received.iter().filter(|r| (200..300).contains(&r.status)) {
             let order_id = order_id(r)?;
             self.db
@@ -76,7 +76,7 @@ impl Scratch {
     /// The idempotent consumer: the shipment and the inbox record in one
     /// transaction per request that got a 2xx. Returns the duplicates it
     /// skipped.
-    pub(super) async fn ship_through_inbox(&mut self, received: &[Received]) -> anyhow::Result<usize> {
+    pub(super) async fn ship_through_inbox(&mut self, received: &[Post]) -> anyhow::Result<usize> {
         let mut duplicates = 0;
         let insert = format!("INSERT INTO {SCHEMA}.shipments VALUES ($1)");
         for r in received.iter().filter(|r| (200..300).contains(&r.status)) {
@@ -120,7 +120,7 @@ pub(super) struct Shop {
 }
 
 /// `payload.order_id` of a relay request, or `order_id` of a naive one.
-pub(super) fn order_id(r: &Received) -> anyhow::Result<i64> {
+pub(super) fn order_id(r: &Post) -> anyhow::Result<i64> {
     r.body["payload"]["order_id"]
         .as_i64()
         .or_else(|| r.body["order_id"].as_i64())
@@ -128,7 +128,7 @@ pub(super) fn order_id(r: &Received) -> anyhow::Result<i64> {
 }
 
 /// `event_id` of a request.
-pub(super) fn event_id(r: &Received) -> anyhow::Result<Uuid> {
+pub(super) fn event_id(r: &Post) -> anyhow::Result<Uuid> {
     r.body["event_id"]
         .as_str()
         .and_then(|s| s.parse().ok())

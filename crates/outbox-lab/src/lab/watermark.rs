@@ -146,7 +146,7 @@ async fn watermark_pass(lab: &Scratch, sink: &str, last: i64) -> anyhow::Result<
     Ok(last)
 }
 
-fn distinct(received: &[outbox_testkit::Received]) -> anyhow::Result<usize> {
+fn distinct(received: &[outbox_testkit::Post]) -> anyhow::Result<usize> {
     Ok(received
         .iter()
         .map(event_id)
