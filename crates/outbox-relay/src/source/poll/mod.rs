@@ -29,6 +29,12 @@
 //! vouched for until its deadline rather than by the partition lease: a
 //! partition may move meanwhile, and the claim's probe keeps the new owner
 //! behind this relay's claims (`CLAIM_PROBE` in `outbox::sql`).
+//!
+//! What differs between the two claims (how a round trip marks and claims,
+//! how a batch is given back, whether its connection holds locks) is in
+//! [`claim`]: [`ByLock`] and [`ByDeadline`] behind [`Claiming`]. This
+//! module owns the pipeline, the connections and the waiting, the same for
+//! both.
 
 use std::time::{Duration, Instant};
 
