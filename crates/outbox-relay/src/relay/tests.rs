@@ -195,7 +195,11 @@ async fn rows_are_marked_published_only_after_the_sink_acknowledged_them() {
         gate.reached().await;
         // The fault under test: the batch is at the sink, unanswered.
         assert_eq!(journal.sent(), [vec![1, 2, 3]]);
-        assert_eq!(table.published(), Vec::<i64>::new(), "marked before the sink answered");
+        assert_eq!(
+            table.published(),
+            Vec::<i64>::new(),
+            "marked before the sink answered"
+        );
         assert!(table.rows().iter().all(|s| s.locked), "claimed while at the sink");
         gate.release();
     };
@@ -275,9 +279,18 @@ async fn a_retryable_failure_schedules_a_retry_with_one_more_attempt_after_the_b
         delay >= Duration::from_millis(200) && delay < Duration::from_millis(220),
         "{delay:?}"
     );
-    assert_eq!(r.next_attempt - before, delay, "due after its delay (paused time)");
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        r.next_attempt - before,
+        delay,
+        "due after its delay (paused time)"
+    );
+    assert_eq!(
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (0, 1, 0, 1)
     );
 }
@@ -301,7 +314,11 @@ async fn a_row_failing_max_attempts_times_is_a_dead_letter() {
     let driven = h.drive_until("row 1 is a dead letter", |rows| rows[0].dead).await;
     driven.result.as_ref().expect("cancelled");
     let r = table.row(1);
-    assert_eq!(journal.sent(), [vec![1], vec![1], vec![1]], "three attempts, no fourth");
+    assert_eq!(
+        journal.sent(),
+        [vec![1], vec![1], vec![1]],
+        "three attempts, no fourth"
+    );
     assert_eq!(r.row.attempts, 3);
     assert!(r.dead && !r.published, "{r:?}");
     // Each retry waited out its backoff: 200 ms, then 400 ms (nominal).
@@ -313,7 +330,12 @@ async fn a_row_failing_max_attempts_times_is_a_dead_letter() {
     assert!(sends[1] - sends[0] >= Duration::from_millis(200), "{sends:?}");
     assert!(sends[2] - sends[1] >= Duration::from_millis(400), "{sends:?}");
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (0, 3, 1, 3)
     );
 }
@@ -334,7 +356,12 @@ async fn a_permanent_failure_is_a_dead_letter_at_once() {
         assert_eq!(r.last_error.as_deref(), Some("permanent: fake: refused"));
     }
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (0, 2, 2, 1)
     );
 }
@@ -392,10 +419,15 @@ async fn a_later_event_claimed_during_its_aggregates_failure_is_held_back_unsent
     assert_eq!(held.row.attempts, 0, "held back: no attempt");
     assert!(!held.published && !held.dead, "{held:?}");
     assert!(
-        held.last_error.as_deref().is_some_and(|e| e.starts_with("held back")),
+        held.last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("held back")),
         "{held:?}"
     );
-    assert!(held.next_attempt >= table.row(1).next_attempt, "never due before row 1");
+    assert!(
+        held.next_attempt >= table.row(1).next_attempt,
+        "never due before row 1"
+    );
     assert_eq!((driven.delivered, driven.failed, driven.batches), (0, 1, 2));
 }
 
@@ -423,7 +455,12 @@ async fn an_event_over_max_event_bytes_is_a_dead_letter_unsent() {
     );
     assert_eq!(table.published(), [1]);
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (1, 1, 1, 1)
     );
 }
@@ -444,17 +481,25 @@ async fn an_unavailable_sink_opens_the_breaker_and_nothing_is_claimed_until_a_pr
         .await;
     driven.result.as_ref().expect("cancelled");
     let events = journal.events();
-    assert_eq!(journal.sent(), [vec![1, 2], vec![1, 2]], "the fault, then the redelivery");
-    let refused = position(&events, |e| {
-        matches!(e, Event::Answered(a) if a.iter().all(|(_, d)| d.as_ref().is_err_and(DeliveryError::is_unavailable)))
-    });
+    assert_eq!(
+        journal.sent(),
+        [vec![1, 2], vec![1, 2]],
+        "the fault, then the redelivery"
+    );
+    let refused = position(
+        &events,
+        |e| matches!(e, Event::Answered(a) if a.iter().all(|(_, d)| d.as_ref().is_err_and(DeliveryError::is_unavailable))),
+    );
     let held = position(&events, |e| *e == Event::Held);
     let probed: Vec<usize> = (0..events.len())
         .filter(|i| matches!(events[*i], Event::Probed(_)))
         .collect();
     assert_eq!(probed.len(), 4, "startup, two refused, one answered: {events:#?}");
     let back = probed[3];
-    assert!(refused < held && held < probed[1], "paused before probing: {events:#?}");
+    assert!(
+        refused < held && held < probed[1],
+        "paused before probing: {events:#?}"
+    );
     assert!(
         !events[refused..back]
             .iter()
@@ -467,9 +512,102 @@ async fn an_unavailable_sink_opens_the_breaker_and_nothing_is_claimed_until_a_pr
         assert_eq!(table.row(id).row.attempts, 0, "unavailable spends no attempt");
     }
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (2, 0, 0, 2)
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sink_down_at_startup_is_probed_before_anything_is_claimed() {
+    let h = Harness::new(config(10, false), rows(1..=1), |j| {
+        FakeSink::new(j).probes([false, false, true])
+    });
+    let journal = h.journal.clone();
+    let driven = h
+        .drive_until("row 1 is published", |rows| rows[0].published)
+        .await;
+    driven.result.as_ref().expect("cancelled");
+    let events = journal.events();
+    assert_eq!(
+        events[0..4],
+        [
+            Event::Probed(false),
+            Event::Probed(false),
+            Event::Probed(true),
+            Event::HandedOut {
+                batch: 1,
+                ids: vec![1],
+                overlapped: false
+            },
+        ],
+        "claimed only once a probe answered"
+    );
+    assert_eq!((driven.delivered, driven.batches), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sink_answering_probes_but_failing_every_batch_spends_an_attempt_after_three_strikes() {
+    // Unavailable once (opens the breaker), then three times half-open:
+    // the third strike counts as an attempt.
+    let h = Harness::new(config(10, false), rows(1..=1), |j| {
+        (0..4).fold(FakeSink::new(j), |sink, _| sink.then(Call::unavailable()))
+    });
+    let (table, journal) = (h.table.clone(), h.journal.clone());
+    let driven = h
+        .drive_until("row 1 spent an attempt", |rows| rows[0].row.attempts == 1)
+        .await;
+    driven.result.as_ref().expect("cancelled");
+    assert_eq!(
+        journal.sent().len(),
+        4,
+        "the fault: four batches, all unavailable"
+    );
+    let r = table.row(1);
+    assert_eq!(r.row.attempts, 1, "{r:?}");
+    assert!(
+        r.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("failed 3 batches in a row")),
+        "{r:?}"
+    );
+    assert_eq!((driven.delivered, driven.failed, driven.batches), (0, 1, 4));
+}
+
+#[tokio::test]
+async fn a_drain_stops_at_a_sink_outage_and_says_why_spending_no_attempt() {
+    let h = Harness::new(config(1, true), rows(1..=2), |j| {
+        FakeSink::new(j).then(Call::unavailable())
+    });
+    let (table, journal) = (h.table.clone(), h.journal.clone());
+    let counters = h.relay.counters();
+    let driven = h.drive(CancellationToken::new()).await;
+    driven
+        .result
+        .as_ref()
+        .expect("a drain that stops early is not an error");
+    assert_eq!(journal.sent(), [vec![1]], "the fault, and nothing after it");
+    assert_eq!(
+        counters.sink_unavailable.get().map(String::as_str),
+        Some("fake: fake: connection refused")
+    );
+    let events = journal.events();
+    assert!(
+        events.contains(&Event::GivenBack {
+            batch: None,
+            ids: vec![2]
+        }),
+        "the batch claimed ahead is given back: {events:#?}"
+    );
+    for id in [1, 2] {
+        let r = table.row(id);
+        assert!(!r.published && !r.locked && r.row.attempts == 0, "{r:?}");
+    }
+    assert_eq!((driven.delivered, driven.failed, driven.batches), (0, 0, 1));
 }
 
 // Receipts and books.
@@ -479,10 +617,12 @@ async fn receipts_are_booked_once_per_durable_batch_and_a_batch_given_back_books
     // Two rows a batch: the first batch is refused (given back unsent);
     // then 1, 2 go; 3 fails, 4 is refused for good; 5 goes.
     let h = Harness::new(config(2, true), rows(1..=5), |j| {
-        FakeSink::new(j).then(Call::ok()).then(Call::each(|row| match row.id {
-            3 => Err(DeliveryError::retryable("fake: try again")),
-            _ => Err(DeliveryError::permanent("fake: refused")),
-        }))
+        FakeSink::new(j)
+            .then(Call::ok())
+            .then(Call::each(|row| match row.id {
+                3 => Err(DeliveryError::retryable("fake: try again")),
+                _ => Err(DeliveryError::permanent("fake: refused")),
+            }))
     });
     h.table.refuse_delivery(1);
     let (table, journal) = (h.table.clone(), h.journal.clone());
@@ -514,7 +654,12 @@ async fn receipts_are_booked_once_per_durable_batch_and_a_batch_given_back_books
     assert_eq!(journal.sent(), [vec![1, 2], vec![3, 4], vec![5]]);
     assert_eq!(table.published(), [1, 2, 5]);
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (3, 2, 1, 3)
     );
     assert_eq!(driven.committed_signals(), 1, "{:?}", driven.signals);
@@ -532,7 +677,12 @@ async fn a_drain_returns_when_the_source_is_drained_with_the_counters_right() {
     assert_eq!(journal.sent(), [vec![1, 2], vec![3, 4], vec![5]]);
     assert_eq!(journal.events().last(), Some(&Event::Finished));
     assert_eq!(
-        (driven.delivered, driven.failed, driven.dead_lettered, driven.batches),
+        (
+            driven.delivered,
+            driven.failed,
+            driven.dead_lettered,
+            driven.batches
+        ),
         (5, 0, 0, 3)
     );
     assert_eq!(driven.committed_signals(), 1);
@@ -562,7 +712,10 @@ async fn shutdown_while_a_batch_is_at_the_sink_commits_it_before_drive_returns()
     assert_eq!(journal.sent(), [vec![1, 2]], "nothing sent after shutdown");
     assert_eq!(table.published(), [1, 2], "the batch at the sink is committed");
     let r = table.row(3);
-    assert!(!r.published && !r.locked && r.row.attempts == 0, "given back: {r:?}");
+    assert!(
+        !r.published && !r.locked && r.row.attempts == 0,
+        "given back: {r:?}"
+    );
     let committed = position(&events, |e| matches!(e, Event::Committed { batch: 1, .. }));
     let finished = position(&events, |e| *e == Event::Finished);
     assert!(committed < finished, "{events:#?}");

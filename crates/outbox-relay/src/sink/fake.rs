@@ -135,7 +135,8 @@ impl Sink for FakeSink {
     }
 
     fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> BoxFuture<'a, Vec<Delivery>> {
-        self.journal.push(Event::Sent(batch.iter().map(|r| r.id).collect()));
+        self.journal
+            .push(Event::Sent(batch.iter().map(|r| r.id).collect()));
         let call = self.calls.lock().unwrap().pop_front().unwrap_or_else(Call::ok);
         async move {
             if call.park {
