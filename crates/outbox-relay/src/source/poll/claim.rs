@@ -29,6 +29,9 @@ use uuid::Uuid;
 use super::{Session, Settled};
 use crate::source::SourceError;
 
+/// What a round trip did: the settled batch as marked, and the rows claimed.
+type Marked = (Option<Settled>, Option<ClaimedRows>);
+
 /// One way of claiming (see the [module docs](self)).
 pub(super) trait Claiming: Send + Sync {
     /// On `s`, in one round trip: makes `settled`'s outcomes durable (if
@@ -39,7 +42,7 @@ pub(super) trait Claiming: Send + Sync {
         s: &'a Session,
         settled: Option<Settled>,
         claim: Option<&'a ClaimParams<'a>>,
-    ) -> BoxFuture<'a, Result<(Option<Settled>, Option<ClaimedRows>), SourceError>>;
+    ) -> BoxFuture<'a, Result<Marked, SourceError>>;
 
     /// Gives a batch back unsent, due again now: `held` is a deadline
     /// claim's ids and fence (None for a lock claim).
@@ -91,7 +94,7 @@ impl Claiming for ByLock {
         s: &'a Session,
         settled: Option<Settled>,
         claim: Option<&'a ClaimParams<'a>>,
-    ) -> BoxFuture<'a, Result<(Option<Settled>, Option<ClaimedRows>), SourceError>> {
+    ) -> BoxFuture<'a, Result<Marked, SourceError>> {
         async move {
             let client = &s.client;
             let (failed, committed, begun, claimed) = tokio::join!(
@@ -214,7 +217,7 @@ impl Claiming for ByDeadline {
         s: &'a Session,
         settled: Option<Settled>,
         claim: Option<&'a ClaimParams<'a>>,
-    ) -> BoxFuture<'a, Result<(Option<Settled>, Option<ClaimedRows>), SourceError>> {
+    ) -> BoxFuture<'a, Result<Marked, SourceError>> {
         async move {
             let (marked, claimed) = tokio::join!(self.mark(s, settled), async {
                 match claim {
