@@ -9,8 +9,9 @@
 //! [`Receipt`](super::Receipt) to its [`Receipts`]; a batch given back, or
 //! everything in flight at [`Source::recover`], returns to the table unsent.
 //!
-//! What it does not model: connections, partition leases, deadline claims,
-//! the byte bound of a claim, wake-ups (an idle claim sleeps until the
+//! What it does not model: connections, partition leases and deadline
+//! claims (only their lapsing, on request), the byte bound of a claim,
+//! wake-ups (an idle claim sleeps until the
 //! soonest retry comes due, or shutdown).
 //!
 //! Every call it sees, and every call of the fake sink that shares its
@@ -128,6 +129,9 @@ struct State {
     fail_commits: u32,
     /// Batches still to refuse delivery of ([`Source::may_deliver`]).
     refuse_delivery: u32,
+    /// Batches still to stop vouching for during delivery
+    /// ([`Source::lapse`]).
+    lapse: u32,
 }
 
 /// The table behind a [`FakeSource`], shared with the test.
@@ -159,6 +163,7 @@ impl FakeTable {
                 rows,
                 fail_commits: 0,
                 refuse_delivery: 0,
+                lapse: 0,
             })),
             commits: Arc::new(watch::channel(0).0),
         }
@@ -172,6 +177,12 @@ impl FakeTable {
     /// The next `n` batches handed out may not be delivered.
     pub(crate) fn refuse_delivery(&self, n: u32) {
         lock(&self.state).refuse_delivery = n;
+    }
+
+    /// The next `n` batches delivered lapse at once: the source stops
+    /// vouching for them (a lease or deadline ran out) during delivery.
+    pub(crate) fn lapse(&self, n: u32) {
+        lock(&self.state).lapse = n;
     }
 
     /// The rows as they are now, in id order.
@@ -439,6 +450,11 @@ impl Source for FakeSource {
     }
 
     fn lapse(&self) -> BoxFuture<'static, ()> {
+        let mut state = lock(&self.table.state);
+        if state.lapse > 0 {
+            state.lapse -= 1;
+            return std::future::ready(()).boxed();
+        }
         std::future::pending().boxed()
     }
 
