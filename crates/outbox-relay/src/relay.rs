@@ -598,3 +598,6 @@ impl Relay {
         );
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -25,6 +25,8 @@ use self::format::Formatter;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+#[cfg(test)]
+pub(crate) mod fake;
 pub mod format;
 #[cfg(feature = "http")]
 pub mod http;

@@ -51,6 +51,8 @@ use crate::error::RelayError;
 use crate::metric::Tally;
 use crate::plan::{Failures, Plan};
 
+#[cfg(test)]
+pub(crate) mod fake;
 pub(crate) mod poll;
 pub(crate) mod wal;
 
