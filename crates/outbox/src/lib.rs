@@ -21,7 +21,7 @@
 //! | [`worker`] | consumer workers: effect through the inbox, acknowledge after commit |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
 //! | [`sql`] | every statement, named |
-//! | [`notify`] | the systemd notify protocol: `READY=1`, `STATUS`, `STOPPING=1` and test signals |
+//! | [`notify`] | the systemd notify protocol: `READY=1`, `STATUS`, `STOPPING=1` and test signals (a no-op off unix) |
 //!
 //! | feature | default | gives |
 //! |---|---|---|
