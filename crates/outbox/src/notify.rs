@@ -27,6 +27,11 @@
 //!
 //! `scripts/check-portable.sh` keeps every OS-specific path of this crate
 //! under a `cfg` and checks it for Windows and FreeBSD.
+//!
+//! Not the `sd-notify` crate: it connects to `NOTIFY_SOCKET` as a path (an
+//! `@name`, which the tests use, would not be found), sends blocking (a
+//! listener that stops reading would stall the relay for good, where this
+//! waits [`PATIENCE`]), and uses `std::os::unix` unconditionally.
 
 use std::time::Duration;
 
