@@ -15,6 +15,11 @@
 //!
 //! Every comparison with a secret goes through [`Mac::verify_slice`], which
 //! is constant-time. The token is never logged, and its `Debug` is redacted.
+//!
+//! Not the `cookie` crate's signed jar (nor axum-extra's): it would sign the
+//! value, but the session's expiry (a browser's `Max-Age` is only a hint),
+//! the CSRF token and the token's tag need this keyed HMAC anyway, so it
+//! would replace a few lines with a dependency and a second key.
 
 use std::fmt;
 

@@ -602,3 +602,28 @@ fn positive_duration(s: &str) -> Result<Duration, String> {
     }
     Ok(d)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::byte_size;
+
+    /// Hand-written rather than `bytesize`'s `FromStr`, which saturates an
+    /// overflow to `u64::MAX` and accepts zero and fractions: a limit flag
+    /// should refuse those, naming the value.
+    #[test]
+    fn byte_sizes_are_exact_and_refuse_zero_and_overflow() {
+        assert_eq!(byte_size("65536"), Ok(65_536));
+        assert_eq!(byte_size("512KiB"), Ok(512 * 1024));
+        assert_eq!(byte_size("1 MiB"), Ok(1 << 20));
+        assert_eq!(byte_size("1MB"), Ok(1_000_000));
+        assert_eq!(byte_size("16MiB"), Ok(16 << 20));
+        assert_eq!(byte_size("0KiB"), Err("must be greater than zero".to_owned()));
+        assert_eq!(
+            byte_size("20000000000GiB"),
+            Err("\"20000000000GiB\" is too large".to_owned())
+        );
+        assert!(byte_size("1.5MiB").unwrap_err().contains("unknown unit"));
+        assert!(byte_size("1TiB").unwrap_err().contains("unknown unit"));
+        assert!(byte_size("MiB").unwrap_err().contains("is not a size"));
+    }
+}

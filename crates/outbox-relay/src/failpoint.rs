@@ -6,6 +6,11 @@
 //! logs that it was reached, sends `OUTBOX_FAILPOINT=<name> reached` to
 //! `NOTIFY_SOCKET` (see `outbox::notify`) and parks the relay: for ever, or
 //! once for a while. With the variable unset this is one `Option` check per batch.
+//!
+//! Not the `fail` crate: its `pause` and `sleep` block the OS thread (here a
+//! tokio worker, which other tasks share), it sends nothing a test could
+//! wait on, and its points compile to nothing without a feature, while the
+//! crash tests drive the binary as shipped.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -21,7 +21,7 @@
 //! | [`worker`] | consumer workers: effect through the inbox, acknowledge after commit |
 //! | [`Config`], [`InboxConfig`], [`Ident`] | table names, validated and quoted |
 //! | [`sql`] | every statement, named |
-//! | [`notify`] | the systemd notify protocol: `READY=1`, `STATUS`, `STOPPING=1` and test signals |
+//! | [`notify`] | the systemd notify protocol: `READY=1`, `STATUS`, `STOPPING=1` and test signals (a no-op off unix) |
 //!
 //! | feature | default | gives |
 //! |---|---|---|
@@ -81,3 +81,10 @@ pub use writer::Outbox;
 pub use writer::sqlx;
 #[cfg(feature = "tokio-postgres")]
 pub use writer::{enqueue, enqueue_all};
+
+/// The README's Rust examples, compiled as doc tests so its quick start
+/// cannot rot (only under `cargo test --doc`: the README is outside the
+/// crate's directory, so a packaged crate never reads it).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

@@ -495,6 +495,7 @@ const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (
 /// number. A shape has fixed parameters (`relay::Shape::FIXED`); the type
 /// filter's two, the lease's two and the byte bound follow, in that order,
 /// each only where used (`relay::claim_params` binds them the same way).
+#[cfg(feature = "tokio-postgres")]
 fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
     let mut next = shape.fixed_params();
     let mut param = || {
@@ -561,9 +562,11 @@ pub struct OutboxSql {
     pub(crate) insert_event: String,
     pub(crate) insert_events: String,
     /// What the claims are rendered for.
+    #[cfg(feature = "tokio-postgres")]
     pub(crate) claim_spec: ClaimSpec,
     /// The claim in each shape (`relay::Shape`), bounded by bytes and for
     /// one row (`ONE_ROW`).
+    #[cfg(feature = "tokio-postgres")]
     pub(crate) claims: [[String; 2]; 4],
     pub(crate) mark_deadline_claim: String,
     pub(crate) release_deadline_claim: String,
@@ -591,12 +594,23 @@ pub struct OutboxSql {
 impl OutboxSql {
     /// Renders every statement for `config`'s table, with the lock claim.
     pub fn new(config: &Config) -> Self {
-        Self::with_claims(config, ClaimSpec::default())
+        Self::render(
+            config,
+            #[cfg(feature = "tokio-postgres")]
+            ClaimSpec::default(),
+        )
     }
 
     /// Renders every statement for `config`'s table, the claims as `spec`
     /// says.
+    #[cfg(feature = "tokio-postgres")]
     pub fn with_claims(config: &Config, spec: ClaimSpec) -> Self {
+        Self::render(config, spec)
+    }
+
+    /// The claims are the relay's, which needs tokio-postgres: a build
+    /// without it (the sqlx writer alone) renders the rest.
+    fn render(config: &Config, #[cfg(feature = "tokio-postgres")] spec: ClaimSpec) -> Self {
         let t = config.qualified();
         // Companion names are validated by the migration that creates them;
         // a table name too long for them fails the schema check first.
@@ -627,6 +641,7 @@ impl OutboxSql {
                 .replace("{large}", &LARGE_PAYLOAD.to_string())
                 .replace("{t}", &t)
         };
+        #[cfg(feature = "tokio-postgres")]
         let claims = |shape: Shape| {
             let template = match shape {
                 Shape::All => CLAIM_BATCH,
@@ -646,7 +661,9 @@ impl OutboxSql {
         Self {
             insert_event: render(INSERT_EVENT),
             insert_events: render(INSERT_EVENTS),
+            #[cfg(feature = "tokio-postgres")]
             claims: Shape::ALL.map(claims),
+            #[cfg(feature = "tokio-postgres")]
             claim_spec: spec,
             mark_deadline_claim: render(MARK_DEADLINE_CLAIM),
             release_deadline_claim: render(RELEASE_DEADLINE_CLAIM),
