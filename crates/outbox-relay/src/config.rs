@@ -33,7 +33,7 @@ pub struct RelayConfig {
     /// How long to keep trying PostgreSQL at startup (default 10 s).
     pub connect_timeout: Duration,
     /// Exit once nothing is due instead of waiting for more (cron jobs,
-    /// scripts, `outbox bench`).
+    /// scripts, `outbox-lab bench`).
     pub drain: bool,
     /// Per-aggregate ordering. `Partition` and `Strict` share the outbox
     /// with other relays through partition leases; `None` claims any row.

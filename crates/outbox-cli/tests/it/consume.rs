@@ -128,7 +128,7 @@ async fn a_worker_killed_before_its_ack_is_taken_over_and_ships_once() {
 }
 
 /// Its PostgreSQL connection terminated under it (a restart, a failover),
-/// the worker connects again and ships everything once (`outbox soak`
+/// the worker connects again and ships everything once (`outbox-lab soak`
 /// found it exiting instead).
 #[tokio::test]
 async fn a_worker_whose_connection_is_terminated_connects_again_and_ships_once() {

@@ -150,7 +150,7 @@ impl Report {
 
     /// The headline table (the README's): faults, events, the checks.
     pub(crate) fn print(&self) {
-        println!("\noutbox soak, seed {} ({:.0} s)", self.seed, self.seconds);
+        println!("\noutbox-lab soak, seed {} ({:.0} s)", self.seed, self.seconds);
         println!("{}", self.setup);
         let faults: usize = self.faults.len();
         println!("\nfaults injected: {faults}");
