@@ -13,6 +13,7 @@ mod consume;
 mod crash;
 mod deploy;
 mod formats;
+mod idle;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod lab;

@@ -555,14 +555,21 @@ impl PollSource {
     async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
         let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
         let (client, wakeups) = wake::connect(&self.pg, wake::Purpose::Batches(channel)).await?;
+        // In one transaction: outside one, each of the dozen statements
+        // prepared (Parse, Sync) commits an implicit transaction of its own,
+        // which PostgreSQL publishes late enough to look like idle cost.
+        client.batch_execute("BEGIN").await?;
         if listen {
             outbox::check(&client, &self.config.outbox)
                 .await
                 .map_err(SessionError::Schema)?;
         }
+        let backend = outbox::sql::backend_identity(&client).await?;
+        let statements = self.sql.prepare_relay(&client).await?;
+        client.batch_execute("COMMIT").await?;
         Ok(Session {
-            backend: outbox::sql::backend_identity(&client).await?,
-            statements: self.sql.prepare_relay(&client).await?,
+            backend,
+            statements,
             client,
             wakeups,
         })
