@@ -58,10 +58,7 @@ async fn idle_cost_an_idle_relay_commits_one_tick_per_poll_interval() {
     drop(migrating);
     // Counted from another database, so counting adds nothing to the count.
     let admin = pg.connect("postgres").await.unwrap();
-    wait_until("the migrating session to exit", LONG, || {
-        gone(&admin, &database)
-    })
-    .await;
+    wait_until("the migrating session to exit", LONG, || gone(&admin, &database)).await;
     let redis = Redis::start().await.unwrap();
 
     let before = xact_commit(&admin, &database).await;
