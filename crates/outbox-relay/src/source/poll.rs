@@ -555,9 +555,9 @@ impl PollSource {
     async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
         let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
         let (client, wakeups) = wake::connect(&self.pg, wake::Purpose::Batches(channel)).await?;
-        // In one transaction: outside one, each of the dozen statements
-        // prepared (Parse, Sync) commits an implicit transaction of its own,
-        // which PostgreSQL publishes late enough to look like idle cost.
+        // One transaction: outside one, each statement prepared (Parse,
+        // Sync) commits one of its own, 15 per session, which PostgreSQL 15
+        // publishes late enough to pass for idle cost (tests/it/idle.rs).
         client.batch_execute("BEGIN").await?;
         if listen {
             outbox::check(&client, &self.config.outbox)
