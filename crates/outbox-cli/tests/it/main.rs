@@ -14,6 +14,7 @@ mod crash;
 mod deadline_claim;
 mod deploy;
 mod formats;
+mod idle;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod logs;

@@ -10,7 +10,7 @@
 
 use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Error, GenericClient, Row, Statement};
 use uuid::Uuid;
 
@@ -240,9 +240,12 @@ impl OutboxSql {
     }
 
     /// A relay leaving: its partitions go to the others at their next
-    /// tick. Returns how many it held.
+    /// tick. Returns how many it held. Typed, so it is one round trip and
+    /// one transaction (`execute` would prepare first, a second of each).
     pub async fn relay_leave(&self, client: &Client, relay_id: Uuid) -> Result<u64, Error> {
-        client.execute(&self.relay_leave, &[&relay_id]).await
+        client
+            .execute_typed(&self.relay_leave, &[(&relay_id, Type::UUID)])
+            .await
     }
 }
 

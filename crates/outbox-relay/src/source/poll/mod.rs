@@ -476,14 +476,21 @@ impl PollSource {
     async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
         let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
         let (client, wakeups) = wake::connect(&self.pg, wake::Purpose::Batches(channel)).await?;
+        // One transaction: outside one, each statement prepared (Parse,
+        // Sync) commits one of its own, 15 per session, which PostgreSQL 15
+        // publishes late enough to pass for idle cost (tests/it/idle.rs).
+        client.batch_execute("BEGIN").await?;
         if listen {
             outbox::check(&client, &self.config.outbox)
                 .await
                 .map_err(SessionError::Schema)?;
         }
+        let backend = outbox::sql::backend_identity(&client).await?;
+        let statements = self.sql.prepare_relay(&client).await?;
+        client.batch_execute("COMMIT").await?;
         Ok(Session {
-            backend: outbox::sql::backend_identity(&client).await?,
-            statements: self.sql.prepare_relay(&client).await?,
+            backend,
+            statements,
             client,
             wakeups,
         })
