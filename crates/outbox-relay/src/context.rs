@@ -52,6 +52,21 @@ impl RelayContext {
         }
     }
 
+    /// The same relay (name, outbox, health, counters), its signals sent
+    /// to `signals`.
+    pub(crate) fn with_signals(&self, signals: Signals) -> Self {
+        let i = &self.inner;
+        Self {
+            inner: Arc::new(Inner {
+                name: i.name.clone(),
+                outbox: i.outbox.clone(),
+                health: Arc::clone(&i.health),
+                counters: Arc::clone(&i.counters),
+                signals,
+            }),
+        }
+    }
+
     /// How this relay shows in `outbox relays` and in its logs.
     pub fn name(&self) -> &str {
         &self.inner.name
@@ -147,6 +162,8 @@ mod tests {
         let a = RelayContext::new(None, "public.outbox".to_owned(), Signals::Process);
         let b = RelayContext::new(None, "tenant.outbox".to_owned(), Signals::Process);
         assert_ne!(a.name(), b.name());
+        let (signals, _rx) = Signals::channel();
+        assert_eq!(a.with_signals(signals).name(), a.name(), "the same relay");
         let named = RelayContext::new(
             Some("r1".to_owned()),
             "public.outbox".to_owned(),

@@ -187,12 +187,7 @@ impl Relay {
     /// notify socket (a process running several relays, tests).
     #[must_use]
     pub fn with_signals(mut self, signals: Signals) -> Self {
-        self.ctx = RelayContext::new(
-            self.config.name.clone(),
-            self.config.outbox.display_name().to_string(),
-            signals,
-        );
-        self.metrics = DeliveryMetrics::new(&self.ctx, self.sink.name());
+        self.ctx = self.ctx.with_signals(signals);
         self
     }
 

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use outbox::{Config, Event, Outbox};
-use outbox_testkit::{PgSettings, Postgres, Post, Receiver, Redis, Respond};
+use outbox_testkit::{PgSettings, Post, Postgres, Receiver, Redis, Respond};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 
