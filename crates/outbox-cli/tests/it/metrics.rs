@@ -245,6 +245,46 @@ async fn metrics_count_exactly_the_events_delivered_and_dead_lettered() {
 
 /// `/readyz` answers 503 within 5 s of PostgreSQL stopping, naming it, and
 /// 200 again after it restarts; it names a sink that is down.
+/// Every metric of the relay carries its outbox, and the outbox's backlog
+/// gauges exist from the first scrape after READY, at 0, though no row was
+/// ever written (issue 31).
+#[tokio::test]
+async fn issue_31_the_first_scrape_has_the_outbox_label_and_its_backlog_gauges() {
+    let db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    let addr = http_addr();
+    let relay = start_relay(&db.url, &redis.url(), &["--http", &addr], &[]).await;
+    let (body, s) = scrape(&addr).await;
+    let outbox = [("outbox", "public.outbox"), ("aggregate_type", "")];
+    for gauge in [
+        "outbox_backlog_events",
+        "outbox_dead_letters",
+        "outbox_oldest_unpublished_age_seconds",
+    ] {
+        assert_eq!(
+            value(&s, gauge, &outbox),
+            Some(0.0),
+            "{gauge} in the first scrape: {body}"
+        );
+    }
+    assert_eq!(
+        value(&s, "outbox_relay_up", &[("outbox", "public.outbox")]),
+        Some(1.0),
+        "{body}"
+    );
+    let unlabelled: Vec<_> = s
+        .samples
+        .iter()
+        .filter(|m| m.metric != "outbox_build_info" && m.labels.get("outbox") != Some("public.outbox"))
+        .map(|m| m.metric.clone())
+        .collect();
+    assert!(
+        unlabelled.is_empty(),
+        "without outbox=\"public.outbox\": {unlabelled:?}"
+    );
+    drop(relay);
+}
+
 #[tokio::test]
 async fn readyz_follows_postgres_and_the_sink() {
     let mut db = Db::start().await;
