@@ -20,8 +20,9 @@
 //! (not at the next claim, which may wait for minutes). The relay turns
 //! receipts, and nothing else, into counters, metrics, log lines and
 //! signals (`Books` in `relay.rs`), so a source owns PostgreSQL and no
-//! bookkeeping, and a batch has one owner from claim to receipt. A batch that never becomes durable (rolled back, read again)
-//! has no receipt: it is delivered again, and booked then.
+//! bookkeeping, and a batch has one owner from claim to receipt. A batch
+//! that never becomes durable (rolled back, read again) has no receipt: it
+//! is delivered again, and booked then.
 //!
 //! # Adding a source
 //!
