@@ -9,17 +9,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use chrono::Utc;
 use outbox::OutboxRow;
 use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 use super::{Books, Relay, RelayConfig, RelayError};
 use crate::backoff::Backoff;
 use crate::context::Signals;
+use crate::plan::tests::row;
 use crate::sink::DeliveryError;
 use crate::sink::fake::{Call, FakeSink, Gate};
 use crate::source::Receipts;
@@ -27,21 +26,6 @@ use crate::source::fake::{Event, FakeSource, FakeTable, Journal, Stored};
 
 /// How long a test waits for anything, in paused time where paused.
 const PATIENCE: Duration = Duration::from_secs(60);
-
-/// Row `id` of aggregate `orders`/`aggregate`.
-fn row(id: i64, aggregate: &str) -> OutboxRow {
-    OutboxRow {
-        id,
-        event_id: Uuid::new_v4(),
-        aggregate_type: "orders".to_owned(),
-        aggregate_id: aggregate.to_owned(),
-        event_type: "E".to_owned(),
-        payload: json!({"n": id}),
-        headers: json!({}),
-        created_at: Utc::now(),
-        attempts: 0,
-    }
-}
 
 /// Rows `ids`, each of an aggregate of its own.
 fn rows(ids: std::ops::RangeInclusive<i64>) -> Vec<OutboxRow> {
