@@ -27,6 +27,16 @@ use rand::Rng;
 
 use crate::defaults;
 
+/// The first wait before trying to reach PostgreSQL again.
+pub(crate) const RECONNECT_FIRST: Duration = Duration::from_millis(100);
+
+/// The longest wait between attempts to reach PostgreSQL again: at
+/// startup, after a lost session, for the WAL source's stream. Short,
+/// because a failover promotes a standby after an outage of unknown
+/// length, and the relay must be back within seconds of the promotion;
+/// a server that is down meanwhile sees one attempt every 2 s per session.
+pub(crate) const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
 /// `base * 2^(n-1)` capped at `max`, for the `n`-th wait (1-based; 0 and
 /// below count as 1).
 fn doubled(base: Duration, max: Duration, n: i32) -> Duration {

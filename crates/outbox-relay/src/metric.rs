@@ -59,6 +59,12 @@ pub const WAL_RETAINED: &str = "outbox_wal_retained_bytes";
 pub const WAL_LAG: &str = "outbox_wal_lag_bytes";
 /// Events the WAL source read and has not finished.
 pub const WAL_WINDOW: &str = "outbox_wal_window_events";
+/// Counter: replication slots the WAL source created again (per
+/// `reason`: `missing` after a failover or a drop, `lost` once invalidated).
+pub const WAL_SLOT_RECREATED: &str = "outbox_wal_slot_recreated_total";
+/// Counter: rows the WAL source read from the table in backfills, to
+/// deliver before the stream.
+pub const WAL_BACKFILLED: &str = "outbox_wal_backfilled_events_total";
 /// 1 while the relay delivers (after READY, until it stopped).
 pub const RELAY_UP: &str = "outbox_relay_up";
 /// Counter: rows whose deadline claim expired and was taken by another relay
@@ -140,6 +146,14 @@ pub fn describe() {
     describe_gauge!(
         WAL_WINDOW,
         "Events the WAL source read and has not finished (delivered or dead)."
+    );
+    describe_counter!(
+        WAL_SLOT_RECREATED,
+        "Replication slots the WAL source created again, by reason: missing (a failover, a drop), lost (invalidated)."
+    );
+    describe_counter!(
+        WAL_BACKFILLED,
+        "Rows the WAL source read from the table in backfills (after a failover or a lost slot), delivered before the stream."
     );
     describe_gauge!(
         RELAY_UP,

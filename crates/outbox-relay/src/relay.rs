@@ -164,6 +164,9 @@ impl Relay {
     /// must be installed before (see [`crate::metric`]).
     pub fn new(pg: impl Into<PgConfig>, sink: Arc<dyn Sink>, config: RelayConfig) -> Self {
         let mut pg = pg.into();
+        // Several hosts: a primary and its standbys, of which the relay
+        // needs the primary, and the one promoted after a failover.
+        pg.prefer_primary();
         if pg.postgres().get_application_name().is_none() {
             // So operators can tell relays apart in pg_stat_activity.
             pg.postgres_mut().application_name("outbox-relay");

@@ -8,6 +8,7 @@
 //! | item | owns |
 //! |---|---|
 //! | [`Postgres`], [`PgSettings`] | a PostgreSQL cluster: start (with TLS, a `pg_hba.conf` of its own), fresh databases, stop, crash, restart |
+//! | [`Replication`] | a streaming standby of a cluster ([`Postgres::start_standby`], synchronous or not) and its promotion: a failover |
 //! | [`Redis`] | a redis-server without persistence: start, stop, restart |
 //! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
@@ -52,6 +53,7 @@ mod rabbitmq;
 mod receiver;
 mod redis;
 mod spawned;
+mod standby;
 mod support;
 
 pub use error::Error;
@@ -63,6 +65,7 @@ pub use rabbitmq::RabbitMq;
 pub use receiver::{Post, Receiver, Respond};
 pub use redis::Redis;
 pub use spawned::Spawned;
+pub use standby::Replication;
 
 /// A TCP port on 127.0.0.1 that nobody listens on right now: binds port 0,
 /// reads the port the kernel chose, and releases it. Someone else may take

@@ -82,15 +82,7 @@ impl Postgres {
     pub async fn start_with(settings: PgSettings) -> Result<Postgres, Error> {
         let bin = PgBin::get().await?;
         let run_as = RunAs::unprivileged()?;
-        let base = support::base_dir();
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-testkit-pg-")
-            .tempdir_in(base)
-            .map_err(Error::io(format!(
-                "creating a temporary directory for PostgreSQL in {}",
-                base.display()
-            )))?;
-        run_as.own(dir.path())?;
+        let dir = cluster_dir(run_as)?;
         let data = dir.path().join("data");
 
         let started = Instant::now();
@@ -102,7 +94,28 @@ impl Postgres {
             template = %template.display(),
             "prepared a PostgreSQL data directory"
         );
+        Self::launch(Cluster {
+            bin,
+            run_as,
+            dir,
+            data,
+            origin: template,
+        })
+        .await
+    }
 
+    /// Starts the server of a prepared data directory on a free port,
+    /// trying a new one if the port picked is taken before the server binds
+    /// it.
+    pub(crate) async fn launch(cluster: Cluster) -> Result<Postgres, Error> {
+        let started = Instant::now();
+        let Cluster {
+            bin,
+            run_as,
+            dir,
+            data,
+            origin,
+        } = cluster;
         let socket_dir = dir.path().to_path_buf();
         let mut pg = Postgres {
             bin,
@@ -113,7 +126,7 @@ impl Postgres {
             // comma-separated list; past either limit we go TCP-only.
             socket_dir: usable_socket_dir(&socket_dir).then_some(socket_dir),
             log: dir.path().join("postgres.log"),
-            template,
+            template: origin,
             server: None,
             dir,
         };
@@ -134,6 +147,12 @@ impl Postgres {
             doing: "starting PostgreSQL".into(),
             detail: format!("{PORT_ATTEMPTS} ports in a row were taken; last attempt: {last}"),
         })
+    }
+
+    /// The server binaries, the user the server runs as, and its data
+    /// directory: what a standby of it is made with.
+    pub(crate) fn parts(&self) -> (&'static PgBin, RunAs, &Path) {
+        (self.bin, self.run_as, &self.data)
     }
 
     /// The TCP port the server listens on (127.0.0.1); it stays the same
@@ -349,7 +368,7 @@ impl Postgres {
 
     fn template_note(&self) -> String {
         format!(
-            " (data directory copied from the template {}; delete it if it is damaged)",
+            " (data directory copied from {}; if that is a template, delete it if it is damaged)",
             self.template.display()
         )
     }
@@ -394,12 +413,14 @@ impl PgSettings {
         self
     }
 
-    /// Replaces `pg_hba.conf` with these lines, after two of the testkit's
-    /// own, which it needs to see that the server is up and to create
-    /// databases: `local all all trust` and
-    /// `host postgres postgres 127.0.0.1/32 trust` (so the superuser
-    /// reaches the database `postgres` without TLS; every other database
-    /// and user get only what `lines` allow).
+    /// Replaces `pg_hba.conf` with these lines, after three of the
+    /// testkit's own, which it needs to see that the server is up, to create
+    /// databases and to take a standby's base backup and stream to it:
+    /// `local all all trust`, `host postgres postgres 127.0.0.1/32 trust`
+    /// (so the superuser reaches the database `postgres` without TLS; every
+    /// other database and user get only what `lines` allow) and
+    /// `host replication postgres 127.0.0.1/32 trust` (physical replication
+    /// only: a logical replication connection matches its database's lines).
     pub fn hba(mut self, lines: impl Into<String>) -> Self {
         self.hba = Some(lines.into());
         self
@@ -431,7 +452,8 @@ impl PgSettings {
         let hba;
         if let Some(lines) = &self.hba {
             hba = format!(
-                "# outbox-testkit\nlocal all all trust\nhost postgres postgres 127.0.0.1/32 trust\n{lines}\n"
+                "# outbox-testkit\nlocal all all trust\nhost postgres postgres 127.0.0.1/32 trust\n\
+                 host replication postgres 127.0.0.1/32 trust\n{lines}\n"
             );
             files.push(("pg_hba.conf", &hba));
         }
@@ -467,11 +489,37 @@ impl PgSettings {
     }
 }
 
+/// A data directory ready to start: what [`Postgres::launch`] takes.
+pub(crate) struct Cluster {
+    pub(crate) bin: &'static PgBin,
+    pub(crate) run_as: RunAs,
+    /// The temporary directory holding `data`, the log and the socket.
+    pub(crate) dir: TempDir,
+    pub(crate) data: PathBuf,
+    /// Where `data` came from, named in errors (the template, or the
+    /// primary a base backup was taken of).
+    pub(crate) origin: PathBuf,
+}
+
 enum Boot {
     Ready,
     /// The server exited for a transient reason (port or shared memory still
     /// held by someone else).
     Retry(String),
+}
+
+/// A new temporary directory for one cluster, owned by the server's user.
+pub(crate) fn cluster_dir(run_as: RunAs) -> Result<TempDir, Error> {
+    let base = support::base_dir();
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-testkit-pg-")
+        .tempdir_in(base)
+        .map_err(Error::io(format!(
+            "creating a temporary directory for PostgreSQL in {}",
+            base.display()
+        )))?;
+    run_as.own(dir.path())?;
+    Ok(dir)
 }
 
 /// Startup failures that go away by themselves or with another port.
@@ -493,14 +541,14 @@ fn usable_socket_dir(dir: &Path) -> bool {
 
 /// The PostgreSQL server binaries in use.
 #[derive(Debug)]
-struct PgBin {
-    dir: PathBuf,
+pub(crate) struct PgBin {
+    pub(crate) dir: PathBuf,
     /// `postgres --version`'s number, e.g. `15.20`.
     version: String,
 }
 
 impl PgBin {
-    async fn get() -> Result<&'static PgBin, Error> {
+    pub(crate) async fn get() -> Result<&'static PgBin, Error> {
         static BIN: OnceLock<PgBin> = OnceLock::new();
         if let Some(bin) = BIN.get() {
             return Ok(bin);

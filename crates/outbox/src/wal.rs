@@ -2,16 +2,26 @@
 //!
 //! `outbox migrate --wal` ([`migrate_wal`]) creates what the WAL source
 //! reads: a publication of the outbox's inserts and a logical replication
-//! slot with the pgoutput plugin. The relay runs [`check_wal`] at startup so
-//! a server without `wal_level = logical`, a role without REPLICATION, or a
-//! missing or invalidated slot is refused with the fix in the message.
+//! slot with the pgoutput plugin. The relay runs [`check_wal_setup`] at
+//! startup so a server without `wal_level = logical`, a role without
+//! REPLICATION or a missing publication is refused with the fix in the
+//! message.
 //!
-//! PostgreSQL invalidates a slot that falls more than
-//! `max_slot_wal_keep_size` behind: the WAL it needed is gone.
-//! [`recover_wal`] recreates it and re-inserts every row the table still
-//! holds undelivered, so the new slot decodes them: nothing that was
-//! inserted is lost. Emitted events (no row) in the lost WAL cannot be
-//! recovered; that is why `max_slot_wal_keep_size` defaults to unlimited.
+//! A slot can go while the table stays: PostgreSQL invalidates a slot that
+//! falls more than `max_slot_wal_keep_size` behind (the WAL it needed is
+//! gone), and a failover to a standby finds the table (replicated) without
+//! the slot (PostgreSQL 15 does not replicate slots). The relay handles
+//! both itself (`outbox-relay`'s `source/wal/backfill.rs`): it creates the
+//! slot again and delivers the rows the table still holds, in id order,
+//! before streaming. The publication carries a mark while that is owed, so
+//! a relay that dies halfway finishes it at its next start; when
+//! [`migrate_wal`] creates a slot for a publication that already existed,
+//! it leaves the mark too. [`recover_wal`] is the manual way, for
+//! `--wal-cleanup none` (whose table keeps delivered rows): it recreates
+//! the slot and re-inserts the undelivered rows (created since a time) so
+//! the new slot decodes them. Emitted events (no row) in the lost WAL
+//! cannot be recovered by either; that is why `max_slot_wal_keep_size`
+//! defaults to unlimited.
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::{Client, GenericClient};
@@ -113,6 +123,14 @@ pub async fn migrate_wal(client: &Client, config: &Config) -> Result<WalSetup, E
         Some(s) if s.is_lost() => return Err(Error::SlotInvalidated { slot: s.slot }),
         Some(_) => false,
         None => {
+            if !created_publication {
+                // The slot went and the table stayed (a failover, a lost
+                // slot dropped by hand): rows committed before the new slot
+                // would never be decoded. The relay delivers them first.
+                sql.mark_backfill(client).await.map_err(Error::pg(
+                    "marking the publication: the relay owes a backfill of the table's rows",
+                ))?;
+            }
             sql.create_slot(client)
                 .await
                 .map_err(Error::pg("creating the logical replication slot"))?;
@@ -127,9 +145,11 @@ pub async fn migrate_wal(client: &Client, config: &Config) -> Result<WalSetup, E
     })
 }
 
-/// What the relay checks before reading: the server, the role, the
-/// publication and a usable slot. Returns the slot's state.
-pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Error> {
+/// What the relay checks before reading: the server, the role and the
+/// publication. Returns the slot as it is: missing or invalidated is for
+/// the relay to handle (see the [module docs](self)); one of another
+/// database or plugin is refused.
+pub async fn check_wal_setup(client: &Client, config: &Config) -> Result<Option<SlotState>, Error> {
     let sql = WalSql::new(config)?;
     prerequisites(client, &sql).await?;
     if !sql
@@ -141,7 +161,13 @@ pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Er
             what: format!("the publication {} does not exist", sql.publication()),
         });
     }
-    match slot(client, &sql).await? {
+    slot(client, &sql).await
+}
+
+/// Like [`check_wal_setup`], and a usable slot too. Returns its state.
+pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Error> {
+    let sql = WalSql::new(config)?;
+    match check_wal_setup(client, config).await? {
         None => Err(Error::WalNotSetUp {
             what: format!("the replication slot {} does not exist", sql.slot()),
         }),
@@ -217,6 +243,16 @@ pub async fn recover_wal(
         .await
         .map_err(Error::pg("re-inserting the undelivered rows"))?;
     tx.commit().await.map_err(Error::pg("committing the recovery"))?;
+    // The new slot decodes the re-inserted rows: no backfill is owed.
+    if sql
+        .backfill_owed(&*client)
+        .await
+        .map_err(Error::pg("reading the publication's mark"))?
+    {
+        sql.clear_backfill(&*client)
+            .await
+            .map_err(Error::pg("clearing the publication's backfill mark"))?;
+    }
     Ok(WalRecovery {
         slot: sql.slot().to_owned(),
         dropped,

@@ -60,9 +60,14 @@ pub(crate) fn pg_config(g: &Global) -> anyhow::Result<PgConfig> {
     parse_pg_url(url, g)
 }
 
-/// `url` parsed; a [`outbox_relay::pg::UrlError`] is exit code 2.
+/// `url` parsed; a [`outbox_relay::pg::UrlError`] is exit code 2. With
+/// several hosts, only one that takes writes (`PgConfig::prefer_primary`):
+/// every command but the read-only reports writes, and those should read
+/// what the relay and the writers see.
 pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<PgConfig> {
-    Ok(outbox_relay::pg::parse_url(url, g.connect_timeout)?)
+    let mut config = outbox_relay::pg::parse_url(url, g.connect_timeout)?;
+    config.prefer_primary();
+    Ok(config)
 }
 
 /// One connection for a short command, retrying until `--connect-timeout`

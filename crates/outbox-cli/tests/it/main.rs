@@ -13,6 +13,7 @@ mod consume;
 mod crash;
 mod deadline_claim;
 mod deploy;
+mod failover;
 mod formats;
 mod idle;
 #[cfg(feature = "kafka")]

@@ -200,6 +200,108 @@ impl PgConfig {
         self.connect_timeout
     }
 
+    /// Whether the URL names more than one host (libpq's `host=a,b`, or
+    /// `postgres://a:1,b:2/db`): a primary and its standbys.
+    pub fn has_several_hosts(&self) -> bool {
+        self.host_count() > 1
+    }
+
+    fn host_count(&self) -> usize {
+        let pg = &self.postgres;
+        pg.get_hosts().len().max(pg.get_hostaddrs().len())
+    }
+
+    /// With several hosts, connects only to one that takes writes
+    /// (`target_session_attrs=read-write`) unless the URL asked for
+    /// something else than `any`, libpq's default: what a relay needs, as
+    /// every one of its sessions writes or must see what writers
+    /// committed. One host: unchanged.
+    pub fn prefer_primary(&mut self) {
+        use tokio_postgres::config::TargetSessionAttrs;
+        if self.has_several_hosts() && self.postgres.get_target_session_attrs() == TargetSessionAttrs::Any {
+            self.postgres.target_session_attrs(TargetSessionAttrs::ReadWrite);
+        }
+    }
+
+    /// One config per host the URL names, in the URL's order: that host
+    /// alone (with its `hostaddr` and port), everything else the same, and
+    /// `target_session_attrs=any`, so the caller can ask each host what it
+    /// is. A config of one host gives itself.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let config = outbox_relay::pg::parse_url(
+    ///     "postgres://app@db1:5432,db2:5433/shop?target_session_attrs=read-write",
+    ///     Duration::from_secs(10),
+    /// )?;
+    /// let hosts: Vec<String> = config.per_host().iter().map(|c| c.target()).collect();
+    /// assert_eq!(hosts, ["db1:5432/shop", "db2:5433/shop"]);
+    /// # Ok::<_, outbox_relay::pg::UrlError>(())
+    /// ```
+    pub fn per_host(&self) -> Vec<PgConfig> {
+        if !self.has_several_hosts() {
+            return vec![self.clone()];
+        }
+        let pg = &self.postgres;
+        (0..self.host_count())
+            .map(|i| {
+                let mut one = Config::new();
+                if let Some(user) = pg.get_user() {
+                    one.user(user);
+                }
+                if let Some(password) = pg.get_password() {
+                    one.password(password);
+                }
+                if let Some(dbname) = pg.get_dbname() {
+                    one.dbname(dbname);
+                }
+                if let Some(options) = pg.get_options() {
+                    one.options(options);
+                }
+                if let Some(name) = pg.get_application_name() {
+                    one.application_name(name);
+                }
+                if let Some(timeout) = pg.get_connect_timeout() {
+                    one.connect_timeout(*timeout);
+                }
+                if let Some(timeout) = pg.get_tcp_user_timeout() {
+                    one.tcp_user_timeout(*timeout);
+                }
+                one.ssl_mode(pg.get_ssl_mode())
+                    .ssl_negotiation(pg.get_ssl_negotiation())
+                    .channel_binding(pg.get_channel_binding())
+                    .keepalives(pg.get_keepalives())
+                    .keepalives_idle(pg.get_keepalives_idle());
+                if let Some(interval) = pg.get_keepalives_interval() {
+                    one.keepalives_interval(interval);
+                }
+                if let Some(retries) = pg.get_keepalives_retries() {
+                    one.keepalives_retries(retries);
+                }
+                match pg.get_hosts().get(i) {
+                    Some(Host::Tcp(name)) => {
+                        one.host(name);
+                    }
+                    Some(Host::Unix(dir)) => {
+                        one.host_path(dir);
+                    }
+                    None => {}
+                }
+                if let Some(addr) = pg.get_hostaddrs().get(i) {
+                    one.hostaddr(*addr);
+                }
+                if let Some(port) = pg.get_ports().get(i).or(pg.get_ports().first()) {
+                    one.port(*port);
+                }
+                PgConfig {
+                    postgres: one,
+                    ..self.clone()
+                }
+            })
+            .collect()
+    }
+
     /// Where this connects, for messages: `host:port/dbname`, never the
     /// password.
     pub fn target(&self) -> String {
@@ -512,6 +614,51 @@ mod tests {
             UrlError::Syntax { reason, .. } => assert!(reason.contains("bogus"), "{reason}"),
             other => panic!("{other}"),
         }
+    }
+
+    #[test]
+    fn several_hosts_are_kept_and_split_one_per_host() {
+        use tokio_postgres::config::TargetSessionAttrs;
+        for url in [
+            "postgres://u:secret@h1:5432,h2:5433/db?target_session_attrs=read-write&application_name=a&sslmode=require",
+            "host=h1,h2 port=5432,5433 user=u password=secret dbname=db target_session_attrs=read-write application_name=a sslmode=require",
+        ] {
+            let config = parse_url(url, T).unwrap();
+            assert!(config.has_several_hosts(), "{url}");
+            assert_eq!(config.target(), "h1:5432,h2:5433/db", "{url}");
+            assert_eq!(
+                config.postgres().get_target_session_attrs(),
+                TargetSessionAttrs::ReadWrite,
+                "{url}"
+            );
+            let hosts = config.per_host();
+            let targets: Vec<String> = hosts.iter().map(PgConfig::target).collect();
+            assert_eq!(targets, ["h1:5432/db", "h2:5433/db"], "{url}");
+            for one in &hosts {
+                let pg = one.postgres();
+                assert_eq!(pg.get_user(), Some("u"));
+                assert_eq!(pg.get_password(), Some(&b"secret"[..]));
+                assert_eq!(pg.get_application_name(), Some("a"));
+                assert_eq!(pg.get_connect_timeout(), Some(&T));
+                assert_eq!(pg.get_target_session_attrs(), TargetSessionAttrs::Any);
+                assert_eq!(one.ssl_mode(), SslMode::Require);
+                assert!(!one.has_several_hosts());
+            }
+        }
+        let mut one = parse_url("postgres://h/db", T).unwrap();
+        assert_eq!(one.per_host().len(), 1);
+        one.prefer_primary();
+        assert_eq!(
+            one.postgres().get_target_session_attrs(),
+            TargetSessionAttrs::Any,
+            "one host: as written"
+        );
+        let mut two = parse_url("postgres://h1,h2/db", T).unwrap();
+        two.prefer_primary();
+        assert_eq!(
+            two.postgres().get_target_session_attrs(),
+            TargetSessionAttrs::ReadWrite
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use tokio_postgres::error::SqlState;
 use tracing::warn;
 
 use super::PgConfig;
-use crate::backoff::Doubling;
+use crate::backoff::{Doubling, RECONNECT_FIRST, RECONNECT_MAX};
 use crate::error::error_chain;
 
 /// Why a connection could not be made.
@@ -151,7 +151,7 @@ impl Startup {
             target: config.target(),
             timeout,
             deadline: Instant::now() + timeout,
-            delay: Doubling::new(Duration::from_millis(100), Duration::from_secs(2)),
+            delay: Doubling::new(RECONNECT_FIRST, RECONNECT_MAX),
             attempts: 0,
         }
     }

@@ -181,11 +181,15 @@ pub(crate) enum SourceError {
     /// The replication stream failed.
     #[error("the replication stream failed")]
     Replication(#[source] pgwire_replication::PgWireError),
+    /// None of the URL's hosts is a primary (a failover under way): the
+    /// replication connection has nowhere to go yet. What each said.
+    #[error("none of the hosts takes writes yet: {0}")]
+    NoPrimary(String),
     /// pgoutput sent what the relay cannot decode.
     #[error("{0}")]
     Decode(String),
-    /// What reconnecting cannot fix (the slot was invalidated or dropped):
-    /// the relay stops with it.
+    /// What reconnecting cannot fix (with `--wal-cleanup none`, a slot
+    /// invalidated or dropped): the relay stops with it.
     #[error(transparent)]
     Fatal(RelayError),
 }

@@ -36,7 +36,7 @@ pub use replay::{
     NewReplay, PageParams, Removed, ReplayFilter, ReplayJob, ReplaySql, ReplayState, SaveReplay,
 };
 #[cfg(feature = "tokio-postgres")]
-pub use wal::{EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
+pub use wal::{BackfillPage, EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
 const ROW_COLUMNS: &str =

@@ -2,7 +2,9 @@
 //! objects `outbox migrate --wal` creates (publication, slot), the slot's
 //! state, the table-less `emit`, what the WAL source writes back (dead
 //! letters, deletes of delivered rows), whose turn it is to read the slot,
-//! and the recovery after PostgreSQL invalidated it.
+//! the recovery after PostgreSQL invalidated it, and the backfill after a
+//! failover (its mark on the publication, reading the table in id order,
+//! whether a server is a standby).
 //!
 //! Replication itself (`START_REPLICATION`) runs on a replication
 //! connection in `outbox-relay`, not here.
@@ -139,6 +141,50 @@ const REINSERT_PENDING: &str = "WITH gone AS ( \
      again AS (INSERT INTO {t} SELECT * FROM gone ORDER BY id RETURNING 1) \
      SELECT count(*) FROM again";
 
+/// Whether this server is a standby: the WAL source streams from the
+/// host of a multi-host URL that is not.
+const IN_RECOVERY: &str = "SELECT pg_is_in_recovery()";
+
+/// What the publication's comment says while a backfill is owed: set
+/// before a slot is created for an outbox that may hold rows the slot will
+/// never decode, cleared once the relay delivered them. On the publication
+/// because it is the one object of log tailing that outlives its slot (a
+/// failover to a standby keeps the catalog, not the slot).
+const BACKFILL_MARK: &str = "outbox wal backfill owed";
+
+/// `$1` publication name, `$2` the mark. Whether the publication carries
+/// the mark; no row without the publication.
+const BACKFILL_OWED: &str = "SELECT coalesce(obj_description(oid, 'pg_publication') = $2, false) \
+       FROM pg_publication WHERE pubname = $1";
+
+/// Sets the mark (COMMENT takes no parameters; the text is a constant).
+const BACKFILL_MARK_SET: &str = "COMMENT ON PUBLICATION {p} IS 'outbox wal backfill owed'";
+
+/// Clears it.
+const BACKFILL_MARK_CLEAR: &str = "COMMENT ON PUBLICATION {p} IS NULL";
+
+/// The highest id now: a backfill reads up to it; rows inserted later
+/// (higher ids) are the stream's. Through the primary key.
+const BACKFILL_BOUND: &str = "SELECT coalesce(max(id), 0)::int8 FROM {t}";
+
+/// `$1` after id, `$2` up to id, `$3` rows, `$4` bytes. The next page of a
+/// backfill: rows not delivered (not published, not dead letters) in id
+/// order through the primary key, with each payload's size as text, cut
+/// once the payloads before a row reach `$4` bytes (the first row always
+/// comes).
+const BACKFILL_PAGE: &str = "SELECT {cols}, bytes FROM ( \
+        SELECT {cols}, octet_length(payload::text)::int8 AS bytes, \
+               sum(octet_length(payload::text)) OVER (ORDER BY id)::int8 AS running \
+          FROM {t} WHERE id > $1 AND id <= $2 AND published_at IS NULL AND dead_at IS NULL \
+         ORDER BY id LIMIT $3) AS page \
+      WHERE running - bytes < $4 ORDER BY id";
+
+/// The WAL insert position: a transaction visible to a statement that ran
+/// before this committed at or before it (its commit record was inserted
+/// before it became visible), so the stream holds nothing a backfill read
+/// past the first commit that ends after it.
+const INSERT_POSITION: &str = "SELECT pg_current_wal_insert_lsn()::text";
+
 /// `$1` a partition (qualified). Its comment, where a partition drop keeps
 /// its log-tailing mark (see `outbox::partitions`).
 const PARTITION_COMMENT: &str = "SELECT obj_description(to_regclass($1), 'pg_class')";
@@ -203,6 +249,23 @@ pub struct WalSql {
     delete_delivered: String,
     lock_writers: String,
     reinsert_pending: String,
+    backfill_mark_set: String,
+    backfill_mark_clear: String,
+    backfill_bound: String,
+    backfill_page: String,
+}
+
+/// Which rows [`WalSql::backfill_page`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackfillPage {
+    /// Rows with a higher id than this.
+    pub after: i64,
+    /// Up to this id.
+    pub upto: i64,
+    /// At most this many.
+    pub rows: i64,
+    /// Stopping once the payloads before a row reach this many bytes.
+    pub bytes: i64,
 }
 
 /// What the server allows: checked before anything is created or read.
@@ -365,6 +428,10 @@ impl WalSql {
             delete_delivered: render(DELETE_DELIVERED),
             lock_writers: render(LOCK_WRITERS),
             reinsert_pending: render(REINSERT_PENDING),
+            backfill_mark_set: render(BACKFILL_MARK_SET),
+            backfill_mark_clear: render(BACKFILL_MARK_CLEAR),
+            backfill_bound: render(BACKFILL_BOUND),
+            backfill_page: render(BACKFILL_PAGE).replace("{cols}", super::ROW_COLUMNS),
             publication,
         })
     }
@@ -586,6 +653,66 @@ impl WalSql {
         since: Option<DateTime<Utc>>,
     ) -> Result<i64, Error> {
         tx.query_one(&self.reinsert_pending, &[&since]).await?.try_get(0)
+    }
+}
+
+impl WalSql {
+    /// Whether the server is a standby (in recovery).
+    pub async fn in_recovery(&self, client: &impl GenericClient) -> Result<bool, Error> {
+        client.query_one(IN_RECOVERY, &[]).await?.try_get(0)
+    }
+
+    /// Whether a backfill is owed (the publication carries the mark);
+    /// false without the publication.
+    pub async fn backfill_owed(&self, client: &impl GenericClient) -> Result<bool, Error> {
+        let row = client
+            .query_opt(BACKFILL_OWED, &[&self.publication.as_str(), &BACKFILL_MARK])
+            .await?;
+        row.map_or(Ok(false), |r| r.try_get(0))
+    }
+
+    /// Marks a backfill owed; needs the publication's owner (or a
+    /// superuser).
+    pub async fn mark_backfill(&self, client: &impl GenericClient) -> Result<(), Error> {
+        client.batch_execute(&self.backfill_mark_set).await
+    }
+
+    /// The backfill owed is done.
+    pub async fn clear_backfill(&self, client: &impl GenericClient) -> Result<(), Error> {
+        client.batch_execute(&self.backfill_mark_clear).await
+    }
+
+    /// The highest id now (0 when empty).
+    pub async fn backfill_bound(&self, client: &impl GenericClient) -> Result<i64, Error> {
+        client.query_one(&self.backfill_bound, &[]).await?.try_get(0)
+    }
+
+    /// The next page of a backfill: rows in id order with their payloads'
+    /// sizes as text.
+    pub async fn backfill_page(
+        &self,
+        client: &impl GenericClient,
+        page: &BackfillPage,
+    ) -> Result<Vec<(crate::OutboxRow, i64)>, Error> {
+        let rows = client
+            .query_typed(
+                &self.backfill_page,
+                &[
+                    (&page.after, Type::INT8),
+                    (&page.upto, Type::INT8),
+                    (&page.rows, Type::INT8),
+                    (&page.bytes, Type::INT8),
+                ],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| Ok((crate::OutboxRow::try_from(r)?, r.try_get("bytes")?)))
+            .collect()
+    }
+
+    /// The WAL insert position, as PostgreSQL prints it.
+    pub async fn insert_position(&self, client: &impl GenericClient) -> Result<String, Error> {
+        client.query_one(INSERT_POSITION, &[]).await?.try_get(0)
     }
 }
 

@@ -544,7 +544,8 @@ impl PollSource {
 
     /// Reconnects with backoff until it works or `cancel` fires.
     async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Sessions> {
-        let mut wait = crate::backoff::Doubling::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut wait =
+            crate::backoff::Doubling::new(crate::backoff::RECONNECT_FIRST, crate::backoff::RECONNECT_MAX);
         loop {
             let delay = wait.next_delay();
             match self.open_sessions().await {

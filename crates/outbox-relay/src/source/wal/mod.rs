@@ -8,8 +8,10 @@
 //!   behind failures, and decides what position may be confirmed.
 //! - [`turn`] lets one relay read and keeps the others as standbys.
 //! - [`stream`] opens the replication connection.
-//! - [`watch`] reads the slot's state for the gauges and the warning, and
-//!   notices when PostgreSQL invalidated it.
+//! - [`watch`] reads the slot's state for the gauges and the warning.
+//! - [`backfill`] makes the slot again when a failover (or PostgreSQL)
+//!   took it, and delivers the rows the table still holds before the
+//!   stream.
 //!
 //! Nothing here holds a transaction open: the slot is the claim. A batch
 //! is rows handed out of the window; settling it finishes or parks them;
@@ -22,6 +24,7 @@
 //! attempted: the replication client's buffer fills, the server stops
 //! sending, and the slot keeps the WAL until the sink is back.
 
+mod backfill;
 mod decode;
 mod stream;
 mod turn;
@@ -34,18 +37,19 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use metrics::Gauge;
+use metrics::{Counter, Gauge};
 use outbox::OutboxRow;
 use outbox::sql::WalSql;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
+use self::backfill::{Backfill, Server, Why};
 use self::decode::{Decoded, Decoder};
 use self::turn::{Timing, Turn};
-use self::watch::{Problem, SlotWatch};
+use self::watch::SlotWatch;
 use self::window::{Dead, Window, Writes};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{RelayConfig, WalCleanup};
@@ -96,7 +100,8 @@ pub(crate) struct WalSource {
     window: Window,
     /// The batch at the sink, and when it was handed out.
     at_sink: Option<(u64, Arc<[OutboxRow]>, std::time::Instant)>,
-    watch: SlotWatch,
+    /// Held for its task: dropping it stops the watching.
+    _watch: SlotWatch,
     /// `drain`: the marker was emitted, and read back.
     drain_marker: (bool, bool),
     /// The last position handed to the replication client to confirm.
@@ -105,9 +110,15 @@ pub(crate) struct WalSource {
     drain_prefix: String,
     /// Since when writes have not found their rows (see `UNFOUND_GRACE`).
     unfound_since: Option<Instant>,
-    /// How long the next recovery waits: doubling from 100 ms to 5 s while
+    /// How long the next recovery waits: doubling from 100 ms to 2 s while
     /// failures repeat, back to 100 ms once a batch went through.
     retry_in: crate::backoff::Doubling,
+    /// The server the stream last opened on: another one means a failover.
+    server: Option<Server>,
+    /// The backfill under way, from its start until the stream passed it.
+    backfill: Option<Backfill>,
+    /// `outbox_wal_backfilled_events_total`.
+    backfilled: Counter,
 }
 
 /// What a wait ended with.
@@ -146,17 +157,33 @@ impl WalSource {
         outbox::check(&client, &config.outbox)
             .await
             .map_err(RelayError::Schema)?;
-        let slot = outbox::wal::check_wal(&client, &config.outbox)
+        let slot = outbox::wal::check_wal_setup(&client, &config.outbox)
             .await
             .map_err(RelayError::Schema)?;
         warn_about_mixing(&client, &config).await;
-        info!(
-            slot = %slot.slot,
-            publication = sql.publication(),
-            retained_bytes = slot.retained_bytes,
-            confirmed_lsn = %slot.confirmed_lsn,
-            "log tailing: the slot is ready"
-        );
+        match &slot {
+            Some(slot) if !slot.is_lost() => info!(
+                slot = %slot.slot,
+                publication = sql.publication(),
+                retained_bytes = slot.retained_bytes,
+                confirmed_lsn = %slot.confirmed_lsn,
+                "log tailing: the slot is ready"
+            ),
+            _ => {
+                let why = if slot.is_some() { Why::Lost } else { Why::Missing };
+                if config.wal.cleanup == WalCleanup::None
+                    && let Some(error) = why.without_cleanup(sql.slot())
+                {
+                    return Err(RelayError::Schema(error));
+                }
+                info!(
+                    slot = sql.slot(),
+                    publication = sql.publication(),
+                    "log tailing: the slot is {}; it is made again once this relay reads",
+                    if slot.is_some() { "invalidated" } else { "missing" }
+                );
+            }
+        }
         ctx.health().postgres("", None);
         let mut watch_pg = pg.clone();
         watch_pg
@@ -168,6 +195,7 @@ impl WalSource {
             config,
             pg,
             window_gauge: metrics::gauge!(metric::WAL_WINDOW, &[ctx.label()]),
+            backfilled: metrics::counter!(metric::WAL_BACKFILLED, &[ctx.label()]),
             ctx,
             receipts,
             unwritten: Vec::new(),
@@ -175,12 +203,14 @@ impl WalSource {
             turn: None,
             stream: None,
             at_sink: None,
-            watch,
+            _watch: watch,
             drain_marker: (false, false),
             confirmed: 0,
             drain_prefix: format!("outbox-drain:{}", sql.slot()),
-            retry_in: crate::backoff::Doubling::new(FIRST_RETRY, Duration::from_secs(5)),
+            retry_in: crate::backoff::Doubling::new(FIRST_RETRY, crate::backoff::RECONNECT_MAX),
             unfound_since: None,
+            server: None,
+            backfill: None,
             sql,
         }))
     }
@@ -195,6 +225,9 @@ impl WalSource {
     fn reset(&mut self) {
         self.stream = None;
         self.at_sink = None;
+        // A backfill not finished is owed still (the publication's mark):
+        // the next reader starts it over.
+        self.backfill = None;
         // Read again, so delivered (and booked) again.
         self.unwritten.clear();
         self.window = window(&self.config);
@@ -227,35 +260,29 @@ impl WalSource {
             };
             let mut pg = self.pg.clone();
             pg.postgres_mut().application_name("outbox-relay turn");
-            match Turn::take(&pg, Arc::clone(&self.sql), timing, cancel).await {
+            match Turn::take(&pg, Arc::clone(&self.sql), timing, &self.ctx, cancel).await {
                 Some(turn) => self.turn = Some(turn),
                 None => return Ok(false),
             }
         }
         if self.stream.is_none() {
-            let config = stream::config(&self.pg, self.sql.slot(), self.sql.publication());
-            let schema = self.config.outbox.schema.as_str();
-            let table = self.config.outbox.table.as_str();
+            let host = stream::primary(&self.pg, &self.sql).await?;
+            let config = stream::config(&host, self.sql.slot(), self.sql.publication());
             let mut said_busy = false;
             let client = loop {
-                match stream::open(config.clone()).await {
-                    Ok(c) => break c,
+                let (mut client, server) = stream::connect(config.clone())
+                    .await
+                    .map_err(SourceError::Replication)?;
+                self.prepare(server).await?;
+                match stream::start(&mut client).await {
+                    Ok(()) => break client,
                     Err(e) if stream::is_slot_busy(&e) => {
                         if !said_busy {
                             info!(error = %e, "the previous reader still holds the slot; waiting for it to let go");
                             said_busy = true;
                         }
                     }
-                    Err(e) => {
-                        // A slot PostgreSQL invalidated or someone dropped
-                        // fails every reconnect: stop and say so.
-                        let sql = Arc::clone(&self.sql);
-                        let state = sql.slot_state(self.client().await?).await?;
-                        if let Some(problem) = Problem::of(state.as_ref()) {
-                            return Err(fatal(&problem, sql.slot()));
-                        }
-                        return Err(SourceError::Replication(e));
-                    }
+                    Err(e) => return Err(SourceError::Replication(e)),
                 }
                 tokio::select! {
                     () = cancel.cancelled() => return Ok(false),
@@ -265,20 +292,136 @@ impl WalSource {
                     return Ok(true);
                 }
             };
-            info!(slot = self.slot(), "streaming the slot");
+            info!(slot = self.slot(), host = %host.target(), "streaming the slot");
             self.ctx.health().postgres("", None);
+            let (schema, table) = (&self.config.outbox.schema, &self.config.outbox.table);
             self.stream = Some(Stream {
                 client,
-                decoder: Decoder::new(schema, table, self.sql.prefix()),
+                decoder: Decoder::new(schema.as_str(), table.as_str(), self.sql.prefix()),
             });
         }
         Ok(true)
+    }
+
+    /// Before the stream starts on `server`: whether the stream alone
+    /// holds every undelivered event, and if not, the slot made again (if
+    /// it is gone) and a backfill begun (see [`backfill`]).
+    async fn prepare(&mut self, server: Server) -> Result<(), SourceError> {
+        let sql = Arc::clone(&self.sql);
+        let slot = sql.slot().to_owned();
+        let before = self.server.replace(server.clone());
+        let client = self.client().await?;
+        let state = sql.slot_state(client).await?;
+        let owed = sql.backfill_owed(client).await?;
+        let why = match &state {
+            None => Why::Missing,
+            Some(s) if s.is_lost() => Why::Lost,
+            Some(_) if owed => Why::Owed,
+            Some(_) => match before.filter(|b| *b != server) {
+                Some(from) => Why::Moved { from, to: server },
+                None => return Ok(()),
+            },
+        };
+        if self.config.wal.cleanup == WalCleanup::None {
+            if let Some(error) = why.without_cleanup(&slot) {
+                return Err(fatal(error));
+            }
+            warn!(
+                %slot,
+                ?why,
+                "another server answers (a failover) and it has the slot: streaming it as it is \
+                 (--wal-cleanup none keeps delivered rows, so the table cannot be backfilled)"
+            );
+            return Ok(());
+        }
+        match &why {
+            Why::Missing => warn!(
+                %slot,
+                "the replication slot is missing (a failover to a standby, or it was dropped): \
+                 creating it again, then delivering the table's undelivered rows before streaming"
+            ),
+            Why::Lost => error!(
+                %slot,
+                "PostgreSQL invalidated the replication slot (it fell more than max_slot_wal_keep_size behind): \
+                 creating it again, then delivering the table's undelivered rows before streaming; \
+                 emitted events in the lost WAL cannot be recovered"
+            ),
+            Why::Owed => warn!(
+                %slot,
+                "a backfill of the table is owed (a relay stopped before finishing one, or the slot was made again): \
+                 delivering the table's undelivered rows before streaming"
+            ),
+            Why::Moved { from, to } => warn!(
+                %slot,
+                from = %from,
+                to = %to,
+                "the server changed under the relay (timeline {} → {}): a failover; it has the slot: \
+                 delivering the table's undelivered rows before streaming it",
+                from.timeline,
+                to.timeline
+            ),
+        }
+        let client = self.client().await?;
+        if why.recreates() {
+            if !sql.publication_exists(client).await? {
+                return Err(fatal(outbox::Error::WalNotSetUp {
+                    what: format!("the publication {} does not exist", sql.publication()),
+                }));
+            }
+            if why == Why::Lost {
+                sql.drop_slot(client).await?;
+            }
+        }
+        // The mark before the slot: a relay dying in between finds the
+        // slot missing, or the mark, and starts over.
+        if !owed {
+            mark(&sql, client).await?;
+        }
+        if why.recreates() {
+            sql.create_slot(client).await?;
+            metrics::counter!(
+                metric::WAL_SLOT_RECREATED,
+                &[self.ctx.label(), ("reason", why.label().to_owned())]
+            )
+            .increment(1);
+        }
+        let client = self.client().await?;
+        self.backfill = Some(Backfill::start(why, &sql, client).await?);
+        Ok(())
+    }
+
+    /// Reads the backfill's pages into the window while it has room.
+    async fn read_backfill(&mut self) -> Result<(), SourceError> {
+        while self.window.has_room() && self.backfill.as_ref().is_some_and(Backfill::reading) {
+            let sql = Arc::clone(&self.sql);
+            let (rows, bytes) = (self.config.batch_size, self.config.batch_max_bytes);
+            self.client().await?;
+            let (Some(backfill), Some(client)) = (&mut self.backfill, &self.client) else {
+                return Ok(());
+            };
+            let before = backfill.rows;
+            backfill
+                .read_page(&sql, client, &mut self.window, rows, bytes)
+                .await?;
+            self.backfilled.increment(backfill.rows - before);
+            if !backfill.reading() {
+                info!(
+                    rows = backfill.rows,
+                    "backfill: every undelivered row of the table is read; the stream follows"
+                );
+            }
+            self.show_window();
+        }
+        Ok(())
     }
 
     /// Moves what the replication client has buffered into the window,
     /// without waiting, while it has room.
     fn pull(&mut self) -> Result<(), SourceError> {
         self.note_sent();
+        if self.backfilling() {
+            return Ok(());
+        }
         while self.window.has_room() {
             let Some(stream) = &mut self.stream else {
                 return Ok(());
@@ -301,13 +444,35 @@ impl WalSource {
             .ok_or(SourceError::ConnectionLost)?;
         match event {
             ReplicationEvent::Begin { .. } => self.window.begin(),
-            ReplicationEvent::Commit { end_lsn, .. } => self.window.commit(end_lsn.as_u64()),
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                self.window.commit(end_lsn.as_u64());
+                if let Some(backfill) = &mut self.backfill {
+                    backfill.passed(end_lsn.as_u64());
+                    if backfill.is_over() {
+                        info!(skipped = backfill.skipped, "backfill: the stream is past it");
+                        self.backfill = None;
+                    }
+                }
+            }
             ReplicationEvent::XLogData { data, .. } => {
                 let decoded = stream
                     .decoder
                     .data(&data)
                     .map_err(|e| SourceError::Decode(e.to_string()))?;
-                self.push(decoded);
+                // Committed after the slot's start and read by the
+                // backfill, which delivered it: not twice.
+                let backfilled = match (&decoded, &mut self.backfill) {
+                    (
+                        Some(Decoded {
+                            table_id: Some(id), ..
+                        }),
+                        Some(b),
+                    ) => b.delivered(*id),
+                    _ => false,
+                };
+                if !backfilled {
+                    self.push(decoded);
+                }
             }
             ReplicationEvent::Message {
                 transactional,
@@ -353,6 +518,11 @@ impl WalSource {
         }
     }
 
+    /// Whether a backfill still has pages to read: the stream waits.
+    fn backfilling(&self) -> bool {
+        self.backfill.as_ref().is_some_and(Backfill::reading)
+    }
+
     fn push(&mut self, decoded: Option<Decoded>) {
         if let Some(d) = decoded {
             self.window.push(d.row, d.table_id, d.unreadable, d.bytes);
@@ -367,6 +537,12 @@ impl WalSource {
     /// committed: a settled batch's deletes and dead letters are what make
     /// it durable (the confirmed position only follows them).
     async fn flush(&mut self) -> Result<(), SourceError> {
+        // Asked before the writes are taken: they then include the last
+        // backfilled rows'.
+        let owes_nothing = self
+            .backfill
+            .as_ref()
+            .is_some_and(|b| b.owes_nothing(&self.window));
         let (writes, confirmable) = self.window.take_writes();
         // Taken now: a failed write drops them (the batches are read and
         // delivered again after the reset that follows).
@@ -393,6 +569,23 @@ impl WalSource {
                 );
             }
             self.unfound_since = None;
+        }
+        if owes_nothing {
+            let sql = Arc::clone(&self.sql);
+            sql.clear_backfill(self.client().await?).await?;
+            if let Some(b) = &mut self.backfill {
+                b.cleared();
+                warn!(
+                    slot = sql.slot(),
+                    why = ?b.why,
+                    rows = b.rows,
+                    elapsed_ms = u64::try_from(b.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    "backfill done: the table's undelivered rows are delivered; streaming the slot"
+                );
+                if b.is_over() {
+                    self.backfill = None;
+                }
+            }
         }
         for (batch, claimed, started, outcomes) in settled {
             self.receipts.durable(batch, claimed, started, outcomes);
@@ -421,7 +614,10 @@ impl WalSource {
             self.drain_marker.0 = true;
             return Ok(false);
         }
-        Ok(self.drain_marker.1 && self.window.is_idle() && self.at_sink.is_none())
+        Ok(self.drain_marker.1
+            && self.window.is_idle()
+            && self.at_sink.is_none()
+            && self.backfill.as_ref().is_none_or(|b| !b.owes()))
     }
 
     /// Waits for the stream, the next retry, a tick, the turn running out
@@ -441,7 +637,8 @@ impl WalSource {
             Some(t) => t.lapse(),
             None => futures::future::pending().boxed(),
         };
-        let room = self.window.has_room();
+        // The stream waits while a backfill has pages to read.
+        let room = self.window.has_room() && !self.backfilling();
         let Some(stream) = &mut self.stream else {
             return Woke::Tick;
         };
@@ -479,9 +676,29 @@ async fn warn_about_mixing(client: &Client, config: &RelayConfig) {
     }
 }
 
-/// What the relay stops with when the slot is gone.
-fn fatal(problem: &Problem, slot: &str) -> SourceError {
-    SourceError::Fatal(RelayError::Schema(problem.error(slot)))
+/// What the relay stops with.
+fn fatal(error: outbox::Error) -> SourceError {
+    SourceError::Fatal(RelayError::Schema(error))
+}
+
+/// Sets the publication's mark. A role that does not own the publication
+/// cannot: the relay stops, saying so (`outbox migrate --wal` run by the
+/// owner marks it and makes the slot; this relay then backfills).
+async fn mark(sql: &WalSql, client: &Client) -> Result<(), SourceError> {
+    match sql.mark_backfill(client).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            Err(fatal(outbox::Error::WalNotSetUp {
+                what: format!(
+                    "the relay's role may not mark the publication {} (only its owner may comment on it), \
+                     which making the slot again without losing rows needs: {}",
+                    sql.publication(),
+                    error_chain(&e)
+                ),
+            }))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// An empty window for `config`: unfinished payloads bounded at two
@@ -576,6 +793,7 @@ impl Source for WalSource {
             if !self.turn_valid() {
                 continue;
             }
+            self.read_backfill().await?;
             self.pull()?;
             let now = Instant::now();
             if self.window.has_ready(now) {
@@ -597,9 +815,6 @@ impl Source for WalSource {
                 }
             }
             self.flush().await?;
-            if let Some(problem) = self.watch.problem() {
-                return Err(fatal(&problem, self.sql.slot()));
-            }
             if self.config.drain && self.drained().await? {
                 return Ok(Claim::Drained);
             }

@@ -1,6 +1,16 @@
 //! The replication connection: `START_REPLICATION … LOGICAL` with pgoutput
-//! over the same host, credentials and TLS settings as every other
-//! connection of the relay, through `pgwire-replication`.
+//! with the same credentials and TLS settings as every other connection of
+//! the relay, through `pgwire-replication`, to the one host that is not a
+//! standby.
+//!
+//! The crate takes one host, and a slot lives on the primary only. So with
+//! several hosts in the URL (a primary and its standbys), [`primary`] asks
+//! each in turn, on a normal connection, whether it is in recovery, and
+//! the stream goes to the first that is not: after a failover, the one
+//! promoted. The session is opened gated ([`connect`]): it reports the
+//! server's system identifier and timeline (`IDENTIFY_SYSTEM`), so the
+//! source can tell a failover and prepare the slot, before [`start`] sends
+//! `START_REPLICATION` on that same session.
 //!
 //! Why that crate: it speaks the replication protocol on its own (no
 //! libpq, no fork of tokio-postgres), uses the rustls and ring the relay
@@ -12,10 +22,16 @@
 
 use std::time::Duration;
 
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, SslMode as WireSsl, TlsConfig};
+use outbox::sql::WalSql;
+use pgwire_replication::{
+    Lsn, PgWireError, ReplicationClient, ReplicationConfig, SslMode as WireSsl, TlsConfig,
+};
 use tokio_postgres::config::Host;
 
+use super::backfill::Server;
+use crate::error::error_chain;
 use crate::pg::{PgConfig, Roots, SslMode};
+use crate::source::SourceError;
 
 /// How often the confirmed position is reported while it moves: short, as
 /// events count against the window until it went out (a crash re-sends
@@ -28,8 +44,30 @@ pub(crate) const STATUS_INTERVAL: Duration = Duration::from_millis(10);
 /// events this is what bounds the memory read ahead.
 const BUFFERED_EVENTS: usize = 256;
 
-/// The replication session's settings for `pg`, reading `slot` through
-/// `publication`.
+/// Which host of `pg` to stream from: with several hosts, the first that is
+/// not a standby (`pg_is_in_recovery()`), as a config of that host alone;
+/// with one, `pg` itself.
+pub(crate) async fn primary(pg: &PgConfig, sql: &WalSql) -> Result<PgConfig, SourceError> {
+    if !pg.has_several_hosts() {
+        return Ok(pg.clone());
+    }
+    let mut tried = Vec::new();
+    for one in pg.per_host() {
+        let asked = async {
+            let client = crate::pg::connect_once(&one).await?;
+            sql.in_recovery(&client).await
+        };
+        match asked.await {
+            Ok(false) => return Ok(one),
+            Ok(true) => tried.push(format!("{}: a standby", one.target())),
+            Err(error) => tried.push(format!("{}: {}", one.target(), error_chain(&error))),
+        }
+    }
+    Err(SourceError::NoPrimary(tried.join("; ")))
+}
+
+/// The replication session's settings for `pg` (its first host), reading
+/// `slot` through `publication`.
 pub(crate) fn config(pg: &PgConfig, slot: &str, publication: &str) -> ReplicationConfig {
     let postgres = pg.postgres();
     let port = postgres.get_ports().first().copied().unwrap_or(5432);
@@ -79,19 +117,30 @@ pub(crate) fn config(pg: &PgConfig, slot: &str, publication: &str) -> Replicatio
         .with_buffer_size(BUFFERED_EVENTS)
 }
 
-/// Opens the stream and waits until the server accepted
-/// `START_REPLICATION`: from then on this session holds the slot.
-pub(crate) async fn open(
-    config: ReplicationConfig,
-) -> Result<ReplicationClient, pgwire_replication::PgWireError> {
-    let mut client = ReplicationClient::connect(config).await?;
-    client.wait_started().await?;
-    Ok(client)
+/// Opens a gated session (authenticated, not streaming yet) and asks the
+/// server who it is.
+pub(crate) async fn connect(config: ReplicationConfig) -> Result<(ReplicationClient, Server), PgWireError> {
+    let mut client = ReplicationClient::connect_gated(config).await?;
+    let system = client.identify_system().await?;
+    Ok((
+        client,
+        Server {
+            system: system.system_id,
+            timeline: system.timeline,
+        },
+    ))
+}
+
+/// Sends `START_REPLICATION` on a session from [`connect`] and waits until
+/// the server accepted it: from then on this session holds the slot.
+pub(crate) async fn start(client: &mut ReplicationClient) -> Result<(), PgWireError> {
+    client.start().await?;
+    client.wait_started().await
 }
 
 /// Whether the server refused because another session streams the slot
 /// (the reader that lost its turn has not let go yet).
-pub(crate) fn is_slot_busy(error: &pgwire_replication::PgWireError) -> bool {
+pub(crate) fn is_slot_busy(error: &PgWireError) -> bool {
     // object_in_use: "replication slot … is active for PID …".
-    matches!(error, pgwire_replication::PgWireError::Server(m) if m.contains("SQLSTATE 55006"))
+    matches!(error, PgWireError::Server(m) if m.contains("SQLSTATE 55006"))
 }

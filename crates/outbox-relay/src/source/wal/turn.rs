@@ -19,6 +19,10 @@
 //!   terminated it before then, since the server saw that heartbeat after
 //!   it was sent. A reader whose heartbeat fails stops delivering when that
 //!   runs out, as a polling relay does when its lease does.
+//! - A reader whose lock session is closed (the server went away: a
+//!   restart, a failover) holds nothing: the lock went with the session,
+//!   and a standby may take it on the server that answers now. Its turn
+//!   ends at once, and it queues for the turn again like any standby.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +37,7 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::context::RelayContext;
 use crate::error::error_chain;
 use crate::pg::PgConfig;
 
@@ -40,6 +45,8 @@ use crate::pg::PgConfig;
 /// the lock's session, which hands the turn on.
 pub(crate) struct Turn {
     valid_until: watch::Receiver<Instant>,
+    /// The lock's session, shared with the heartbeat.
+    session: Arc<Client>,
     stop: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -69,25 +76,45 @@ impl Timing {
 
 impl Turn {
     /// Waits, as a standby, until this relay holds the turn. `None` if
-    /// `cancel` fired first.
+    /// `cancel` fired first. A connection that fails is `ctx`'s PostgreSQL
+    /// problem (`/readyz`) until one works.
     pub(crate) async fn take(
         pg: &PgConfig,
         sql: Arc<WalSql>,
         timing: Timing,
+        ctx: &RelayContext,
         cancel: &CancellationToken,
     ) -> Option<Turn> {
         let mut said_standby = false;
         let mut client: Option<Client> = None;
+        // A server that does not answer (restarting, or no primary yet
+        // during a failover) is tried again sooner than the lock.
+        let mut reconnect =
+            crate::backoff::Doubling::new(crate::backoff::RECONNECT_FIRST, crate::backoff::RECONNECT_MAX);
         loop {
             if cancel.is_cancelled() {
                 return None;
             }
             if client.as_ref().is_none_or(Client::is_closed) {
                 client = match crate::pg::connect_once(pg).await {
-                    Ok(c) => Some(c),
+                    Ok(c) => {
+                        reconnect.reset();
+                        Some(c)
+                    }
                     Err(error) => {
-                        warn!(error = %error_chain(&error), "the turn's connection failed; retrying");
-                        None
+                        let delay = reconnect.next_delay();
+                        let problem = format!("reconnecting: {}", error_chain(&error));
+                        ctx.health().postgres("", Some(problem));
+                        warn!(
+                            error = %error_chain(&error),
+                            retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                            "the turn's connection failed; retrying"
+                        );
+                        tokio::select! {
+                            () = cancel.cancelled() => return None,
+                            () = tokio::time::sleep(delay) => {}
+                        }
+                        continue;
                     }
                 };
             }
@@ -172,17 +199,20 @@ impl Turn {
     fn hold(client: Client, sql: Arc<WalSql>, timing: Timing, valid_until: Instant) -> Turn {
         let (tx, rx) = watch::channel(valid_until);
         let stop = CancellationToken::new();
-        let task = tokio::spawn(heartbeat(client, sql, timing, tx, stop.clone()));
+        let session = Arc::new(client);
+        let task = tokio::spawn(heartbeat(Arc::clone(&session), sql, timing, tx, stop.clone()));
         Turn {
             valid_until: rx,
+            session,
             stop,
             task,
         }
     }
 
-    /// Whether the standbys cannot yet have taken over.
+    /// Whether the standbys cannot yet have taken over: the lock's session
+    /// is open and its heartbeat recent enough.
     pub(crate) fn is_valid(&self) -> bool {
-        *self.valid_until.borrow() > Instant::now()
+        !self.session.is_closed() && *self.valid_until.borrow() > Instant::now()
     }
 
     /// Resolves once the turn ran out (heartbeats failed for too long).
@@ -215,7 +245,7 @@ impl Turn {
 
 /// The reader's heartbeat: one query per interval on the lock's session.
 async fn heartbeat(
-    client: Client,
+    client: Arc<Client>,
     sql: Arc<WalSql>,
     timing: Timing,
     valid_until: watch::Sender<Instant>,
@@ -227,7 +257,7 @@ async fn heartbeat(
             () = tokio::time::sleep(timing.interval()) => {}
         }
         let sent = Instant::now();
-        let beat = tokio::time::timeout(timing.interval(), sql.heartbeat(&client)).await;
+        let beat = tokio::time::timeout(timing.interval(), sql.heartbeat(&*client)).await;
         match beat {
             Ok(Ok(())) => {
                 debug!(slot = sql.slot(), "turn heartbeat");

@@ -1,8 +1,10 @@
 //! Watching the slot: its state read every few seconds on a connection of
 //! its own, for the gauges (`outbox_wal_retained_bytes`,
-//! `outbox_wal_lag_bytes`), the warning above `--wal-retained-warn`, and
-//! the one problem reconnecting cannot fix: the slot invalidated or
-//! dropped, which stops the relay.
+//! `outbox_wal_lag_bytes`) and the warning above `--wal-retained-warn`.
+//! Not what happens when the slot is gone or invalidated: the stream fails
+//! then (PostgreSQL ends the session of a slot it invalidates; a failover
+//! ends every session), and the source finds out when it opens it again
+//! (`backfill`).
 //!
 //! A task of its own because the relay loop stops calling the source while
 //! a sink is down, which is exactly when the retained WAL grows and the
@@ -13,7 +15,6 @@ use std::time::Duration;
 
 use metrics::Gauge;
 use outbox::sql::{SlotState, WalSql};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -26,41 +27,8 @@ use crate::pg::PgConfig;
 /// How often the slot's state is read.
 const EVERY: Duration = Duration::from_secs(5);
 
-/// Why the relay cannot go on reading the slot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Problem {
-    /// PostgreSQL invalidated it (`wal_status = lost`).
-    Lost,
-    /// Somebody dropped it.
-    Dropped,
-}
-
-impl Problem {
-    /// What the relay stops with.
-    pub(crate) fn error(&self, slot: &str) -> outbox::Error {
-        match self {
-            Problem::Lost => outbox::Error::SlotInvalidated {
-                slot: slot.to_owned(),
-            },
-            Problem::Dropped => outbox::Error::WalNotSetUp {
-                what: format!("the replication slot {slot} was dropped"),
-            },
-        }
-    }
-
-    /// The problem `state` shows, if any.
-    pub(crate) fn of(state: Option<&SlotState>) -> Option<Problem> {
-        match state {
-            None => Some(Problem::Dropped),
-            Some(s) if s.is_lost() => Some(Problem::Lost),
-            Some(_) => None,
-        }
-    }
-}
-
 /// The running watch. Dropping it stops the task.
 pub(crate) struct SlotWatch {
-    problem: watch::Receiver<Option<Problem>>,
     stop: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -80,24 +48,14 @@ impl SlotWatch {
         retained_warn: u64,
         ctx: &crate::RelayContext,
     ) -> SlotWatch {
-        let (tx, rx) = watch::channel(None);
         let stop = CancellationToken::new();
         let labels = [ctx.label(), ("slot", sql.slot().to_owned())];
         let gauges = Gauges {
             retained: metrics::gauge!(metric::WAL_RETAINED, &labels),
             lag: metrics::gauge!(metric::WAL_LAG, &labels),
         };
-        let task = tokio::spawn(run(pg, sql, retained_warn, gauges, tx, stop.clone()));
-        SlotWatch {
-            problem: rx,
-            stop,
-            task,
-        }
-    }
-
-    /// The problem found, if any.
-    pub(crate) fn problem(&self) -> Option<Problem> {
-        self.problem.borrow().clone()
+        let task = tokio::spawn(run(pg, sql, retained_warn, gauges, stop.clone()));
+        SlotWatch { stop, task }
     }
 }
 
@@ -106,14 +64,7 @@ struct Gauges {
     lag: Gauge,
 }
 
-async fn run(
-    pg: PgConfig,
-    sql: Arc<WalSql>,
-    retained_warn: u64,
-    gauges: Gauges,
-    problem: watch::Sender<Option<Problem>>,
-    stop: CancellationToken,
-) {
+async fn run(pg: PgConfig, sql: Arc<WalSql>, retained_warn: u64, gauges: Gauges, stop: CancellationToken) {
     let mut client: Option<Client> = None;
     let mut over = false;
     loop {
@@ -122,12 +73,10 @@ async fn run(
         }
         if let Some(c) = &client {
             match sql.slot_state(c).await {
+                // Gone or invalidated: the source makes it again; the
+                // gauges wait for that.
                 Ok(state) => {
-                    if let Some(p) = Problem::of(state.as_ref()) {
-                        problem.send_replace(Some(p));
-                        return;
-                    }
-                    if let Some(state) = state {
+                    if let Some(state) = state.filter(|s| !s.is_lost()) {
                         over = show(&state, &gauges, retained_warn, over);
                     }
                 }

@@ -265,6 +265,17 @@ impl Window {
         });
     }
 
+    /// The number of the newest transaction begun, if any was.
+    pub(crate) fn last_txn(&self) -> Option<u64> {
+        (self.first_txn + self.txns.len() as u64).checked_sub(1)
+    }
+
+    /// Whether transaction `txn` and every one before it are finished (their
+    /// writes are then queued or taken).
+    pub(crate) fn finished_through(&self, txn: u64) -> bool {
+        self.first_txn > txn
+    }
+
     /// The current transaction's commit, ending at `end`.
     pub(crate) fn commit(&mut self, end: u64) {
         if let Some(t) = self.txns.back_mut().filter(|_| self.in_txn) {
@@ -618,6 +629,31 @@ mod tests {
         assert!(!w.has_room(), "finished is not enough");
         w.sent(10);
         assert!(w.has_room());
+    }
+
+    #[test]
+    fn a_transaction_is_finished_through_once_popped_and_numbers_run_on() {
+        let mut w = Window::new(100, u64::MAX, true);
+        let now = Instant::now();
+        assert_eq!(w.last_txn(), None);
+        w.begin();
+        w.push(row(1, "a"), Some(1), None, 1);
+        w.commit(0);
+        let first = w.last_txn().unwrap();
+        w.begin();
+        w.push(row(2, "b"), Some(2), None, 1);
+        w.commit(30);
+        assert!(!w.finished_through(first));
+        let (rows, _) = w.next_batch(now, 1, u64::MAX);
+        w.settle(&rows, &Failures::default(), now);
+        assert!(w.finished_through(first), "the first is done");
+        assert!(!w.finished_through(first + 1));
+        let (writes, confirmable) = w.take_writes();
+        assert_eq!(
+            (writes.delete, confirmable),
+            (vec![1], Some(0)),
+            "confirming position 0 moves nothing"
+        );
     }
 
     #[test]
