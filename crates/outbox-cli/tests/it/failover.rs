@@ -456,3 +456,188 @@ async fn issue_32_wal_relay_makes_its_slot_again_after_a_failover() {
     eprintln!("wal: {backfilled} rows backfilled");
     stop_relay(relay).await;
 }
+
+/// `n` events, one transaction each, round robin over aggregates `a0`..`a3`,
+/// steps from `from`.
+async fn write_steps(client: &mut Client, from: usize, n: usize) {
+    for i in from..from + n {
+        let event = Event::new(
+            "orders",
+            format!("a{}", i % 4),
+            "Step",
+            json!({"aggregate": format!("a{}", i % 4), "step": i / 4}),
+        );
+        let tx = client.transaction().await.unwrap();
+        Outbox::default().enqueue(&tx, &event).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
+/// Per aggregate, the steps of first deliveries in arrival order, and
+/// how many deliveries each event got.
+fn arrivals(received: &[Post]) -> (HashMap<String, Vec<u64>>, HashMap<String, usize>) {
+    let mut steps: HashMap<String, Vec<u64>> = HashMap::new();
+    let mut times: HashMap<String, usize> = HashMap::new();
+    for post in received {
+        let id = post.body["event_id"].as_str().unwrap().to_owned();
+        let n = times.entry(id).or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            let aggregate = post.body["aggregate_id"].as_str().unwrap().to_owned();
+            steps
+                .entry(aggregate)
+                .or_default()
+                .push(post.body["payload"]["step"].as_u64().unwrap());
+        }
+    }
+    (steps, times)
+}
+
+/// 100 events delivered and deleted on the first primary, then a failover
+/// while nobody streams; on the promoted server 50 events, then a slot
+/// appears (`setup`: made by someone else, or by `outbox migrate --wal`),
+/// then 50 more. The 50 in between are in no slot: only the table has
+/// them. Returns the receiver, once all 200 arrived, and the relay.
+async fn slot_made_by_someone_else(setup: &str) -> (Receiver, Spawned, String, Client) {
+    let Pair {
+        mut primary,
+        mut standby,
+        url,
+    } = Pair::start(
+        PgSettings::default().set("wal_level", "logical"),
+        true,
+        "127.0.0.1",
+        "",
+    )
+    .await;
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let addr = http_addr();
+    let args = ["--source", "wal", "--http", addr.as_str()];
+    let relay = start_relay(&url, &receiver.url(), &args, &[]).await;
+    let mut client = connect(&url).await.unwrap();
+    write_steps(&mut client, 0, 100).await;
+    receiver.wait_for_count(100, LONG).await.unwrap();
+    wait_until("the delivered rows deleted", LONG, || async {
+        client
+            .query_one("SELECT count(*) FROM outbox", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+    })
+    .await;
+    // The relay sleeps through the failover ("sigstop"), or is stopped
+    // and started again ("migrate").
+    let sigstop = setup == "sigstop";
+    let mut asleep = None;
+    if sigstop {
+        relay.signal(nix::sys::signal::Signal::SIGSTOP).unwrap();
+        asleep = Some(relay);
+    } else {
+        stop_relay(relay).await;
+    }
+    primary.stop_immediate().await.unwrap();
+    standby.promote().await.unwrap();
+    let mut client = connect(&url).await.unwrap();
+    write_steps(&mut client, 100, 50).await;
+    if sigstop {
+        outbox::sql::WalSql::new(&Config::default())
+            .unwrap()
+            .create_slot(&client)
+            .await
+            .unwrap();
+    } else {
+        let out = crate::support::run_cli(&["migrate", "--wal"], &[("DATABASE_URL", url.as_str())]).await;
+        assert!(out.status.success(), "{}", crate::support::text(&out.stderr));
+        assert!(
+            crate::support::text(&out.stdout).contains("replication slot public_outbox: created"),
+            "{}",
+            crate::support::text(&out.stdout)
+        );
+        assert!(
+            crate::wal::backfill_owed(&client).await,
+            "migrate --wal marked the publication"
+        );
+    }
+    write_steps(&mut client, 150, 50).await;
+    let relay = match asleep {
+        Some(relay) => {
+            relay.signal(nix::sys::signal::Signal::SIGCONT).unwrap();
+            relay
+        }
+        None => start_relay(&url, &receiver.url(), &args, &[]).await,
+    };
+    if tokio::time::timeout(LONG, receiver.wait_for_count(200, LONG))
+        .await
+        .is_err()
+    {
+        for line in relay.lines().iter().rev().take(60).rev() {
+            eprintln!("relay: {line}");
+        }
+    }
+    receiver.wait_for_count(200, LONG).await.unwrap();
+    wait_until("the backfill's mark cleared", LONG, || async {
+        !crate::wal::backfill_owed(&client).await
+    })
+    .await;
+    (receiver, relay, addr, client)
+}
+
+/// Checks the 200 events of [`slot_made_by_someone_else`] arrived once
+/// each, in order per aggregate, 150 of them from the table.
+async fn check_backfilled(receiver: &Receiver, addr: &str) {
+    let received = receiver.received();
+    let (steps, times) = arrivals(&received);
+    assert_eq!(times.len(), 200, "every event");
+    assert!(
+        times.values().all(|n| *n == 1),
+        "each once (the stream's copies of backfilled rows dropped): {} deliveries",
+        received.len()
+    );
+    for (aggregate, steps) in &steps {
+        assert!(steps.is_sorted(), "{aggregate}: {steps:?}");
+        assert_eq!(steps.len(), 50, "{aggregate}");
+    }
+    let (body, s) = scrape(addr).await;
+    assert_eq!(
+        value(&s, "outbox_wal_backfilled_events_total", &[]),
+        Some(100.0),
+        "{body}"
+    );
+    assert_eq!(
+        value(&s, "outbox_wal_slot_recreated_total", &[("reason", "missing")]),
+        None,
+        "the slot was there: {body}"
+    );
+}
+
+/// A slot on the promoted server the relay did not make (Patroni's
+/// permanent slots, or a script): the relay sees the timeline change
+/// (`IDENTIFY_SYSTEM`), keeps the slot and delivers the table's rows
+/// first. Without that, the 50 rows written before the slot existed would
+/// never be delivered.
+#[tokio::test]
+async fn issue_32_wal_relay_backfills_when_the_promoted_server_already_has_a_slot() {
+    let (receiver, relay, addr, _client) = slot_made_by_someone_else("sigstop").await;
+    check_backfilled(&receiver, &addr).await;
+    let lines = stop_relay(relay).await;
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l.contains("the server changed under the relay (timeline 1 → 2)"))
+            .count(),
+        1,
+        "{lines:#?}"
+    );
+}
+
+/// After a failover a person (or a deploy) runs `outbox migrate --wal` on
+/// the promoted server before the relay starts: the slot it makes starts
+/// late, so it leaves the mark on the publication, and the relay delivers
+/// the table's rows first.
+#[tokio::test]
+async fn issue_32_migrate_wal_after_a_failover_leaves_the_backfill_to_the_relay() {
+    let (receiver, relay, addr, _client) = slot_made_by_someone_else("migrate").await;
+    check_backfilled(&receiver, &addr).await;
+    stop_relay(relay).await;
+}

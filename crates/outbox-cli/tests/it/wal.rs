@@ -321,8 +321,10 @@ async fn a_frozen_reader_loses_its_turn_and_sends_nothing_when_it_wakes() {
     stop_relay(standby).await;
 }
 
-#[tokio::test]
-async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_s_rows() {
+/// A cluster whose outbox's slot PostgreSQL invalidated (a tiny
+/// `max_slot_wal_keep_size`, WAL written past it while nobody read), with
+/// 50 undelivered rows of 5 aggregates in the table.
+async fn lost_slot() -> (Postgres, String, Client) {
     let pg = Postgres::start_with(
         PgSettings::default()
             .set("wal_level", "logical")
@@ -336,7 +338,6 @@ async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_
     outbox::wal::migrate_wal(&client, &Config::default())
         .await
         .unwrap();
-    let redis = Redis::start().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let events: Vec<Event> = (0..50)
         .map(|i| Event::new("orders", format!("o{}", i % 5), "E", json!({"i": i})))
@@ -357,8 +358,177 @@ async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_
         .unwrap()
         .get(0);
     assert_eq!(status, "lost");
+    (pg, url, client)
+}
+
+/// Issue 32: an invalidated slot is what a failover leaves, a table with
+/// rows the slot will not decode; the relay makes the slot again and
+/// delivers them itself, in order, and says so.
+#[tokio::test]
+async fn an_invalidated_slot_is_made_again_by_the_relay_which_delivers_the_table_s_rows() {
+    let (_pg, url, client) = lost_slot().await;
+    let redis = Redis::start().await.unwrap();
+    let addr = crate::metrics::http_addr();
+    let relay = start_relay(&url, &redis.url(), &["--source", "wal", "--http", &addr], &[]).await;
+    wait_until("the table's rows delivered", LONG, || async {
+        read_stream(&redis.url(), "outbox.event.orders").await.len() >= 50
+    })
+    .await;
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    assert_eq!(events.len(), 50, "each once");
+    assert_eq!(distinct_events(&events), 50);
+    assert_eq!(order_violations(&events), 0);
+    let (body, s) = crate::metrics::scrape(&addr).await;
+    let value = |name: &str, labels: &[(&str, &str)]| crate::metrics::value(&s, name, labels);
+    assert_eq!(
+        value("outbox_wal_slot_recreated_total", &[("reason", "lost")]),
+        Some(1.0),
+        "{body}"
+    );
+    assert_eq!(
+        value("outbox_wal_backfilled_events_total", &[]),
+        Some(50.0),
+        "{body}"
+    );
+    let status: String = client
+        .query_one("SELECT wal_status FROM pg_replication_slots", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(status, "lost", "a new slot");
+    wait_until("delivered rows deleted, the mark cleared", LONG, || async {
+        let left: i64 = client
+            .query_one("SELECT count(*) FROM outbox", &[])
+            .await
+            .unwrap()
+            .get(0);
+        left == 0 && !backfill_owed(&client).await
+    })
+    .await;
+    // Written after the backfill: streamed.
+    Outbox::default()
+        .enqueue(&client, &Event::new("orders", "o1", "After", json!({})))
+        .await
+        .unwrap();
+    wait_until("the next row streamed", LONG, || async {
+        read_stream(&redis.url(), "outbox.event.orders").await.len() == 51
+    })
+    .await;
+    let lines = stop_relay(relay).await;
+    let said = |words: &str| lines.iter().filter(|l| l.contains(words)).count();
+    assert_eq!(
+        said("PostgreSQL invalidated the replication slot"),
+        1,
+        "{lines:#?}"
+    );
+    assert_eq!(said("backfill done"), 1, "{lines:#?}");
+}
+
+/// Whether the publication carries the WAL source's backfill mark.
+pub async fn backfill_owed(client: &Client) -> bool {
+    outbox::sql::WalSql::new(&Config::default())
+        .unwrap()
+        .backfill_owed(client)
+        .await
+        .unwrap()
+}
+
+/// Issue 32: a relay killed halfway through a backfill. The slot it made
+/// is there and healthy, and would stream only what came after it: the
+/// publication's mark tells the next relay to backfill again, which
+/// delivers every row once more at most, each aggregate in order.
+#[tokio::test]
+async fn a_relay_killed_during_a_backfill_leaves_it_owed_and_the_next_one_finishes_it() {
+    use outbox_testkit::{Receiver, Respond};
+
+    let mut db = WalDb::start().await;
+    db.insert(300, 10).await;
+    // A dropped slot looks like a failover to a standby: the publication
+    // is there, the slot is not.
+    db.client
+        .batch_execute("SELECT pg_drop_replication_slot('public_outbox')")
+        .await
+        .unwrap();
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    receiver.set_delay(Some(Duration::from_millis(20)));
+    let args = ["--source", "wal", "--batch-size", "10"];
+    let mut relay = start_relay(&db.url, &receiver.url(), &args, &[]).await;
+    receiver.wait_for_count(50, LONG).await.unwrap();
+    relay.kill().unwrap();
+    let delivered = receiver.count();
+    assert!(delivered < 300, "killed halfway: {delivered}");
+    assert!(backfill_owed(&db.client).await, "the mark stays");
+    assert_eq!(
+        db.count("SELECT count(*) FROM pg_replication_slots WHERE wal_status <> 'lost'")
+            .await,
+        1,
+        "the slot was made again"
+    );
+    // Rows after the slot: in the stream and in the table.
+    db.insert(20, 10).await;
+    receiver.set_delay(None);
+    let relay = start_relay(&db.url, &receiver.url(), &args, &[]).await;
+    let distinct = |posts: &[outbox_testkit::Post]| {
+        posts
+            .iter()
+            .map(|p| p.body["event_id"].as_str().unwrap().to_owned())
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+    };
+    wait_until("every row delivered", LONG, || async {
+        distinct(&receiver.received()) == 320
+    })
+    .await;
+    wait_until("the mark cleared", LONG, || async {
+        !backfill_owed(&db.client).await
+    })
+    .await;
+    let received = receiver.received();
+    // First deliveries per aggregate in the order written (one writer:
+    // id order).
+    let mut seen = std::collections::HashSet::new();
+    let mut last: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    for post in &received {
+        if !seen.insert(post.body["event_id"].as_str().unwrap().to_owned()) {
+            continue;
+        }
+        let (aggregate, id) = (
+            post.body["aggregate_id"].as_str().unwrap().to_owned(),
+            post.body["outbox_id"].as_i64().unwrap(),
+        );
+        let prev = last.insert(aggregate.clone(), id);
+        assert!(prev.is_none_or(|p| p < id), "{aggregate}: {id} after {prev:?}");
+    }
+    assert!(
+        received.len() <= 320 + delivered,
+        "at most what the first relay sent is sent again: {} deliveries",
+        received.len()
+    );
+    stop_relay(relay).await;
+}
+
+/// With `--wal-cleanup none` the table keeps delivered rows, so the relay
+/// cannot tell what to send again: it stops with exit code 2 naming the
+/// command, and `outbox migrate --wal --recover` (the relay stopped)
+/// re-inserts the undelivered rows for the new slot.
+#[tokio::test]
+async fn with_cleanup_none_an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_s_rows() {
+    let (_pg, url, _client) = lost_slot().await;
+    let redis = Redis::start().await.unwrap();
     let env = [("DATABASE_URL", url.as_str())];
-    let out = run_cli(&["relay", "--sink", &redis.url(), "--source", "wal"], &env).await;
+    let out = run_cli(
+        &[
+            "relay",
+            "--sink",
+            &redis.url(),
+            "--source",
+            "wal",
+            "--wal-cleanup",
+            "none",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(
         text(&out.stderr).contains("outbox migrate --wal --recover"),
@@ -372,7 +542,13 @@ async fn an_invalidated_slot_stops_the_relay_and_the_recovery_resends_the_table_
         "{}",
         text(&out.stdout)
     );
-    let relay = start_relay(&url, &redis.url(), WAL, &[]).await;
+    let relay = start_relay(
+        &url,
+        &redis.url(),
+        &["--source", "wal", "--wal-cleanup", "none"],
+        &[],
+    )
+    .await;
     wait_until("the table's rows delivered", LONG, || async {
         read_stream(&redis.url(), "outbox.event.orders").await.len() == 50
     })

@@ -348,7 +348,7 @@ impl WalSource {
             ),
             Why::Owed => warn!(
                 %slot,
-                "a backfill of the table is owed (a relay stopped before finishing one, or the slot was made again): \
+                "a backfill of the table is owed (a relay died before finishing one, or the slot was made again): \
                  delivering the table's undelivered rows before streaming"
             ),
             Why::Moved { from, to } => warn!(
