@@ -196,8 +196,10 @@ async fn writer(url: String, writer: usize, ledger: Arc<Ledger>) {
     }
 }
 
-/// What the sink saw against the ledger.
+/// What the sink saw against the ledger; the counts not asserted are
+/// printed (through `Debug`): what a failover costs.
 #[derive(Debug)]
+#[allow(dead_code)]
 struct Verdict {
     acked: usize,
     /// Acknowledged and never delivered.
@@ -639,5 +641,48 @@ async fn issue_32_wal_relay_backfills_when_the_promoted_server_already_has_a_slo
 async fn issue_32_migrate_wal_after_a_failover_leaves_the_backfill_to_the_relay() {
     let (receiver, relay, addr, _client) = slot_made_by_someone_else("migrate").await;
     check_backfilled(&receiver, &addr).await;
+    stop_relay(relay).await;
+}
+
+/// Both servers take TLS only (`hostssl`), and the URL checks the
+/// certificate and the name of each host it tries (`verify-full`):
+/// the relay, its replication connection and the writers follow the
+/// failover over TLS.
+async fn over_tls(name: &str, wal: bool, relay: &[&str]) -> (Spawned, String) {
+    let ca = crate::tls::Ca::new("failover CA");
+    let server = ca.server();
+    let mut settings = PgSettings::default()
+        .tls(server.cert_pem, server.key_pem)
+        .hba("hostssl all all 127.0.0.1/32 trust\nhostssl all all ::1/128 trust");
+    if wal {
+        settings = settings.set("wal_level", "logical");
+    }
+    failover(Scenario {
+        name,
+        settings,
+        wal,
+        // The certificate's name: each host's is checked.
+        host: "localhost",
+        params: format!("&sslmode=verify-full&sslrootcert={}", ca.root()),
+        relay,
+    })
+    .await
+}
+
+#[tokio::test]
+async fn issue_32_polling_relay_follows_a_failover_over_tls() {
+    let (relay, _) = over_tls("poll over TLS", false, &[]).await;
+    stop_relay(relay).await;
+}
+
+#[tokio::test]
+async fn issue_32_wal_relay_follows_a_failover_over_tls() {
+    let (relay, addr) = over_tls("wal over TLS", true, &["--source", "wal"]).await;
+    let (body, s) = scrape(&addr).await;
+    assert_eq!(
+        value(&s, "outbox_wal_slot_recreated_total", &[("reason", "missing")]),
+        Some(1.0),
+        "{body}"
+    );
     stop_relay(relay).await;
 }
