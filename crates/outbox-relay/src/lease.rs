@@ -252,6 +252,11 @@ struct Ticker {
 impl Ticker {
     async fn run(self, stop: CancellationToken) {
         let mut client: Option<(Client, TickStatement)> = None;
+        // Without a connection the next try comes sooner than the next
+        // tick: after a failover the lease must be back within seconds of
+        // the promotion, or the relay, reconnected, may not claim.
+        let mut reconnect =
+            crate::backoff::Doubling::new(crate::backoff::RECONNECT_FIRST, crate::backoff::RECONNECT_MAX);
         loop {
             if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
                 client = match self.connect().await {
@@ -286,9 +291,15 @@ impl Ticker {
                     }
                 }
             }
+            let next = if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+                reconnect.next_delay().min(self.settings.interval())
+            } else {
+                reconnect.reset();
+                wake::jittered(self.settings.interval())
+            };
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(wake::jittered(self.settings.interval())) => {}
+                _ = tokio::time::sleep(next) => {}
             }
         }
         if let Some((c, _)) = client.filter(|(c, _)| !c.is_closed()) {

@@ -265,14 +265,21 @@ struct Scenario<'a> {
     /// URL parameters after `target_session_attrs=read-write`.
     params: String,
     relay: &'a [&'a str],
+    /// Promote only once the relay's partition lease ran out (a failover
+    /// slower than the lease timeout).
+    past_the_lease: bool,
 }
 
-/// The relay's `/readyz` PostgreSQL check.
-async fn postgres_check(addr: &str) -> String {
-    ready(addr).await.1["checks"]["postgres"]
+/// One of the relay's `/readyz` checks (`postgres`, `leases`).
+async fn check_of(addr: &str, name: &str) -> String {
+    ready(addr).await.1["checks"][name]
         .as_str()
         .unwrap_or_default()
         .to_owned()
+}
+
+async fn postgres_check(addr: &str) -> String {
+    check_of(addr, "postgres").await
 }
 
 /// Runs `scenario` and checks the outcome; returns the relay, still
@@ -311,6 +318,13 @@ async fn failover(scenario: Scenario<'_>) -> (Spawned, String) {
     })
     .await;
     let refused = Instant::now();
+    if scenario.past_the_lease {
+        wait_until("the relay's lease ran out", LONG, || async {
+            check_of(&addr, "leases").await.starts_with("heartbeat expired")
+        })
+        .await;
+    }
+    let outage = Instant::now();
     standby.promote().await.expect("promote the standby");
     let promoted = Instant::now();
 
@@ -369,11 +383,12 @@ async fn failover(scenario: Scenario<'_>) -> (Spawned, String) {
         .map(|p| p.at)
         .min();
     eprintln!(
-        "{}: {verdict:?}; refused {:?} after the kill, promoted {:?} after that; first delivery {:?} \
-         after the promotion, first of a new event {:?} after it",
+        "{}: {verdict:?}; refused {:?} after the kill, promotion started {:?} after that and took {:?}; \
+         first delivery {:?} after the promotion, first of a new event {:?} after it",
         scenario.name,
         refused - killed,
-        promoted - refused,
+        outage - refused,
+        promoted - outage,
         first_after.map(|at| at - promoted),
         first_new.map(|at| at - promoted),
     );
@@ -407,6 +422,7 @@ fn poll<'a>(name: &'a str, claim: &'a [&'a str]) -> Scenario<'a> {
         host: "127.0.0.1",
         params: String::new(),
         relay: claim,
+        past_the_lease: false,
     }
 }
 
@@ -417,6 +433,19 @@ async fn issue_32_polling_relay_follows_a_failover_with_lock_claims() {
         relay.notified("STATUS=reconnected"),
         "the batch sessions came back"
     );
+    stop_relay(relay).await;
+}
+
+/// The standby is promoted only after the relay's partition lease ran out
+/// (`--lease-timeout 3s`): the relay claims again once its lease task,
+/// reconnected, ticked on the new primary.
+#[tokio::test]
+async fn issue_32_polling_relay_follows_a_failover_slower_than_its_lease() {
+    let (relay, _) = failover(Scenario {
+        past_the_lease: true,
+        ..poll("poll, outage past the lease", &["--lease-timeout", "3s"])
+    })
+    .await;
     stop_relay(relay).await;
 }
 
@@ -442,6 +471,7 @@ async fn issue_32_wal_relay_makes_its_slot_again_after_a_failover() {
         host: "127.0.0.1",
         params: String::new(),
         relay: &["--source", "wal"],
+        past_the_lease: false,
     })
     .await;
     let (body, s) = scrape(&addr).await;
@@ -665,6 +695,7 @@ async fn over_tls(name: &str, wal: bool, relay: &[&str]) -> (Spawned, String) {
         host: "localhost",
         params: format!("&sslmode=verify-full&sslrootcert={}", ca.root()),
         relay,
+        past_the_lease: false,
     })
     .await
 }

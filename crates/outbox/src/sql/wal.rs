@@ -769,10 +769,24 @@ mod tests {
         assert_eq!(sql.slot(), "app_events");
         assert_eq!(sql.publication(), "app_events");
         assert_eq!(sql.prefix(), "outbox:app.events");
-        for s in [&sql.create_publication, &sql.dead_rows, &sql.reinsert_pending] {
+        for s in [
+            &sql.create_publication,
+            &sql.dead_rows,
+            &sql.reinsert_pending,
+            &sql.backfill_bound,
+            &sql.backfill_page,
+        ] {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             assert!(!s.contains("{t}") && !s.contains("{p}"), "{s}");
         }
+        assert!(!sql.backfill_page.contains("{cols}"));
+        for s in [&sql.backfill_mark_set, &sql.backfill_mark_clear] {
+            assert!(s.starts_with("COMMENT ON PUBLICATION \"app_events\" IS"), "{s}");
+        }
+        assert!(
+            sql.backfill_mark_set.contains(BACKFILL_MARK),
+            "what is set is what is read"
+        );
         assert!(sql.create_publication.contains("PUBLICATION \"app_events\""));
         let long = Config::new(
             "a_rather_long_schema_name_here",
