@@ -219,8 +219,9 @@ impl Relay {
     }
 
     /// Runs until `cancel` fires, then returns after the batch at the sink is
-    /// committed. Fails at startup, or when the WAL source's slot was
-    /// invalidated; connection losses reconnect.
+    /// committed. Fails at startup, or when the WAL source's slot is gone
+    /// and `--wal-cleanup none` keeps it from making it again; connection
+    /// losses reconnect, failovers included.
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
         // Route breakers report to this relay's health and gauges.

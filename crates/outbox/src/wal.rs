@@ -106,7 +106,9 @@ pub async fn slot_state(
 
 /// Creates the publication and the slot for `config`'s outbox, if missing.
 /// Idempotent. The slot starts at the current position: rows committed
-/// before it are not decoded (a new setup has none; see [`recover_wal`]).
+/// before it are not decoded. A new setup has none; a slot made for a
+/// publication that existed (after a failover, or a drop) leaves the
+/// publication marked, and the relay delivers the table's rows first.
 pub async fn migrate_wal(client: &Client, config: &Config) -> Result<WalSetup, Error> {
     let sql = WalSql::new(config)?;
     prerequisites(client, &sql).await?;
@@ -176,7 +178,9 @@ pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Er
     }
 }
 
-/// After PostgreSQL invalidated the slot: drops it, creates it again, and
+/// After PostgreSQL invalidated the slot, by hand (`outbox migrate --wal
+/// --recover`; the relay does better on its own unless `--wal-cleanup
+/// none`, see the [module docs](self)): drops it, creates it again, and
 /// in one transaction that holds writers off re-inserts every undelivered
 /// row (created at or after `since`, if given) so the new slot decodes
 /// them. Rows committed between the new slot and that transaction are
