@@ -100,6 +100,26 @@ pub enum Error {
         /// The slot's name.
         slot: String,
     },
+    /// The slot is gone (a failover to a standby, or dropped) and the
+    /// relay keeps delivered rows (`--wal-cleanup none`), so it cannot
+    /// tell which rows of the table a new slot must send.
+    #[error(
+        "the replication slot {slot} is missing (a failover to a standby, or it was dropped), and with --wal-cleanup none the table keeps delivered rows, so the relay cannot tell which to send again: run `outbox migrate --wal --recover --since <time>` with a time before the relay stopped confirming"
+    )]
+    SlotMissing {
+        /// The slot's name.
+        slot: String,
+    },
+    /// The publication says the table's rows are owed to a slot that
+    /// started late, and the relay keeps delivered rows
+    /// (`--wal-cleanup none`), so it cannot tell which.
+    #[error(
+        "the slot {slot} started after rows it must send (its publication is marked: a backfill is owed), and with --wal-cleanup none the table keeps delivered rows, so the relay cannot tell which: run `outbox migrate --wal --recover --since <time>` with a time before the relay stopped confirming"
+    )]
+    BackfillOwed {
+        /// The slot's name.
+        slot: String,
+    },
     /// A statement failed in tokio-postgres.
     #[cfg(feature = "tokio-postgres")]
     #[error("{doing}")]
@@ -138,6 +158,8 @@ impl Error {
                 | Error::NoReplication { .. }
                 | Error::WalNotSetUp { .. }
                 | Error::SlotInvalidated { .. }
+                | Error::SlotMissing { .. }
+                | Error::BackfillOwed { .. }
         )
     }
 

@@ -49,6 +49,8 @@ pub struct WalRecovery {
     pub slot: String,
     /// Whether a lost slot was dropped first.
     pub dropped: bool,
+    /// Whether the slot was created (not when one made late was there).
+    pub created: bool,
     /// Undelivered rows re-inserted for the new slot.
     pub reinserted: i64,
 }
@@ -189,8 +191,9 @@ pub async fn check_wal(client: &Client, config: &Config) -> Result<SlotState, Er
 /// re-inserts after them: where order matters, keep writers off the
 /// outbox while this runs. (Holding them off from here would deadlock:
 /// creating the slot waits for every transaction under way, and a writer's
-/// would be waiting for the lock.) Refuses a healthy slot, and one a relay
-/// is still streaming.
+/// would be waiting for the lock.) Refuses a healthy slot, unless the
+/// publication's mark says it was made late (then it is kept, and the
+/// mark cleared), and one a relay is still streaming.
 pub async fn recover_wal(
     client: &mut Client,
     config: &Config,
@@ -198,6 +201,11 @@ pub async fn recover_wal(
 ) -> Result<WalRecovery, Error> {
     let sql = WalSql::new(config)?;
     prerequisites(client, &sql).await?;
+    let owed = sql
+        .backfill_owed(&*client)
+        .await
+        .map_err(Error::pg("reading the publication's mark"))?;
+    let mut create = true;
     let dropped = match slot(client, &sql).await? {
         Some(s) if s.is_lost() => {
             if let Some(pid) = s.active_pid {
@@ -212,6 +220,11 @@ pub async fn recover_wal(
                 .await
                 .map_err(Error::pg("dropping the invalidated slot"))?;
             true
+        }
+        // Made late (the publication's mark): the rows before it are owed.
+        Some(_) if owed => {
+            create = false;
+            false
         }
         Some(s) => {
             return Err(Error::WalNotSetUp {
@@ -232,9 +245,11 @@ pub async fn recover_wal(
             .await
             .map_err(Error::pg("creating the publication of the outbox's inserts"))?;
     }
-    sql.create_slot(&*client)
-        .await
-        .map_err(Error::pg("creating the logical replication slot"))?;
+    if create {
+        sql.create_slot(&*client)
+            .await
+            .map_err(Error::pg("creating the logical replication slot"))?;
+    }
     let tx = client
         .transaction()
         .await
@@ -247,12 +262,8 @@ pub async fn recover_wal(
         .await
         .map_err(Error::pg("re-inserting the undelivered rows"))?;
     tx.commit().await.map_err(Error::pg("committing the recovery"))?;
-    // The new slot decodes the re-inserted rows: no backfill is owed.
-    if sql
-        .backfill_owed(&*client)
-        .await
-        .map_err(Error::pg("reading the publication's mark"))?
-    {
+    // The slot decodes the re-inserted rows: no backfill is owed.
+    if owed {
         sql.clear_backfill(&*client)
             .await
             .map_err(Error::pg("clearing the publication's backfill mark"))?;
@@ -260,6 +271,7 @@ pub async fn recover_wal(
     Ok(WalRecovery {
         slot: sql.slot().to_owned(),
         dropped,
+        created: create,
         reinserted,
     })
 }

@@ -21,8 +21,10 @@ async fn wal(
             println!("dropped the invalidated replication slot {}", done.slot);
         }
         println!(
-            "created the replication slot {}; re-inserted {} undelivered row(s) for it to deliver",
-            done.slot, done.reinserted
+            "{} the replication slot {}; re-inserted {} undelivered row(s) for it to deliver",
+            if done.created { "created" } else { "kept" },
+            done.slot,
+            done.reinserted
         );
         return Ok(());
     }

@@ -507,6 +507,62 @@ async fn a_relay_killed_during_a_backfill_leaves_it_owed_and_the_next_one_finish
     stop_relay(relay).await;
 }
 
+/// `outbox migrate --wal` makes a slot for a publication that existed:
+/// it starts after rows the table holds, and the publication's mark says
+/// so. A `--wal-cleanup none` relay cannot tell those rows apart and stops
+/// (exit 2) naming `--recover --since`, which keeps that slot, re-inserts
+/// the rows and clears the mark.
+#[tokio::test]
+async fn with_cleanup_none_a_slot_made_late_is_refused_and_the_recovery_keeps_it() {
+    let mut db = WalDb::start().await;
+    db.insert(30, 3).await;
+    db.client
+        .batch_execute("SELECT pg_drop_replication_slot('public_outbox')")
+        .await
+        .unwrap();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let out = run_cli(&["migrate", "--wal"], &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(backfill_owed(&db.client).await, "the slot was made late");
+    let redis = Redis::start().await.unwrap();
+    let relay = [
+        "relay",
+        "--sink",
+        &redis.url(),
+        "--source",
+        "wal",
+        "--wal-cleanup",
+        "none",
+    ];
+    let out = run_cli(&relay, &env).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("outbox migrate --wal --recover --since"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run_cli(&["migrate", "--wal", "--recover"], &env).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("kept the replication slot public_outbox; re-inserted 30"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(!backfill_owed(&db.client).await);
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &["--source", "wal", "--wal-cleanup", "none"],
+        &[],
+    )
+    .await;
+    wait_until("the table's rows delivered", LONG, || async {
+        stream_len(&redis).await == 30
+    })
+    .await;
+    stop_relay(relay).await;
+}
+
 /// With `--wal-cleanup none` the table keeps delivered rows, so the relay
 /// cannot tell what to send again: it stops with exit code 2 naming the
 /// command, and `outbox migrate --wal --recover` (the relay stopped)

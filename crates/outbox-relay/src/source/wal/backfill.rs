@@ -108,19 +108,11 @@ impl Why {
             Why::Lost => Some(outbox::Error::SlotInvalidated {
                 slot: slot.to_owned(),
             }),
-            Why::Missing => Some(outbox::Error::WalNotSetUp {
-                what: format!(
-                    "the replication slot {slot} is missing (dropped, or this is a standby promoted after a failover) \
-                     and --wal-cleanup none keeps delivered rows, so the relay cannot tell which to send again: \
-                     run `outbox migrate --wal --recover --since <time>` instead of"
-                ),
+            Why::Missing => Some(outbox::Error::SlotMissing {
+                slot: slot.to_owned(),
             }),
-            Why::Owed => Some(outbox::Error::WalNotSetUp {
-                what: format!(
-                    "the publication's mark says the rows of the table are owed to the slot {slot}, \
-                     and --wal-cleanup none keeps delivered rows: run `outbox migrate --wal --recover --since <time>` \
-                     instead of"
-                ),
+            Why::Owed => Some(outbox::Error::BackfillOwed {
+                slot: slot.to_owned(),
             }),
             Why::Moved { .. } => None,
         }

@@ -309,7 +309,9 @@ impl WalSource {
     async fn prepare(&mut self, server: Server) -> Result<(), SourceError> {
         let sql = Arc::clone(&self.sql);
         let slot = sql.slot().to_owned();
-        let before = self.server.replace(server.clone());
+        // Remembered once acted on: a failure before the mark is set must
+        // not make the next try forget that the server changed.
+        let moved_from = self.server.clone().filter(|before| *before != server);
         let client = self.client().await?;
         let state = sql.slot_state(client).await?;
         let owed = sql.backfill_owed(client).await?;
@@ -317,9 +319,15 @@ impl WalSource {
             None => Why::Missing,
             Some(s) if s.is_lost() => Why::Lost,
             Some(_) if owed => Why::Owed,
-            Some(_) => match before.filter(|b| *b != server) {
-                Some(from) => Why::Moved { from, to: server },
-                None => return Ok(()),
+            Some(_) => match moved_from {
+                Some(from) => Why::Moved {
+                    from,
+                    to: server.clone(),
+                },
+                None => {
+                    self.server = Some(server);
+                    return Ok(());
+                }
             },
         };
         if self.config.wal.cleanup == WalCleanup::None {
@@ -332,6 +340,7 @@ impl WalSource {
                 "another server answers (a failover) and it has the slot: streaming it as it is \
                  (--wal-cleanup none keeps delivered rows, so the table cannot be backfilled)"
             );
+            self.server = Some(server);
             return Ok(());
         }
         match &why {
@@ -387,6 +396,7 @@ impl WalSource {
         }
         let client = self.client().await?;
         self.backfill = Some(Backfill::start(why, &sql, client).await?);
+        self.server = Some(server);
         Ok(())
     }
 
