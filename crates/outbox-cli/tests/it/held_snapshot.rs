@@ -44,20 +44,22 @@ async fn write_one(client: &Client, agg: &str) -> i64 {
         .get(0)
 }
 
-/// Writes an event per look until the floor satisfies `ok`; returns it.
+/// Writes an event per look (every 20 ms) until the floor satisfies `ok`;
+/// returns it. Panics with `what` after `LONG`.
 async fn drive_until(db: &Db, addr: &str, what: &str, ok: impl Fn(f64) -> bool) -> f64 {
-    let mut last = 0.0;
-    wait_until(what, LONG, || {
-        let client = &db.client;
-        let last = &mut last;
-        async move {
-            write_one(client, "driver").await;
-            *last = floor(addr).await;
-            ok(*last)
+    let deadline = std::time::Instant::now() + LONG;
+    loop {
+        write_one(&db.client, "driver").await;
+        let at = floor(addr).await;
+        if ok(at) {
+            return at;
         }
-    })
-    .await;
-    last
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {LONG:?} waiting for {what} (the floor is at {at})"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 /// A `REPEATABLE READ` session holds its snapshot from before the first

@@ -29,8 +29,8 @@ use super::OutboxSql;
 /// transaction and are missed.
 const XMIN_HOLDERS: &str = "(SELECT 'transaction' AS kind, a.pid, coalesce(a.application_name, '')::text, \
             coalesce(a.state, '')::text, \
-            extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age, \
-            age(coalesce(a.backend_xid, a.backend_xmin))::int8 \
+            extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age_seconds, \
+            age(coalesce(a.backend_xid, a.backend_xmin))::int8 AS age_xids \
        FROM pg_stat_activity AS a \
       WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL) AND a.xact_start IS NOT NULL \
         AND a.pid <> pg_backend_pid() \
@@ -38,7 +38,7 @@ const XMIN_HOLDERS: &str = "(SELECT 'transaction' AS kind, a.pid, coalesce(a.app
      SELECT 'prepared transaction', NULL::int4, p.gid, 'prepared', \
             extract(epoch FROM clock_timestamp() - p.prepared)::float8, age(p.transaction)::int8 \
        FROM pg_prepared_xacts AS p \
-     ORDER BY age DESC LIMIT 1) \
+     ORDER BY age_seconds DESC LIMIT 1) \
      UNION ALL \
      SELECT 'replication slot', s.active_pid, s.slot_name::text, \
             CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL::float8, age(s.xmin)::int8 \
@@ -172,6 +172,6 @@ mod tests {
             "replication slot standby1 (inactive), 5000 transactions old"
         );
         assert_eq!(duration(4.24), "4.2s");
-        assert_eq!(duration(3 * 3600.0 + 125.0), "3h 2m");
+        assert_eq!(duration(3.0 * 3600.0 + 125.0), "3h 2m");
     }
 }
