@@ -16,8 +16,8 @@ use tokio_postgres::Client;
 
 use crate::metrics::{http_addr, promtool, promtool_check, scrape, value};
 use crate::support::{
-    Db, LONG, connect, distinct_events, order_violations, read_stream, run_cli, start_relay, stop_relay, text,
-    wait_until,
+    Db, LONG, connect, distinct_events, order_violations, read_stream, run_cli, start_relay, stop_relay,
+    text, wait_until,
 };
 
 const STREAM: &str = "outbox.event.orders";
@@ -31,12 +31,9 @@ async fn floor(addr: &str) -> f64 {
 /// Writes one committed `orders` event of aggregate `agg` (its own
 /// transaction) and returns its id.
 async fn write_one(client: &Client, agg: &str) -> i64 {
-    outbox::enqueue(
-        client,
-        &Event::new("orders", agg, "Ticked", json!({"agg": agg})),
-    )
-    .await
-    .unwrap();
+    outbox::enqueue(client, &Event::new("orders", agg, "Ticked", json!({"agg": agg})))
+        .await
+        .unwrap();
     client
         .query_one("SELECT max(id) FROM outbox", &[])
         .await
@@ -84,7 +81,13 @@ async fn a_held_snapshot_loses_nothing_and_the_floor_passes_what_it_keeps() {
         .unwrap()
         .get(0);
     let addr = http_addr();
-    let relay = start_relay(&db.url, &redis.url(), &["--http", &addr, "--batch-size", "10"], &[]).await;
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &["--http", &addr, "--batch-size", "10"],
+        &[],
+    )
+    .await;
 
     let mut first_of_last = 0;
     for round in 0..5 {
@@ -93,7 +96,8 @@ async fn a_held_snapshot_loses_nothing_and_the_floor_passes_what_it_keeps() {
         db.wait_drained(&format!("round {round} delivered")).await;
     }
     assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await,
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
         0
     );
     // Every row the rounds published is still in the partial index (the
@@ -108,11 +112,15 @@ async fn a_held_snapshot_loses_nothing_and_the_floor_passes_what_it_keeps() {
     let metric = |name: &str| value(&s, name, &[("outbox", "public.outbox")]);
     assert!(metric("outbox_xmin_horizon_age_seconds").is_some());
     assert!(metric("outbox_dead_tuples").is_some());
-    wait_until("the horizon's age and the dead tuples on /metrics", LONG, || async {
-        let (_, s) = scrape(&addr).await;
-        let metric = |name: &str| value(&s, name, &[("outbox", "public.outbox")]).unwrap_or(0.0);
-        metric("outbox_xmin_horizon_age_seconds") > 0.0 && metric("outbox_dead_tuples") >= 2000.0
-    })
+    wait_until(
+        "the horizon's age and the dead tuples on /metrics",
+        LONG,
+        || async {
+            let (_, s) = scrape(&addr).await;
+            let metric = |name: &str| value(&s, name, &[("outbox", "public.outbox")]).unwrap_or(0.0);
+            metric("outbox_xmin_horizon_age_seconds") > 0.0 && metric("outbox_dead_tuples") >= 2000.0
+        },
+    )
     .await;
     let url = db.url.clone();
     let stats = run_cli(&["stats", "--json"], &[("DATABASE_URL", url.as_str())]).await;
@@ -152,7 +160,13 @@ async fn the_floor_waits_for_interleaved_transactions_and_their_rows_arrive() {
     let mut db = Db::start().await;
     let redis = Redis::start().await.unwrap();
     let addr = http_addr();
-    let relay = start_relay(&db.url, &redis.url(), &["--http", &addr, "--batch-size", "10"], &[]).await;
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &["--http", &addr, "--batch-size", "10"],
+        &[],
+    )
+    .await;
     db.insert_events(50, 5).await;
     db.wait_drained("the first 50").await;
     // The floor past them first: a gap is passed only once the
@@ -242,7 +256,13 @@ async fn a_rolled_back_id_does_not_hold_the_floor() {
     let mut db = Db::start().await;
     let redis = Redis::start().await.unwrap();
     let addr = http_addr();
-    let relay = start_relay(&db.url, &redis.url(), &["--http", &addr, "--batch-size", "10"], &[]).await;
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &["--http", &addr, "--batch-size", "10"],
+        &[],
+    )
+    .await;
     db.insert_events(20, 5).await;
     let rolled_back = {
         let client = connect(&db.url).await;

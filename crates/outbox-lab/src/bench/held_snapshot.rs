@@ -153,7 +153,13 @@ fn source(strategy: Strategy) -> &'static str {
 }
 
 impl Report {
-    pub(super) fn add_held_snapshot(&mut self, strategy: Strategy, held: bool, batch: u32, runs: Vec<HeldRun>) {
+    pub(super) fn add_held_snapshot(
+        &mut self,
+        strategy: Strategy,
+        held: bool,
+        batch: u32,
+        runs: Vec<HeldRun>,
+    ) {
         let chunks = runs.iter().map(|r| r.per_second.len()).min().unwrap_or(0);
         let per_chunk: Vec<Spread> = (0..chunks)
             .map(|i| Spread::of(runs.iter().map(|r| r.per_second[i])))
@@ -209,7 +215,10 @@ impl Report {
             ];
             row.extend(r.per_chunk.iter().map(|s| format!("{:.0}", s.median)));
             row.push(format!("{:.0}%", r.last_over_first * 100.0));
-            row.push(r.last_over_clean_last.map_or("-".to_owned(), |x| format!("{:.0}%", x * 100.0)));
+            row.push(
+                r.last_over_clean_last
+                    .map_or("-".to_owned(), |x| format!("{:.0}%", x * 100.0)),
+            );
             t.rows.push(row);
         }
         t.print_fixed(&cols);

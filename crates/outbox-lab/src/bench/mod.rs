@@ -20,9 +20,9 @@
 //! catch-up), then the targets beside the figures.
 //!
 //! 7. held-snapshot (`--phases held-snapshot`, either source, not run by
-//! default): chunk after chunk drained by a running relay, polling and WAL
-//! source, clean and while another session holds a `REPEATABLE READ`
-//! snapshot for the whole run.
+//!    default): chunk after chunk drained by a running relay, polling and
+//!    WAL source, clean and while another session holds a `REPEATABLE
+//!    READ` snapshot for the whole run.
 //!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL and redis-server
 //! (the testkit's: `fsync=off`, so commits are cheaper than on a durable

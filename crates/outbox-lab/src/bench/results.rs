@@ -8,10 +8,10 @@ use anyhow::bail;
 use serde::Serialize;
 
 use super::Measured;
+use super::held_snapshot::HeldRow;
 use super::idle::IdleRun;
 use super::latency::{Clock, LatencyRun};
 use super::throughput::{Run, Strategy};
-use super::held_snapshot::HeldRow;
 use super::wal_results::{DeadTuplesRow, OutageRow, SourceRatio, Target};
 use super::writer::{Shape, WriterRun};
 use crate::latency::Wakeup;

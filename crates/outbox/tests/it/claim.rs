@@ -461,7 +461,9 @@ async fn the_floor_statement_finds_the_head_and_the_first_gap() {
         .unwrap();
     // Id 11 is taken by a transaction still open.
     let open = connect(&db.url).await;
-    open.batch_execute(&format!("BEGIN; {}", insert(1))).await.unwrap();
+    open.batch_execute(&format!("BEGIN; {}", insert(1)))
+        .await
+        .unwrap();
     let xid: i64 = open
         .query_one("SELECT pg_current_xact_id()::text::int8", &[])
         .await

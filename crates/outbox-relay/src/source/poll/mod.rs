@@ -61,8 +61,8 @@ mod claim;
 mod floor;
 
 use self::claim::{Ask, ByDeadline, ByLock, Claiming, RoundTrip};
-use self::floor::{Asked, Floor};
 pub use self::floor::SETTLE as CLAIM_FLOOR_SETTLE;
+use self::floor::{Asked, Floor};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{OrderMode, RelayConfig};
 use crate::context::RelayContext;
@@ -533,7 +533,8 @@ impl PollSource {
             delays.sort_unstable_by(f64::total_cmp);
             delays.dedup();
             for ms in delays {
-                self.floor.retry_at(now + Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+                self.floor
+                    .retry_at(now + Duration::from_secs_f64(ms.max(0.0) / 1000.0));
             }
         }
         self.receipts.durable(d.batch, d.claimed, d.started, d.outcomes);
