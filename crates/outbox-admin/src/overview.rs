@@ -1,7 +1,9 @@
 //! `GET /`: the backlog and its oldest age per aggregate type, events
 //! published over the last ten minutes, dead letters per aggregate type and
-//! error, and the live relays with the partitions each holds; with log
-//! tailing set up, the replication slot's retained WAL and lag.
+//! error, and the live relays with the partitions each holds; what keeps
+//! vacuum from cleaning the table (dead tuples, the oldest holder of the
+//! xmin horizon); with log tailing set up, the replication slot's retained
+//! WAL and lag.
 
 use axum::Extension;
 use axum::extract::State;
@@ -53,6 +55,20 @@ pub(crate) async fn page(
     let slot = outbox::wal::slot_state(&*client, &state.outbox)
         .await
         .map_err(fail("reading the replication slot"))?;
+    let dead_tuples = sql
+        .dead_tuples(&*client)
+        .await
+        .map_err(fail("reading dead tuples"))?;
+    let holders = sql
+        .xmin_holders(&*client)
+        .await
+        .map_err(fail("reading who holds the xmin horizon"))?;
+    // A transaction older than this is flagged: vacuum has been held back
+    // as long as the example alert's threshold.
+    let held_long = |h: &outbox::sql::HorizonHolder| {
+        h.age_seconds
+            .is_some_and(|a| a >= outbox_relay::HORIZON_WARN.as_secs_f64())
+    };
 
     let backlog: i64 = stats.iter().map(|s| s.unpublished).sum();
     let dead_total: i64 = stats.iter().map(|s| s.dead_letters).sum();
@@ -80,6 +96,15 @@ pub(crate) async fn page(
             }
             @if let Some(slot) = &slot {
                 p #wal-slot { "Log tailing: " (slot) }
+            }
+            p #vacuum {
+                "Dead tuples: " span #dead-tuples { (dead_tuples) }
+                " · xmin horizon: "
+                @if holders.is_empty() { "not held" }
+                @for (i, h) in holders.iter().enumerate() {
+                    @if i > 0 { "; " }
+                    @if held_long(h) { span.error { "held by " (h) } } @else { "held by " (h) }
+                }
             }
         }
         h2 { "Backlog per aggregate type" }

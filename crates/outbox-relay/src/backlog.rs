@@ -1,9 +1,15 @@
 //! The backlog gauges (`outbox_backlog_events`,
 //! `outbox_oldest_unpublished_age_seconds`, `outbox_dead_letters`, per
-//! aggregate type), read by one query on a schedule on a connection of its
-//! own, never per scrape: a scrape only renders what the last run found, so
-//! however often Prometheus (or several) scrapes, PostgreSQL sees one
-//! `outbox stats` query per interval.
+//! aggregate type) and what keeps vacuum from cleaning the table
+//! (`outbox_xmin_horizon_age_seconds`, `outbox_dead_tuples`), read by one
+//! round trip on a schedule on a connection of its own, never per scrape: a
+//! scrape only renders what the last run found, so however often
+//! Prometheus (or several) scrapes, PostgreSQL sees one `outbox stats`
+//! query (and the two others) per interval.
+//!
+//! A transaction holding the horizon for longer than [`HORIZON_WARN`] is
+//! named once in a warning (pid, `application_name`, state), as `outbox
+//! stats` names it: a label per holder would make a series per pid.
 //!
 //! Failures are logged and retried next round; they never touch delivery.
 //! A type that drained away is set to 0 rather than left at its last value,
@@ -23,7 +29,12 @@ use tracing::warn;
 
 use crate::context::RelayContext;
 use crate::error::error_chain;
-use crate::metric::{BACKLOG, DEAD_LETTERS, OLDEST_UNPUBLISHED_AGE};
+use crate::metric::{BACKLOG, DEAD_LETTERS, DEAD_TUPLES, OLDEST_UNPUBLISHED_AGE, XMIN_HORIZON_AGE};
+
+/// A transaction holding the xmin horizon this long is named in a warning,
+/// once: by then the outbox has piled up dead tuples for ten minutes (the
+/// example alert's threshold, `OutboxXminHorizonHeld`).
+pub const HORIZON_WARN: Duration = Duration::from_secs(600);
 
 /// How often the backlog gauges are refreshed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +71,14 @@ impl Backlog {
         // Present from the first scrape, whatever the first query finds.
         set(&outbox, String::new(), 0.0, 0.0, 0.0);
         let mut seen = BTreeSet::new();
+        let vacuum = Vacuum {
+            horizon: metrics::gauge!(XMIN_HORIZON_AGE, &[ctx.label()]),
+            dead: metrics::gauge!(DEAD_TUPLES, &[ctx.label()]),
+            warned: None,
+        };
+        vacuum.horizon.set(0.0);
+        vacuum.dead.set(0.0);
+        let mut vacuum = vacuum;
         loop {
             if client.as_ref().is_none_or(Client::is_closed) {
                 client = match crate::pg::connect_once(&pg).await {
@@ -71,10 +90,28 @@ impl Backlog {
                 };
             }
             if let Some(c) = &client {
-                // A query that hangs must not freeze the gauges for good.
-                match tokio::time::timeout(self.interval.max(Duration::from_secs(1)), sql.stats(c)).await {
-                    Ok(Ok(stats)) => publish(&outbox, &stats, &mut seen),
-                    Ok(Err(error)) => warn!(error = %error_chain(&error), "reading the backlog failed"),
+                // One round trip (pipelined). A query that hangs must not
+                // freeze the gauges for good.
+                let read = async { tokio::join!(sql.stats(c), sql.xmin_holders(c), sql.dead_tuples(c)) };
+                match tokio::time::timeout(self.interval.max(Duration::from_secs(1)), read).await {
+                    Ok((stats, holders, dead)) => {
+                        match stats {
+                            Ok(stats) => publish(&outbox, &stats, &mut seen),
+                            Err(error) => warn!(error = %error_chain(&error), "reading the backlog failed"),
+                        }
+                        match holders {
+                            Ok(holders) => vacuum.horizon(&holders),
+                            Err(error) => {
+                                warn!(error = %error_chain(&error), "reading the xmin horizon failed");
+                            }
+                        }
+                        match dead {
+                            // A count: exact in an f64 up to 2^53.
+                            #[allow(clippy::cast_precision_loss)]
+                            Ok(dead) => vacuum.dead.set(dead as f64),
+                            Err(error) => warn!(error = %error_chain(&error), "reading dead tuples failed"),
+                        }
+                    }
                     Err(_) => {
                         warn!("reading the backlog timed out; reconnecting");
                         client = None;
@@ -85,6 +122,39 @@ impl Backlog {
                 () = cancel.cancelled() => return,
                 () = tokio::time::sleep(self.interval) => {}
             }
+        }
+    }
+}
+
+/// The gauges of what keeps vacuum from cleaning the table, and the
+/// holder last named in a warning.
+struct Vacuum {
+    horizon: metrics::Gauge,
+    dead: metrics::Gauge,
+    warned: Option<(String, Option<i32>, String)>,
+}
+
+impl Vacuum {
+    /// Sets the horizon's age (0 with no transaction holding it) and names
+    /// a holder past [`HORIZON_WARN`], once.
+    fn horizon(&mut self, holders: &[outbox::sql::HorizonHolder]) {
+        let oldest = holders.iter().find(|h| h.is_transaction());
+        let age = oldest.and_then(|h| h.age_seconds).unwrap_or(0.0);
+        self.horizon.set(age.max(0.0));
+        let Some(h) = oldest.filter(|_| age >= HORIZON_WARN.as_secs_f64()) else {
+            return;
+        };
+        let who = (h.kind.clone(), h.pid, h.name.clone());
+        if self.warned.as_ref() != Some(&who) {
+            warn!(
+                kind = %h.kind,
+                pid = h.pid,
+                application_name = %h.name,
+                state = %h.state,
+                age_seconds = age,
+                "a transaction holds the xmin horizon: vacuum cannot remove the outbox's dead tuples until it ends"
+            );
+            self.warned = Some(who);
         }
     }
 }

@@ -57,7 +57,7 @@ pub mod sink;
 mod source;
 mod wake;
 
-pub use backlog::Backlog;
+pub use backlog::{Backlog, HORIZON_WARN};
 pub use backoff::Backoff;
 pub use config::{ClaimMode, SourceKind, WalCleanup, WalSettings};
 pub use context::{RelayContext, Signals};
@@ -65,3 +65,4 @@ pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};
 pub use retention::Retention;
 pub use sink::{Delivery, DeliveryError, PerSinkOptions, Sink, SinkError, SinkOptions};
+pub use source::poll::CLAIM_FLOOR_SETTLE;

@@ -70,6 +70,14 @@ pub const RELAY_UP: &str = "outbox_relay_up";
 /// Counter: rows whose deadline claim expired and was taken by another relay
 /// before this one marked them (`--claim deadline`).
 pub const CLAIMS_LOST: &str = "outbox_claims_lost_total";
+/// The id the polling relay's claims start from (its claim floor; 0 right
+/// after a sweep).
+pub const CLAIM_FLOOR: &str = "outbox_claim_floor";
+/// Age of the oldest transaction or snapshot holding back the server's
+/// xmin horizon (what vacuum may remove).
+pub const XMIN_HORIZON_AGE: &str = "outbox_xmin_horizon_age_seconds";
+/// Dead tuples of the outbox table, its partitions summed.
+pub const DEAD_TUPLES: &str = "outbox_dead_tuples";
 /// Always 1, labelled with the `version`.
 pub const BUILD_INFO: &str = "outbox_build_info";
 
@@ -158,6 +166,19 @@ pub fn describe() {
     describe_gauge!(
         RELAY_UP,
         "1 while the relay delivers, 0 before READY and after it stopped."
+    );
+    describe_gauge!(
+        CLAIM_FLOOR,
+        "The id the polling relay's claims start their walk of the unpublished index from (0 right after a sweep)."
+    );
+    describe_gauge!(
+        XMIN_HORIZON_AGE,
+        Unit::Seconds,
+        "Age of the oldest transaction, snapshot or prepared transaction holding back what vacuum may remove (0: none)."
+    );
+    describe_gauge!(
+        DEAD_TUPLES,
+        "Dead tuples of the outbox table (pg_stat_user_tables.n_dead_tup, partitions summed)."
     );
     describe_gauge!(BUILD_INFO, "Always 1; the version is a label.");
 }

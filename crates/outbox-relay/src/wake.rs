@@ -11,6 +11,8 @@
 //! reconnecting is lost (PostgreSQL only queues them for listening sessions),
 //! and rows waiting for a retry produce no notification at all.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -36,6 +38,9 @@ pub(crate) enum Wake {
 /// Notifications from one connection.
 pub(crate) struct Wakeups {
     rx: mpsc::Receiver<()>,
+    /// A notification asked for a sweep ([`outbox::sql::NOTIFY_SWEEP`]);
+    /// kept apart from `rx`, which [`Wakeups::drain`] empties.
+    sweep: Arc<AtomicBool>,
 }
 
 /// How a connection is set up.
@@ -55,11 +60,16 @@ pub(crate) async fn connect(
 ) -> Result<(Client, Wakeups), tokio_postgres::Error> {
     let (client, mut connection) = crate::pg::open(pg).await?;
     let (tx, rx) = mpsc::channel(1);
+    let sweep = Arc::new(AtomicBool::new(false));
+    let asked = Arc::clone(&sweep);
     tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(message) = messages.next().await {
             match message {
-                Ok(AsyncMessage::Notification(_)) => {
+                Ok(AsyncMessage::Notification(n)) => {
+                    if n.payload() == outbox::sql::NOTIFY_SWEEP {
+                        asked.store(true, Ordering::Relaxed);
+                    }
                     // A full slot already means "wake up"; more would add nothing.
                     let _ = tx.try_send(());
                 }
@@ -77,7 +87,7 @@ pub(crate) async fn connect(
     if let Purpose::Batches(channel) = purpose {
         outbox::sql::setup_batch_session(&client, channel).await?;
     }
-    Ok((client, Wakeups { rx }))
+    Ok((client, Wakeups { rx, sweep }))
 }
 
 impl Wakeups {
@@ -91,6 +101,11 @@ impl Wakeups {
                 Err(mpsc::error::TryRecvError::Disconnected) => return false,
             }
         }
+    }
+
+    /// Whether a notification asked for a sweep since the last call.
+    pub(crate) fn take_sweep(&self) -> bool {
+        self.sweep.swap(false, Ordering::Relaxed)
     }
 
     /// Waits for a notification, `timeout`, or cancellation, whichever is first.

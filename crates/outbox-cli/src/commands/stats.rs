@@ -1,11 +1,13 @@
 //! `outbox stats`: what is waiting, what is dead, and how old the oldest is;
-//! with log tailing set up, the replication slot too.
+//! what keeps vacuum from cleaning the table (its dead tuples, who holds
+//! the xmin horizon back); with log tailing set up, the replication slot
+//! too.
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use outbox::sql::{SlotState, TypeStats};
+use outbox::sql::{HorizonHolder, SlotState, TypeStats};
 
 use crate::cli::{Global, StatsArgs};
 
@@ -21,6 +23,12 @@ struct Stats {
     by_aggregate_type: Vec<TypeStats>,
     /// The replication slot of `relay --source wal`; null without one.
     slot: Option<SlotState>,
+    /// Dead tuples of the table (partitions summed), as the statistics
+    /// count them.
+    dead_tuples: i64,
+    /// What holds the xmin horizon back: the oldest transaction or prepared
+    /// transaction first, then replication slots with an xmin.
+    xmin_horizon: Vec<HorizonHolder>,
 }
 
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
@@ -32,6 +40,11 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     let slot = outbox::wal::slot_state(&client, &config)
         .await
         .context("reading the replication slot")?;
+    let dead_tuples = sql.dead_tuples(&client).await.context("reading dead tuples")?;
+    let xmin_horizon = sql
+        .xmin_holders(&client)
+        .await
+        .context("reading who holds the xmin horizon")?;
     let oldest = by_type.iter().filter_map(|t| t.oldest_unpublished).min();
     let stats = Stats {
         table: config.display_name(),
@@ -43,6 +56,8 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         oldest_unpublished_age_seconds: oldest.map(|o| (Utc::now() - o).num_milliseconds() as f64 / 1000.0),
         by_aggregate_type: by_type,
         slot,
+        dead_tuples,
+        xmin_horizon,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&stats)?);
@@ -59,6 +74,14 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     match stats.oldest_unpublished_age_seconds {
         Some(age) => println!("  oldest unpublished  {age:.1}s ago"),
         None => println!("  oldest unpublished  -"),
+    }
+    println!("  dead tuples      {}", stats.dead_tuples);
+    if stats.xmin_horizon.is_empty() {
+        println!("  xmin horizon     not held");
+    }
+    for (i, holder) in stats.xmin_horizon.iter().enumerate() {
+        let label = if i == 0 { "xmin horizon" } else { "" };
+        println!("  {label:<16} held by {holder}");
     }
     if let Some(slot) = &stats.slot {
         println!("  log tailing      {slot}");

@@ -15,6 +15,7 @@ mod deadline_claim;
 mod deploy;
 mod failover;
 mod formats;
+mod held_snapshot;
 mod idle;
 #[cfg(feature = "kafka")]
 mod kafka;

@@ -19,6 +19,11 @@
 //! 6. outage (the WAL a slot retains while the sink is down, and the
 //! catch-up), then the targets beside the figures.
 //!
+//! 7. held-snapshot (`--phases held-snapshot`, either source, not run by
+//!    default): chunk after chunk drained by a running relay, polling and
+//!    WAL source, clean and while another session holds a `REPEATABLE
+//!    READ` snapshot for the whole run.
+//!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL and redis-server
 //! (the testkit's: `fsync=off`, so commits are cheaper than on a durable
 //! server; the report says so; `wal_level = logical` with `--source wal`).
@@ -31,6 +36,7 @@
 
 mod cost;
 pub(crate) mod dead_tuples;
+pub(crate) mod held_snapshot;
 mod idle;
 mod latency;
 mod naive_sql;
@@ -120,6 +126,12 @@ pub struct BenchArgs {
     /// of a hundredth of it, every 10 ms).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub outage_rate: u32,
+    /// Chunks the held-snapshot phase drains per run.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub held_snapshot_chunks: u32,
+    /// Events per chunk of the held-snapshot phase (one transaction each).
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub held_snapshot_events: u32,
 }
 
 /// What `outbox-lab bench` measures (`--source`).
@@ -153,6 +165,10 @@ pub enum Phase {
     /// Retained WAL during a sink outage and the catch-up after it,
     /// polling and WAL source (--source wal).
     Outage,
+    /// Chunks drained by a running relay, polling and WAL source, clean
+    /// and with a REPEATABLE READ snapshot held by another session (the
+    /// WAL source where wal_level = logical).
+    HeldSnapshot,
 }
 
 impl Phase {
@@ -175,6 +191,8 @@ struct Plan {
     dead_tuple_events: usize,
     outage: Duration,
     outage_rate: u32,
+    held_chunks: usize,
+    held_events: usize,
 }
 
 impl Plan {
@@ -202,6 +220,8 @@ impl Plan {
                 dead_tuple_events: 1000,
                 outage: Duration::from_secs(5),
                 outage_rate: 500,
+                held_chunks: 3,
+                held_events: 500,
             };
         }
         Self {
@@ -217,6 +237,8 @@ impl Plan {
             dead_tuple_events: args.dead_tuple_events as usize,
             outage: args.outage,
             outage_rate: args.outage_rate,
+            held_chunks: args.held_snapshot_chunks as usize,
+            held_events: args.held_snapshot_events as usize,
         }
     }
 
@@ -252,6 +274,7 @@ impl Plan {
             Phase::Latency | Phase::Idle | Phase::Outage => 2,
             Phase::Writer => Shape::ALL.len(),
             Phase::DeadTuples => DEAD_TUPLES.len(),
+            Phase::HeldSnapshot => held_snapshot::SOURCES.len() * 2,
         };
         (phases.iter().map(per_phase).sum::<usize>() * self.reps) as u64
     }
@@ -298,7 +321,9 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
     }
     // The relays are `outbox`'s: a missing binary is told before anything starts.
     outbox_bin()?;
-    let pg = Postgres::start(db, plan.source == Measured::Wal).await?;
+    // The held-snapshot phase runs the WAL source whatever `--source` says.
+    let logical = plan.source == Measured::Wal || phases.contains(&Phase::HeldSnapshot);
+    let pg = Postgres::start(db, logical).await?;
     let throwaway_pg = pg.is_throwaway();
     let mut scratch = Scratch::bench(pg.config.clone(), pg.url.clone(), args.redis_url.clone()).await?;
 
@@ -414,6 +439,39 @@ async fn measure(
                     }
                     report.add_outage(strategy, runs);
                 }
+            }
+            Phase::HeldSnapshot => {
+                let logical = held_snapshot::logical(scratch).await?;
+                for strategy in held_snapshot::SOURCES {
+                    for held in [false, true] {
+                        if strategy.reads_wal() && !logical {
+                            progress.inc(reps as u64);
+                            continue;
+                        }
+                        let what = if held { "held" } else { "clean" };
+                        let mut runs = Vec::with_capacity(reps);
+                        for rep in 1..=reps {
+                            progress.set_message(format!(
+                                "held snapshot, {} {what} rep {rep}/{reps}",
+                                strategy.label()
+                            ));
+                            runs.push(
+                                held_snapshot::measure(
+                                    scratch,
+                                    strategy,
+                                    held,
+                                    plan.held_chunks,
+                                    plan.held_events,
+                                    plan.batch(),
+                                )
+                                .await?,
+                            );
+                            progress.inc(1);
+                        }
+                        report.add_held_snapshot(strategy, held, plan.batch(), runs);
+                    }
+                }
+                report.wal_level_logical = logical;
             }
         }
     }

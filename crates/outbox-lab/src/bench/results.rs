@@ -8,6 +8,7 @@ use anyhow::bail;
 use serde::Serialize;
 
 use super::Measured;
+use super::held_snapshot::HeldRow;
 use super::idle::IdleRun;
 use super::latency::{Clock, LatencyRun};
 use super::throughput::{Run, Strategy};
@@ -126,6 +127,10 @@ pub(super) struct Report {
     pub(super) writer: Vec<WriterRow>,
     pub(super) dead_tuples: Vec<DeadTuplesRow>,
     pub(super) outage: Vec<OutageRow>,
+    pub(super) held_snapshot: Vec<HeldRow>,
+    /// Whether the server could run the WAL source (the held-snapshot
+    /// phase leaves it out otherwise).
+    pub(super) wal_level_logical: bool,
     /// `--source wal`: each target beside its figure (reported, never
     /// judged).
     pub(super) targets: Vec<Target>,
@@ -146,6 +151,8 @@ impl Report {
             writer: Vec::new(),
             dead_tuples: Vec::new(),
             outage: Vec::new(),
+            held_snapshot: Vec::new(),
+            wal_level_logical: false,
             targets: Vec::new(),
         }
     }
@@ -275,6 +282,7 @@ impl Report {
             t.print_fixed(&WRITER);
         }
         self.print_wal();
+        self.print_held_snapshot();
     }
 
     fn print_throughput(&self) {
@@ -381,6 +389,7 @@ impl Report {
                 }
             }
         }
-        self.check_wal()
+        self.check_wal()?;
+        self.check_held_snapshot()
     }
 }

@@ -230,15 +230,23 @@ impl Scratch {
 }
 
 /// Entries in the bench's stream on `redis`, and distinct event ids among
-/// them.
+/// them. Read in pages: one reply of 200,000 entries outlasts the
+/// client's response timeout.
 pub(crate) async fn stream_counts(
     redis: &mut redis::aio::MultiplexedConnection,
 ) -> anyhow::Result<(u64, u64)> {
-    let reply: redis::streams::StreamRangeReply = redis.xrange_all(STREAM).await?;
-    let ids: HashSet<String> = reply
-        .ids
-        .iter()
-        .filter_map(|e| e.get::<String>("event_id"))
-        .collect();
-    Ok((reply.ids.len() as u64, ids.len() as u64))
+    const PAGE: usize = 10_000;
+    let (mut entries, mut ids) = (0_u64, HashSet::new());
+    let mut from = "-".to_owned();
+    loop {
+        let reply: redis::streams::StreamRangeReply = redis.xrange_count(STREAM, &from, "+", PAGE).await?;
+        entries += reply.ids.len() as u64;
+        ids.extend(reply.ids.iter().filter_map(|e| e.get::<String>("event_id")));
+        match reply.ids.last() {
+            // Exclusive from the last entry read (Redis 6.2).
+            Some(last) if reply.ids.len() == PAGE => from = format!("({}", last.id),
+            _ => break,
+        }
+    }
+    Ok((entries, ids.len() as u64))
 }

@@ -168,6 +168,8 @@ async fn explain_ours(lab: &mut Scratch) -> anyhow::Result<Explained> {
     let claim = outbox::sql::ClaimParams {
         types: &[],
         deadline: None,
+        // From the start, as a relay's first claim (a sweep).
+        floor: 0,
         limit: i64::from(defaults.batch_size),
         max_bytes: i64::try_from(defaults.batch_max_bytes)?,
         scope: outbox::sql::ClaimScope::All,

@@ -59,6 +59,52 @@ async fn bench_quick_reports_exact_counts() {
     }
 }
 
+/// `bench --phases held-snapshot --quick` (issue 32): both sources, clean
+/// and with a snapshot held, every event of every chunk delivered once, a
+/// rate per chunk, and the held runs set against the clean ones.
+#[tokio::test]
+async fn bench_held_snapshot_quick_drains_every_chunk_of_both_sources() {
+    let mut cmd = lab_cmd();
+    cmd.args(["bench", "--phases", "held-snapshot", "--quick", "--json"]);
+    let out = tokio::time::timeout(std::time::Duration::from_secs(300), cmd.output())
+        .await
+        .expect("outbox-lab bench --phases held-snapshot --quick within 5 minutes")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json");
+    assert_eq!(report["wal_level_logical"], true, "the bench's own cluster");
+    let rows = report["held_snapshot"].as_array().unwrap();
+    let kinds: Vec<(String, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["strategy"].as_str().unwrap().to_owned(),
+                r["held"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("relay".to_owned(), false),
+            ("relay".to_owned(), true),
+            ("wal".to_owned(), false),
+            ("wal".to_owned(), true)
+        ]
+    );
+    for row in rows {
+        let run = &row["runs"][0];
+        assert_eq!(
+            (run["written"].as_u64(), run["delivered"].as_u64()),
+            (Some(1500), Some(1500)),
+            "{row}"
+        );
+        assert_eq!(run["duplicates"], 0, "{row}");
+        assert_eq!(row["per_chunk"].as_array().unwrap().len(), 3, "{row}");
+        assert_eq!(row["last_over_clean_last"].is_f64(), row["held"] == true, "{row}");
+    }
+}
+
 /// `bench --source wal --quick` (issue 17): polling, the WAL source and
 /// emit side by side in one run, every event delivered, what each left in
 /// the table counted exactly, PostgreSQL's CPU and WAL measured, the outage

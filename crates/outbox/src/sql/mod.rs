@@ -12,6 +12,10 @@ mod admin;
 #[cfg(feature = "tokio-postgres")]
 pub(crate) mod catalog;
 #[cfg(feature = "tokio-postgres")]
+mod floor;
+#[cfg(feature = "tokio-postgres")]
+mod horizon;
+#[cfg(feature = "tokio-postgres")]
 mod relay;
 #[cfg(feature = "tokio-postgres")]
 mod replay;
@@ -23,6 +27,10 @@ pub use admin::{
     DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
     Throughput, TypeStats, partition_ranges,
 };
+#[cfg(feature = "tokio-postgres")]
+pub use floor::{ClaimFloor, FloorParams};
+#[cfg(feature = "tokio-postgres")]
+pub use horizon::HorizonHolder;
 #[cfg(feature = "tokio-postgres")]
 use relay::Shape;
 #[cfg(feature = "tokio-postgres")]
@@ -76,9 +84,12 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
             WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
       ORDER BY e.ord";
 
-/// `$1` batch size, `$2` batch bytes (see `CUT`). Walks the partial index
-/// `<table>_unpublished_idx (id) WHERE published_at IS NULL AND dead_at IS
-/// NULL` in id order, skips rows another relay holds, and marks what it
+/// `$1` batch size, `$2` the claim floor, `$3` batch bytes (see `CUT`).
+/// Walks the partial index `<table>_unpublished_idx (id) WHERE
+/// published_at IS NULL AND dead_at IS NULL` in id order from the floor
+/// (`FIND_CLAIM_FLOOR`: the entries below it are, mostly, of rows published
+/// since the oldest snapshot still held, which vacuum cannot remove yet),
+/// skips rows another relay holds, and marks what it
 /// claimed published in the same statement. The mark is only a promise: the relay commits it after the
 /// sink acknowledged the rows and turns failed rows back into unpublished ones
 /// before that (`MARK_FAILED`), so a crash at any point rolls the mark back
@@ -87,7 +98,8 @@ const INSERT_EVENTS: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregat
 /// `RETURNING` order is unspecified: the relay sorts by id.
 const CLAIM_BATCH: &str = "WITH {deadline_cte}locked AS ( \
         SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} AS c \
-         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() {type_filter} \
+         WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
+           AND c.id >= {floor} {type_filter} \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
@@ -160,12 +172,12 @@ const LEASE_CTE: &str = "lease AS (SELECT count(*) AS held FROM ( \
         SELECT 1 FROM {leases} AS l WHERE l.owner = $2 AND l.partition = ANY($3::int4[]) FOR SHARE) AS mine), ";
 const LEASE_GATE: &str = "AND (SELECT held FROM lease) = cardinality($3::int4[])";
 
-/// `CLAIM_BATCH` restricted to the partitions this relay holds; `$5` batch
-/// bytes.
+/// `CLAIM_BATCH` restricted to the partitions this relay holds; `$5` the
+/// claim floor, `$6` batch bytes.
 const CLAIM_BATCH_LEASED: &str = "WITH {deadline_cte}{lease_cte} locked AS ( \
         SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} AS c \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-           AND {partition_of} = ANY($3::int4[]) {type_filter} {claim_probe} \
+           AND c.id >= {floor} AND {partition_of} = ANY($3::int4[]) {type_filter} {claim_probe} \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at {lease_gate} \
@@ -190,7 +202,7 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH {deadline_cte}peek AS ( \
         SELECT DISTINCT {partition_of_d} AS partition FROM ( \
             SELECT aggregate_id FROM {t} \
              WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-               AND {partition_of} = ANY($3::int4[]) {type_filter_peek} \
+               AND id >= {floor} AND {partition_of} = ANY($3::int4[]) {type_filter_peek} \
              ORDER BY id LIMIT 2 * $1::int8) AS d), \
      lease AS (SELECT coalesce(array_agg(mine.partition), '{}') AS held FROM ( \
         SELECT l.partition FROM {leases} AS l \
@@ -198,7 +210,7 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH {deadline_cte}peek AS ( \
      locked AS ( \
         SELECT id, created_at, payload, pg_column_size(payload) AS stored FROM {t} AS c \
          WHERE published_at IS NULL AND dead_at IS NULL AND next_attempt_at <= clock_timestamp() \
-           AND {partition_of} = ANY((SELECT held FROM lease)::int4[]) {type_filter} {claim_probe} \
+           AND c.id >= {floor} AND {partition_of} = ANY((SELECT held FROM lease)::int4[]) {type_filter} {claim_probe} \
          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED), {cut} \
      UPDATE {t} AS o SET {set_claim} FROM claimed{claim_from} \
       WHERE o.id = claimed.id AND o.created_at = claimed.created_at \
@@ -212,13 +224,13 @@ const CLAIM_BATCH_FEW_LEASED: &str = "WITH {deadline_cte}peek AS ( \
 /// event. The `NOT EXISTS` is one probe of
 /// `<table>_pending_by_aggregate_idx`. Per-aggregate-type modes: `$5` the
 /// aggregate types whose mode is not the default, `$6` whether the default
-/// is strict; `$7` batch bytes. A row is held to
+/// is strict; `$7` the claim floor, `$8` batch bytes. A row is held to
 /// strict order when exactly one of "its type is listed" and "the default
 /// is strict" holds; the others skip the `NOT EXISTS` probe.
 const CLAIM_BATCH_STRICT_LEASED: &str = "WITH {deadline_cte}{lease_cte} locked AS ( \
         SELECT c.id, c.created_at, c.payload, pg_column_size(c.payload) AS stored FROM {t} AS c \
          WHERE c.published_at IS NULL AND c.dead_at IS NULL AND c.next_attempt_at <= clock_timestamp() \
-           AND {partition_of_c} = ANY($3::int4[]) {type_filter} \
+           AND c.id >= {floor} AND {partition_of_c} = ANY($3::int4[]) {type_filter} \
            AND ((c.aggregate_type = ANY($5::text[])) = $6::bool OR NOT EXISTS (SELECT 1 FROM {t} AS e \
                  WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
                    AND e.id < c.id AND e.published_at IS NULL AND e.given_up_at IS NULL)) \
@@ -441,8 +453,16 @@ const COUNT_DEAD: &str = "SELECT count(*) FROM {t} WHERE {dead}";
 /// This connection's backend pid and start time.
 const BACKEND_IDENTITY: &str = "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()";
 
-/// `$1` channel. Wakes relays after a requeue, which the insert trigger does not see.
-pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, '')";
+/// `$1` channel. Wakes relays after a requeue or a give-up, with the
+/// payload [`NOTIFY_SWEEP`].
+pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, 'sweep')";
+
+/// The payload of the notification `outbox dlq requeue`, `dlq give-up` and
+/// the console send: rows may have become claimable below a polling
+/// relay's claim floor (a requeued dead letter is inserted again under its
+/// old id), so the relay's next claim starts from 0. The insert trigger's
+/// notifications have an empty payload.
+pub const NOTIFY_SWEEP: &str = "sweep";
 
 /// `$1` interval in seconds. The retention cutoff, read once per cleanup so
 /// every batch uses the same one.
@@ -492,9 +512,10 @@ const INBOX_RECORD: &str = "INSERT INTO {t} (event_id) VALUES ($1) ON CONFLICT (
 
 /// A claim template with what `spec` asks for in place: the lock claim's
 /// mark or a deadline claim's deadline, the type filter, and each parameter's
-/// number. A shape has fixed parameters (`relay::Shape::FIXED`); the type
-/// filter's two, the lease's two and the byte bound follow, in that order,
-/// each only where used (`relay::claim_params` binds them the same way).
+/// number. A shape has fixed parameters (`relay::Shape::FIXED`); the claim
+/// floor, the type filter's two, the lease's two and the byte bound
+/// follow, in that order, each but the floor only where used
+/// (`relay::claim_params` binds them the same way).
 #[cfg(feature = "tokio-postgres")]
 fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
     let mut next = shape.fixed_params();
@@ -502,6 +523,7 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
         next += 1;
         format!("${next}")
     };
+    let floor = format!("{}::int8", param());
     let (types, types_in) = match spec.types {
         Some(_) => (param(), param()),
         None => (String::new(), String::new()),
@@ -551,6 +573,7 @@ fn claim_template(template: &str, shape: Shape, spec: ClaimSpec) -> String {
         .replace("{claim_from}", from)
         .replace("{claimed_cols}", &CLAIMED_COLUMNS.replace("{claim_col}", col))
         .replace("{claim_probe}", &probe)
+        .replace("{floor}", &floor)
         .replace("{type_filter_peek}", &type_filter(""))
         .replace("{type_filter}", &type_filter("c."))
 }
@@ -568,6 +591,12 @@ pub struct OutboxSql {
     /// one row (`ONE_ROW`).
     #[cfg(feature = "tokio-postgres")]
     pub(crate) claims: [[String; 2]; 4],
+    /// See `floor::FIND_CLAIM_FLOOR`.
+    #[cfg(feature = "tokio-postgres")]
+    pub(crate) find_claim_floor: String,
+    /// See `horizon::DEAD_TUPLES`.
+    #[cfg(feature = "tokio-postgres")]
+    pub(crate) dead_tuples: String,
     pub(crate) mark_deadline_claim: String,
     pub(crate) release_deadline_claim: String,
     pub(crate) relay_tick: String,
@@ -665,6 +694,10 @@ impl OutboxSql {
             claims: Shape::ALL.map(claims),
             #[cfg(feature = "tokio-postgres")]
             claim_spec: spec,
+            #[cfg(feature = "tokio-postgres")]
+            find_claim_floor: render(floor::FIND_CLAIM_FLOOR),
+            #[cfg(feature = "tokio-postgres")]
+            dead_tuples: render(horizon::DEAD_TUPLES),
             mark_deadline_claim: render(MARK_DEADLINE_CLAIM),
             release_deadline_claim: render(RELEASE_DEADLINE_CLAIM),
             relay_tick: render(RELAY_TICK),
@@ -731,12 +764,15 @@ mod tests {
             &sql.dead_by_error,
             &sql.throughput,
             &sql.event_story,
+            &sql.find_claim_floor,
+            &sql.dead_tuples,
         ]) {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             // `'{}'` is an empty array literal, not a placeholder.
             assert!(!s.replace("'{}'", "").contains('{'), "{s}");
         }
         assert!(sql.claims[1][1].contains("\"app\".\"events_leases\""));
+        assert!(NOTIFY.contains(&format!("'{NOTIFY_SWEEP}'")));
         assert!(sql.relay_tick.contains("\"app\".\"events_relay_tick\"("));
     }
 }

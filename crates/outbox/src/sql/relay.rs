@@ -1,6 +1,7 @@
 //! The relay's statements with typed parameters and rows: the claim in its
-//! three shapes, the update of failed rows, the next retry time, the lease
-//! tick and the goodbye.
+//! four shapes, the update of failed rows, the next retry time, the claim
+//! floor (its statement and row in `floor.rs`), the lease tick and the
+//! goodbye.
 //!
 //! The batch statements are prepared once per connection
 //! ([`RelayStatements`]), and every method returns a future that sends its
@@ -52,6 +53,11 @@ pub struct ClaimParams<'a> {
     pub deadline: Option<DeadlineClaim>,
     /// The batch size (dead letters are never claimed: `dead_at` is set).
     pub limit: i64,
+    /// The claim floor: the walk of the partial index starts at this id
+    /// (0: from the start, a sweep). Rows below it are not claimed, so the
+    /// caller keeps it below every row that may be due (see
+    /// [`ClaimFloor`](super::ClaimFloor)).
+    pub floor: i64,
     /// The batch's payload bytes: rows are claimed in id order while their
     /// payloads fit, and the first one always.
     pub max_bytes: i64,
@@ -167,6 +173,8 @@ pub struct RelayStatements {
     mark_failed: Statement,
     next_retry: Statement,
     fetch_payload: Statement,
+    /// `FIND_CLAIM_FLOOR` (see [`RelayStatements::find_floor`]).
+    pub(super) find_floor: Statement,
     /// `MARK_DEADLINE_CLAIM` and `RELEASE_DEADLINE_CLAIM`, prepared only for deadline claims.
     deadline: Option<(Statement, Statement)>,
     spec: ClaimSpec,
@@ -190,11 +198,12 @@ impl OutboxSql {
             )?;
             Ok(Some((mark, release)))
         };
-        let (claims, mark_failed, next_retry, fetch_payload, deadline) = tokio::try_join!(
+        let (claims, mark_failed, next_retry, fetch_payload, find_floor, deadline) = tokio::try_join!(
             claims,
             client.prepare(&self.mark_failed),
             client.prepare(&self.next_retry),
             client.prepare(&self.fetch_payload),
+            client.prepare(&self.find_claim_floor),
             deadline,
         )?;
         Ok(RelayStatements {
@@ -202,6 +211,7 @@ impl OutboxSql {
             mark_failed,
             next_retry,
             fetch_payload,
+            find_floor,
             deadline,
             spec: self.claim_spec,
         })
@@ -306,7 +316,8 @@ impl Shape {
 
 /// Which claim `p` needs (its index in [`RelayStatements`]) and its
 /// parameters, in `$n` order (the order `claim_template` numbers them):
-/// the shape's own, the type filter's, the lease's, and the byte bound last.
+/// the shape's own, the floor, the type filter's, the lease's, and the byte
+/// bound last.
 /// A claim of one row has no bound (one row is never cut) and skips its
 /// cost, about 60 µs per claim, a fifth of the relay's time at batch size 1.
 fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<Param<'a>>) {
@@ -335,6 +346,7 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<
             }
         }
     };
+    params.push(&p.floor);
     if let Some(types_in) = &spec.types {
         params.extend([&p.types as Param<'a>, types_in]);
     }

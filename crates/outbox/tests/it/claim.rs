@@ -49,6 +49,7 @@ async fn claim(client: &Client, s: &RelayStatements, limit: i64, claimable: &[i3
     let p = ClaimParams {
         types: &[],
         deadline: None,
+        floor: 0,
         limit,
         max_bytes: i64::MAX,
         scope: ClaimScope::Partitions(Partitions {
@@ -183,6 +184,7 @@ async fn claim_bytes(c: &Client, s: &RelayStatements, limit: i64, max_bytes: i64
     let p = ClaimParams {
         types: &[],
         deadline: None,
+        floor: 0,
         limit,
         max_bytes,
         scope: ClaimScope::All,
@@ -264,6 +266,7 @@ async fn a_large_payload_is_read_in_pieces_and_arrives_whole() {
     let p = ClaimParams {
         types: &[],
         deadline: None,
+        floor: 0,
         limit: 10,
         max_bytes: i64::MAX,
         scope: ClaimScope::All,
@@ -297,6 +300,7 @@ async fn lease_claim(
     let p = ClaimParams {
         types: &[],
         deadline: Some(outbox::sql::DeadlineClaim { owner, timeout_ms }),
+        floor: 0,
         limit,
         max_bytes: i64::MAX,
         scope: ClaimScope::Partitions(Partitions {
@@ -422,4 +426,95 @@ async fn lease_claims_keep_aggregates_behind_live_claims_and_fence_expired_ones(
     );
     let after = marks_of_late().await;
     assert_eq!(before, after, "OTHER's marks stand");
+}
+
+/// `FIND_CLAIM_FLOOR` in one snapshot: the head is the first waiting, due
+/// row from the floor (published rows, dead letters and rows not due yet
+/// are passed), else one past the last row; the gap is the first id with no
+/// visible row below the head (an open transaction's insert, a rolled-back
+/// id), not looked for below the settled bound; with a gap come the
+/// transactions in progress, the open one among them.
+#[tokio::test]
+async fn the_floor_statement_finds_the_head_and_the_first_gap() {
+    let db = Db::start().await;
+    let sql = OutboxSql::new(&Config::default());
+    let c = connect(&db.url).await;
+    let s = sql.prepare_relay(&c).await.unwrap();
+    let insert = |n: i64| {
+        format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) \
+             SELECT 'orders', 'a' || g, 'E', '{{}}' FROM generate_series(1, {n}) g"
+        )
+    };
+    let floor = |from: i64, settled: i64| {
+        let (c, s) = (&c, &s);
+        async move {
+            s.find_floor(c, &outbox::sql::FloorParams { from, settled })
+                .await
+                .unwrap()
+        }
+    };
+    db.client.batch_execute(&insert(10)).await.unwrap();
+    db.client
+        .batch_execute("UPDATE outbox SET published_at = now() WHERE id <= 3")
+        .await
+        .unwrap();
+    // Id 11 is taken by a transaction still open.
+    let open = connect(&db.url).await;
+    open.batch_execute(&format!("BEGIN; {}", insert(1)))
+        .await
+        .unwrap();
+    let xid: i64 = open
+        .query_one("SELECT pg_current_xact_id()::text::int8", &[])
+        .await
+        .unwrap()
+        .get(0);
+    db.client.batch_execute(&insert(2)).await.unwrap();
+
+    // From 0: no id 0 is a gap (sequences start at 1), below head 4.
+    let f = floor(0, 0).await;
+    assert_eq!((f.head, f.gap), (4, Some(0)));
+    assert!(f.in_progress.contains(&xid), "{f:?}");
+    // From 1: ids 1 to 3 are there, published; no gap before 4.
+    let f = floor(1, 0).await;
+    assert_eq!((f.head, f.gap, f.in_progress.is_empty()), (4, None, true));
+
+    // 4 published, 5 a dead letter, 6 to 10 not due yet, 12 published.
+    db.client
+        .batch_execute(
+            "UPDATE outbox SET published_at = now() WHERE id IN (4, 7, 8, 9, 10, 12);
+             UPDATE outbox SET dead_at = now(), attempts = 5 WHERE id = 5;
+             UPDATE outbox SET next_attempt_at = now() + interval '1 hour' WHERE id = 6;",
+        )
+        .await
+        .unwrap();
+    let f = floor(4, 0).await;
+    assert_eq!((f.head, f.gap), (13, Some(11)), "{f:?}");
+    assert!(f.in_progress.contains(&xid));
+    // Below the settled bound a missing id is not a gap.
+    let f = floor(4, 12).await;
+    assert_eq!((f.head, f.gap), (13, None));
+
+    // Committed, the open row is the head: waiting and due.
+    open.batch_execute("COMMIT").await.unwrap();
+    let f = floor(4, 0).await;
+    assert_eq!((f.head, f.gap), (11, None));
+
+    // Nothing waiting from 11 on: one past the last row, past the dead
+    // entries of the published ones.
+    db.client
+        .batch_execute("UPDATE outbox SET published_at = now() WHERE id IN (11, 13)")
+        .await
+        .unwrap();
+    let f = floor(11, 0).await;
+    assert_eq!((f.head, f.gap), (14, None));
+    // An id rolled back at the end: a gap below nothing, so none.
+    db.client
+        .batch_execute(&format!("BEGIN; {}; ROLLBACK", insert(1)))
+        .await
+        .unwrap();
+    let f = floor(14, 0).await;
+    assert_eq!((f.head, f.gap), (14, None));
+    // Past every row: the floor itself.
+    assert_eq!(floor(100, 0).await.head, 100);
 }

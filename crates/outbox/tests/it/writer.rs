@@ -341,14 +341,31 @@ async fn claim_uses_the_partial_index() {
         owner: uuid::Uuid::nil(),
         timeout_ms: 60_000.0,
     });
-    let shapes = [(outbox::sql::ClaimScope::All, 100), (leased, 100), (few, 1)];
+    let strict = outbox::sql::ClaimScope::Partitions(outbox::sql::Partitions {
+        relay_id: uuid::Uuid::nil(),
+        claimable: &[0, 1, 2],
+        count: 64,
+        strict: Some(outbox::sql::Strict {
+            by_default: true,
+            exceptions: &[],
+        }),
+    });
+    let shapes = [
+        (outbox::sql::ClaimScope::All, 100),
+        (leased, 100),
+        (few, 1),
+        (strict, 100),
+    ];
     for ((scope, limit), (sql, deadline)) in shapes
         .into_iter()
         .flat_map(|shape| [(shape, (&sql, None)), (shape, (&deadline_sql, deadline))])
     {
+        // The walk starts at the claim floor: an index condition, not a
+        // filter applied to every entry below it.
         let claim = outbox::sql::ClaimParams {
             types: &[],
             deadline,
+            floor: 200_001,
             limit,
             max_bytes: 16 << 20,
             scope,
@@ -359,12 +376,27 @@ async fn claim_uses_the_partial_index() {
             nodes.contains(&("Index Scan".to_owned(), "outbox_unpublished_idx".to_owned())),
             "{plan:#}"
         );
+        let conds = index_conds(&plan[0]["Plan"], "outbox_unpublished_idx");
+        assert!(
+            !conds.is_empty() && conds.iter().all(|c| c.contains("id >=")),
+            "{conds:?} {plan:#}"
+        );
         // The 64-row lease table may be scanned whole; the outbox never.
         assert!(
             !nodes.contains(&("Seq Scan".to_owned(), "outbox".to_owned())),
             "{plan:#}"
         );
     }
+}
+
+/// The index conditions of every scan of `index` in a JSON plan.
+fn index_conds(node: &serde_json::Value, index: &str) -> Vec<String> {
+    let own = (node["Index Name"].as_str() == Some(index))
+        .then(|| node["Index Cond"].as_str().unwrap_or_default().to_owned());
+    let children = node["Plans"].as_array().into_iter().flatten();
+    own.into_iter()
+        .chain(children.flat_map(|c| index_conds(c, index)))
+        .collect()
 }
 
 /// Every node of a JSON plan as (node type, index name or relation name).
@@ -405,6 +437,7 @@ async fn claims_in_a_batch_session_are_not_jit_compiled() {
             let claim = outbox::sql::ClaimParams {
                 types: &[],
                 deadline: None,
+                floor: 0,
                 limit,
                 max_bytes: 16 << 20,
                 scope,

@@ -22,27 +22,57 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use outbox::sql::{ClaimParams, ClaimedRows, DeadlineClaim, DeadlineMarks, Fence, MarkFailedParams};
+use outbox::sql::{
+    ClaimFloor, ClaimParams, ClaimedRows, DeadlineClaim, DeadlineMarks, Fence, FloorParams, MarkFailedParams,
+};
 use tracing::warn;
 use uuid::Uuid;
 
 use super::{Session, Settled};
 use crate::source::SourceError;
 
-/// What a round trip gives back: the settled batch as marked, and the
-/// rows claimed.
-pub(super) type RoundTrip = (Option<Settled>, Option<ClaimedRows>);
+/// What a round trip gives back.
+pub(super) struct RoundTrip {
+    /// The settled batch, as marked.
+    pub(super) settled: Option<Settled>,
+    /// The rows claimed, if it claimed.
+    pub(super) claimed: Option<ClaimedRows>,
+    /// The claim floor, if it was asked for. Its failure is not the
+    /// batch's: the floor stays where it was, which is still correct.
+    pub(super) floor: Option<Result<ClaimFloor, tokio_postgres::Error>>,
+}
+
+/// What one round trip sends, besides the settled batch's marks.
+#[derive(Clone, Copy)]
+pub(super) struct Ask<'a> {
+    /// The claim, if any.
+    pub(super) claim: Option<&'a ClaimParams<'a>>,
+    /// The floor statement, if due (`FIND_CLAIM_FLOOR`): sent after the
+    /// marks are committed and before the claim's transaction begins, so
+    /// it runs in a snapshot of its own.
+    pub(super) floor: Option<&'a FloorParams>,
+}
+
+/// The floor statement if asked for, on `s`, outside any transaction.
+async fn find_floor(
+    s: &Session,
+    floor: Option<&FloorParams>,
+) -> Option<Result<ClaimFloor, tokio_postgres::Error>> {
+    match floor {
+        Some(p) => Some(s.statements.find_floor(&s.client, p).await),
+        None => None,
+    }
+}
 
 /// One way of claiming (see the [module docs](self)).
 pub(super) trait Claiming: Send + Sync {
     /// On `s`, in one round trip: makes `settled`'s outcomes durable (if
-    /// any), then claims with `claim` (if given). Returns the settled
-    /// batch as marked and the claimed rows.
+    /// any), then finds the floor and claims, as `ask` says.
     fn round_trip<'a>(
         &'a self,
         s: &'a Session,
         settled: Option<Settled>,
-        claim: Option<&'a ClaimParams<'a>>,
+        ask: Ask<'a>,
     ) -> BoxFuture<'a, Result<RoundTrip, SourceError>>;
 
     /// Gives a batch back unsent, due again now: `held` is a deadline
@@ -82,7 +112,8 @@ fn failed_params(settled: &Settled) -> MarkFailedParams<'_> {
 }
 
 impl Claiming for ByLock {
-    /// The marks and COMMIT of `settled`, then BEGIN and the claim.
+    /// The marks and COMMIT of `settled`, the floor statement, then BEGIN
+    /// and the claim.
     ///
     /// The transaction is driven by hand rather than through
     /// `tokio_postgres::Transaction` because tokio-postgres pipelines
@@ -94,11 +125,12 @@ impl Claiming for ByLock {
         &'a self,
         s: &'a Session,
         settled: Option<Settled>,
-        claim: Option<&'a ClaimParams<'a>>,
+        ask: Ask<'a>,
     ) -> BoxFuture<'a, Result<RoundTrip, SourceError>> {
+        let claim = ask.claim;
         async move {
             let client = &s.client;
-            let (failed, committed, begun, claimed) = tokio::join!(
+            let (failed, committed, floor, begun, claimed) = tokio::join!(
                 async {
                     match &settled {
                         Some(d) if !d.outcomes.failures.ids.is_empty() => {
@@ -113,6 +145,7 @@ impl Claiming for ByLock {
                     }
                     Ok::<_, tokio_postgres::Error>(())
                 },
+                find_floor(s, ask.floor),
                 async {
                     if claim.is_some() {
                         client.batch_execute("BEGIN").await?;
@@ -129,7 +162,11 @@ impl Claiming for ByLock {
             failed?;
             committed?;
             begun?;
-            Ok((settled, claimed?))
+            Ok(RoundTrip {
+                settled,
+                claimed: claimed?,
+                floor,
+            })
         }
         .boxed()
     }
@@ -211,22 +248,27 @@ impl ByDeadline {
 }
 
 impl Claiming for ByDeadline {
-    /// The marks of `settled` and the next claim, each its own statement
-    /// and transaction, pipelined.
+    /// The marks of `settled`, the floor statement and the next claim,
+    /// each its own statement and transaction, pipelined.
     fn round_trip<'a>(
         &'a self,
         s: &'a Session,
         settled: Option<Settled>,
-        claim: Option<&'a ClaimParams<'a>>,
+        ask: Ask<'a>,
     ) -> BoxFuture<'a, Result<RoundTrip, SourceError>> {
         async move {
-            let (marked, claimed) = tokio::join!(self.mark(s, settled), async {
-                match claim {
-                    Some(params) => s.statements.claim(&s.client, params).await.map(Some),
-                    None => Ok(None),
-                }
-            });
-            Ok((marked?, claimed?))
+            let (marked, floor, claimed) =
+                tokio::join!(self.mark(s, settled), find_floor(s, ask.floor), async {
+                    match ask.claim {
+                        Some(params) => s.statements.claim(&s.client, params).await.map(Some),
+                        None => Ok(None),
+                    }
+                });
+            Ok(RoundTrip {
+                settled: marked?,
+                claimed: claimed?,
+                floor,
+            })
         }
         .boxed()
     }

@@ -35,6 +35,15 @@
 //! [`claim`]: [`ByLock`] and [`ByDeadline`] behind [`Claiming`]. This
 //! module owns the pipeline, the connections and the waiting, the same for
 //! both.
+//!
+//! # The claim floor
+//!
+//! Claims walk the partial index from a floor rather than from its start,
+//! so rows published since the oldest snapshot still held (whose index
+//! entries vacuum cannot remove yet) are not visited again and again.
+//! [`floor`] keeps it: when it rises, and which events make the next claim
+//! a sweep from 0. This module reports those events to it and sends the
+//! floor statement in a claim's round trip when it asks.
 
 use std::time::{Duration, Instant};
 
@@ -49,8 +58,11 @@ use tracing::{info, warn};
 use uuid::Uuid;
 
 mod claim;
+mod floor;
 
-use self::claim::{ByDeadline, ByLock, Claiming};
+use self::claim::{Ask, ByDeadline, ByLock, Claiming, RoundTrip};
+pub use self::floor::SETTLE as CLAIM_FLOOR_SETTLE;
+use self::floor::{Asked, Floor};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{OrderMode, RelayConfig};
 use crate::context::RelayContext;
@@ -212,6 +224,19 @@ pub(crate) struct PollSource {
     types: Vec<String>,
     /// By lock or by deadline.
     claiming: Box<dyn Claiming>,
+    /// Where claims start (see [`floor`]).
+    floor: Floor,
+    /// The partitions the last claim was for, and their epoch: a change
+    /// makes the next claim a sweep.
+    partitions_seen: (Vec<i32>, u64),
+}
+
+/// What a round trip's claim needs of the floor: where it starts, and the
+/// floor statement if due.
+#[derive(Clone, Copy)]
+struct FloorUse {
+    at: i64,
+    asked: Option<Asked>,
 }
 
 impl PollSource {
@@ -242,7 +267,16 @@ impl PollSource {
         } else {
             Box::new(ByLock)
         };
+        // The relay's own lane reports its floor; a lane of routes keeps
+        // its own, unreported.
+        let gauge = lane
+            .spec
+            .types
+            .is_none_or(|take| !take)
+            .then(|| metrics::gauge!(crate::metric::CLAIM_FLOOR, &[ctx.label()]));
         let mut source = Self {
+            floor: Floor::new(gauge, Instant::now()),
+            partitions_seen: (Vec::new(), 0),
             default_strict: config.ordering == OrderMode::Strict,
             exceptions,
             config,
@@ -292,6 +326,8 @@ impl PollSource {
         }
         self.ctx.health().postgres(&self.lane, None);
         self.sessions = Some(sessions);
+        // Whatever was in flight on the old connections was rolled back.
+        self.floor.sweep_next();
     }
 
     /// Whether any aggregate type is held to strict order.
@@ -334,10 +370,8 @@ impl PollSource {
             return Ok(());
         };
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let (done, _) = self
-            .round_trip(ss.get(settled.conn), Some(settled), false)
-            .await?;
-        self.committed(done);
+        let done = self.round_trip(ss.get(settled.conn), Some(settled), None).await?;
+        self.committed(done.settled);
         Ok(())
     }
 
@@ -363,28 +397,75 @@ impl PollSource {
             Wake::ConnectionLost => Err(SourceError::ConnectionLost),
             Wake::Notified => {
                 self.wake_metrics.woke(cause);
+                if cause == WakeCause::Lease {
+                    // The tick found due rows: perhaps below the floor
+                    // (another relay's retries, in a partition gained).
+                    self.floor.sweep_next();
+                }
                 Ok(true)
             }
             Wake::Timer => {
                 self.wake_metrics.woke(timer);
+                // A retry came due or the fallback poll: either may be
+                // for rows below the floor.
+                self.floor.sweep_next();
                 Ok(true)
             }
         }
     }
 
+    /// Where the next claim starts, and whether its round trip carries the
+    /// floor statement; first tells the floor what happened that makes the
+    /// claim a sweep (partitions changed, a notification asked for one).
+    fn floor_for_claim(&mut self) -> FloorUse {
+        if let Some(leases) = &self.leases {
+            let view = leases.view();
+            if view.claimable != self.partitions_seen.0 || view.epoch != self.partitions_seen.1 {
+                self.partitions_seen = (view.claimable.clone(), view.epoch);
+                self.floor.sweep_next();
+            }
+        }
+        if self
+            .sessions
+            .as_ref()
+            .is_some_and(|ss| ss.listening.wakeups.take_sweep())
+        {
+            self.floor.sweep_next();
+        }
+        let now = Instant::now();
+        let at = self.floor.for_claim(now);
+        FloorUse {
+            at,
+            asked: self.floor.ask(now),
+        }
+    }
+
+    /// What the floor statement of a round trip found, if it was sent.
+    fn floor_found(&mut self, use_: Option<FloorUse>, trip: &mut RoundTrip) {
+        let (Some(asked), Some(found)) = (use_.and_then(|u| u.asked), trip.floor.take()) else {
+            return;
+        };
+        match found {
+            Ok(found) => self.floor.found(asked, found, Instant::now()),
+            // The floor stays where it was, which is still correct.
+            Err(error) => warn!(error = %error_chain(&error), "finding the claim floor"),
+        }
+    }
+
     /// On one connection, in one round trip: the outcomes of `settled` (if
-    /// any) made durable, then, if `claim`, the next claim (see
-    /// [`Claiming::round_trip`]).
+    /// any) made durable, then, with `claim`, the floor statement if due and
+    /// the next claim from the floor (see [`Claiming::round_trip`]).
     async fn round_trip(
         &self,
         s: &Session,
         settled: Option<Settled>,
-        claim: bool,
-    ) -> Result<(Option<Settled>, Option<ClaimedRows>), SourceError> {
+        claim: Option<FloorUse>,
+    ) -> Result<RoundTrip, SourceError> {
         let lease = self.leases.as_ref().map(|l| (l.relay_id(), l.view()));
         let params = ClaimParams {
             types: &self.types,
             deadline: self.claiming.deadline(),
+            floor: claim.map_or(0, |c| c.at),
             limit: i64::from(self.config.batch_size),
             max_bytes: i64::try_from(self.config.batch_max_bytes).unwrap_or(i64::MAX),
             scope: match &lease {
@@ -402,38 +483,59 @@ impl PollSource {
         };
         // Holding no partition, there is nothing to claim: no transaction.
         // With the lease lapsed, a batch could not be sent: none either.
-        let claim = claim
-            && lease
+        let claim = claim.filter(|_| {
+            lease
                 .as_ref()
-                .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid());
-        self.claiming
-            .round_trip(s, settled, claim.then_some(&params))
-            .await
+                .is_none_or(|(_, v)| !v.claimable.is_empty() && v.is_valid())
+        });
+        let floor = claim.and_then(|c| c.asked).map(|a| a.params);
+        let ask = Ask {
+            claim: claim.map(|_| &params),
+            floor: floor.as_ref(),
+        };
+        self.claiming.round_trip(s, settled, ask).await
     }
 
     /// Gives a batch on `conn` back unsent (see [`Claiming::release`]);
-    /// `held`: a deadline claim's row ids and fence.
-    async fn release(&self, conn: Conn, held: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
+    /// `held`: a deadline claim's row ids and fence. Its rows are due again,
+    /// perhaps below the floor (a deadline claim's were passed as not due):
+    /// the next claim sweeps.
+    async fn release(&mut self, conn: Conn, held: Option<(&[i64], Fence)>) -> Result<(), SourceError> {
+        self.floor.sweep_next();
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
         self.claiming.release(ss.get(conn), held).await
     }
 
     /// Gives back a batch claimed ahead, not handed out.
-    async fn release_claimed(&self, claimed: &Claimed) -> Result<(), SourceError> {
+    async fn release_claimed(&mut self, claimed: &Claimed) -> Result<(), SourceError> {
         let ids: Vec<i64> = claimed.rows.rows.iter().map(|r| r.id).collect();
         let lease = claimed.rows.fence.map(|fence| (ids.as_slice(), fence));
         self.release(claimed.conn, lease).await
     }
 
-    /// A batch was committed: wakes for its soonest retry, and makes its
-    /// receipt.
+    /// A batch was committed: wakes for its soonest retry, tells the floor
+    /// when each of its failed rows comes due, and makes its receipt.
     fn committed(&mut self, done: Option<Settled>) {
         let Some(d) = done else { return };
         if let Some(soonest) = d.outcomes.failures.soonest {
             // Measured from after the commit, so the wake-up is never before
             // the time PostgreSQL recorded.
-            let at = Instant::now() + soonest;
-            self.retry_at(at);
+            let now = Instant::now();
+            self.retry_at(now + soonest);
+            let f = &d.outcomes.failures;
+            let mut delays: Vec<f64> = f
+                .delay_ms
+                .iter()
+                .zip(&f.dead_letter)
+                .filter(|(_, dead)| !**dead)
+                .map(|(ms, _)| *ms)
+                .collect();
+            delays.sort_unstable_by(f64::total_cmp);
+            delays.dedup();
+            for ms in delays {
+                self.floor
+                    .retry_at(now + Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+            }
         }
         self.receipts.durable(d.batch, d.claimed, d.started, d.outcomes);
     }
@@ -457,7 +559,10 @@ impl PollSource {
         } else {
             wake::jittered(self.config.poll_interval)
         };
-        match self.earliest_retry {
+        // The floor keeps every retry time this source set, not only the
+        // soonest, until a claim sweeps for it: an idle relay wakes for each.
+        let floor_retry = self.floor.next_retry();
+        match self.earliest_retry.into_iter().chain(floor_retry).min() {
             Some(at) => {
                 let until = at.saturating_duration_since(Instant::now());
                 if until.is_zero() {
@@ -515,6 +620,7 @@ impl PollSource {
                 if let Some(secs) = due_in.filter(|s| *s > 0.0) {
                     let at = Instant::now() + Duration::from_secs_f64(secs);
                     self.retry_at(at);
+                    self.floor.retry_at(at);
                 }
             }
             // Not fatal: the fallback poll still finds the row.
@@ -639,15 +745,27 @@ impl Source for PollSource {
         if !ss.listening.wakeups.drain() {
             return Err(SourceError::ConnectionLost);
         }
-        let epoch = self.lease_epoch();
-        let sent = Instant::now();
-        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let (_, rows) = self.round_trip(&ss.listening, None, true).await?;
-        let claimed = rows.is_some();
-        let rows = rows.unwrap_or_default();
-        if rows.rows.is_empty() {
+        loop {
+            let epoch = self.lease_epoch();
+            let sent = Instant::now();
+            let floor = self.floor_for_claim();
+            let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+            let mut trip = self.round_trip(&ss.listening, None, Some(floor)).await?;
+            self.floor_found(Some(floor), &mut trip);
+            let claimed = trip.claimed.is_some();
+            let rows = trip.claimed.unwrap_or_default();
+            if !rows.rows.is_empty() {
+                return Ok(self.hand_out(Conn::Listening, rows, epoch, sent, false));
+            }
             if claimed {
+                let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
                 self.claiming.close_empty(&ss.listening).await?;
+            }
+            if self.config.drain && claimed && floor.at > 0 {
+                // A drain ends on a claim that found nothing from 0, not
+                // above a floor that may have passed a row due since.
+                self.floor.sweep_next();
+                continue;
             }
             if self.config.drain && (claimed || self.holds_nothing()) {
                 return Ok(Claim::Drained);
@@ -655,7 +773,6 @@ impl Source for PollSource {
             self.pipeline.idle = true;
             return Ok(Claim::Empty);
         }
-        Ok(self.hand_out(Conn::Listening, rows, epoch, sent, false))
     }
 
     fn may_deliver(&self) -> bool {
@@ -713,10 +830,12 @@ impl Source for PollSource {
         // Notifications up to here are covered by the next claim.
         let chain = full && ss.listening.wakeups.drain();
         let sent = Instant::now();
+        let floor = chain.then(|| self.floor_for_claim());
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
-        let (done, next) = self.round_trip(ss.get(other), settled, chain).await?;
-        self.committed(done);
-        self.pipeline.prefetched = match next {
+        let mut trip = self.round_trip(ss.get(other), settled, floor).await?;
+        self.floor_found(floor, &mut trip);
+        self.committed(trip.settled);
+        self.pipeline.prefetched = match trip.claimed {
             Some(rows) if rows.rows.is_empty() => {
                 let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
                 self.claiming.close_empty(ss.get(other)).await?;
@@ -758,6 +877,9 @@ impl Source for PollSource {
 
     async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
         self.pipeline = Pipeline::default();
+        // Everything in flight is rolled back, due again, perhaps below the
+        // floor.
+        self.floor.sweep_next();
         let lost = matches!(error, SourceError::ConnectionLost)
             || self
                 .sessions
