@@ -518,3 +518,56 @@ async fn issue_32_batches_failing_in_a_row_make_the_relay_unready() {
     let events = read_stream(&redis.url(), STREAM).await;
     assert_eq!(distinct_events(&events), 10);
 }
+
+/// The operator commands through transaction mode, each run several times
+/// so the pool hands them different server connections: `migrate`,
+/// `stats`, `relays`, `dlq`, `cleanup` run every statement unnamed (or in
+/// one transaction), so none finds a statement missing or another
+/// client's. (`replay` cannot: its job lock is a session advisory lock.)
+#[tokio::test]
+async fn issue_32_commands_through_transaction_mode() {
+    let p = Pooled::start(PoolMode::Transaction).await;
+    let fresh = p.db.pg.fresh_database().await.unwrap();
+    let url = p.bouncer.url(database(&fresh));
+    warm(&url).await;
+    let env = [("DATABASE_URL", url.as_str())];
+    let ok = |out: std::process::Output| {
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    for _ in 0..2 {
+        ok(run_cli(&["migrate"], &env).await);
+        ok(run_cli(&["migrate", "--inbox"], &env).await);
+    }
+    let direct = connect(&fresh).await;
+    direct
+        .batch_execute(
+            "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, dead_at, last_error) \
+             SELECT gen_random_uuid(), 'orders', 'o' || i, 'Placed', '{}', now(), 'refused' \
+               FROM generate_series(1, 6) AS i",
+        )
+        .await
+        .unwrap();
+    for _ in 0..WARM {
+        let stats: serde_json::Value =
+            serde_json::from_str(&ok(run_cli(&["stats", "--json"], &env).await)).unwrap();
+        assert_eq!(stats["dead_letters"], 6, "{stats}");
+        ok(run_cli(&["relays"], &env).await);
+        ok(run_cli(&["dlq", "list"], &env).await);
+        ok(run_cli(&["cleanup", "--older-than", "1h"], &env).await);
+    }
+    ok(run_cli(&["dlq", "give-up", "--id", "1"], &env).await);
+    ok(run_cli(&["dlq", "requeue", "--id", "2", "--id", "3"], &env).await);
+    let count = |sql: &'static str| {
+        let direct = &direct;
+        async move { direct.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    assert_eq!(
+        count("SELECT count(*) FROM outbox WHERE given_up_at IS NOT NULL").await,
+        1
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM outbox WHERE dead_at IS NULL").await,
+        2
+    );
+}

@@ -50,6 +50,11 @@ impl PgType for &str {
     const TYPE: Type = Type::TEXT;
 }
 
+/// NULL, or a value of `T`'s type.
+impl<T: PgType> PgType for Option<T> {
+    const TYPE: Type = T::TYPE;
+}
+
 /// `value` with its type, for `query_typed` and friends.
 pub(crate) fn typed<T: ToSql + Sync + PgType>(value: &T) -> Typed<'_> {
     (value, T::TYPE)
@@ -66,6 +71,7 @@ mod tests {
         assert_eq!(typed(&"relay").1, Type::TEXT);
         assert_eq!(typed(&vec![String::new()]).1, Type::TEXT_ARRAY);
         assert_eq!(typed(&1.5_f64).1, Type::FLOAT8);
+        assert_eq!(typed(&None::<&[i64]>).1, Type::INT8_ARRAY);
         // Each type accepts what it is bound as, so a bind never fails on it.
         assert!(<&[i64] as ToSql>::accepts(&typed(&ids).1));
         assert!(<DateTime<Utc> as ToSql>::accepts(&typed(&Utc::now()).1));
