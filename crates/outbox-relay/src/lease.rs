@@ -7,7 +7,12 @@
 //! forgets relays silent for two thirds of the timeout (terminating their
 //! batch connections), and moves this relay towards an even share. So a dead
 //! relay's partitions move within the lease timeout, and a new relay gets
-//! its share within a few ticks.
+//! its share within a few ticks. Through a transaction-mode pooler
+//! (`--pooler transaction`) the tick records no batch connections: they are
+//! pooled server connections, shared with other clients, and must never be
+//! terminated; a frozen relay's transactions are ended by the server
+//! instead (`idle_in_transaction_session_timeout`, set per transaction by
+//! `outbox::sql`), within the lease timeout.
 //!
 //! What keeps two relays from delivering one aggregate at once is not this
 //! task but the claim: it reads the lease rows `FOR SHARE` and claims only
