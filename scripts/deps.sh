@@ -1,6 +1,6 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes sure the PostgreSQL
 # server binaries, redis-server, a C toolchain (for the bundled librdkafka),
-# nats-server, rabbitmq-server, (for the lab report and admin console
+# nats-server, rabbitmq-server, pgbouncer, (for the lab report and admin console
 # tests) chromium and chromium-driver, and (for the metrics tests'
 # `promtool check`) prometheus exist.
 # As root on Debian it installs the missing packages; otherwise it prints the
@@ -16,7 +16,8 @@ find_initdb() {
 
 # ensure_deps [brokers]: PostgreSQL, redis-server and make + cc always (the
 # demo needs no more; the `outbox` binary builds librdkafka for its Kafka
-# sink); with `brokers`, nats-server and rabbitmq-server too (the tests).
+# sink); with `brokers`, nats-server, rabbitmq-server and pgbouncer too (the
+# tests).
 ensure_deps() {
     local missing=()
     find_initdb || missing+=(postgresql)
@@ -27,6 +28,8 @@ ensure_deps() {
         # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
         command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
         command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || missing+=(rabbitmq-server)
+        # The pooler tests put PgBouncer (Debian's, in /usr/sbin) in front of PostgreSQL.
+        command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
         # The lab's report test opens the HTML report in a real headless browser;
         # the admin console's test drives one through chromedriver (WebDriver).
         command -v chromium >/dev/null 2>&1 || missing+=(chromium)

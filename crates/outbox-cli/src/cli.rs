@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use outbox_relay::{ClaimMode, OrderMode, SourceKind, WalCleanup};
+use outbox_relay::{ClaimMode, OrderMode, Pooler, SourceKind, WalCleanup};
 
 use crate::logging::LogFormat;
 
@@ -20,7 +20,8 @@ use crate::logging::LogFormat;
 /// met an unavailable sink; a `dlq` selector matched nothing; a replay's sink
 /// refused an event); 2 usage or
 /// configuration error (bad flag, URL, identifier or duration; schema not
-/// migrated or too new).
+/// migrated or too new; a transaction-mode pooler in front of a relay not
+/// run with --pooler transaction).
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, max_term_width = 100)]
 pub(crate) struct Cli {
@@ -233,6 +234,23 @@ pub(crate) struct RelayArgs {
     /// running then is abandoned, so make it longer than the slowest batch.
     #[arg(long, env = "OUTBOX_CLAIM_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
     pub(crate) claim_timeout: Duration,
+    /// What sits between the relay and PostgreSQL: `none` (a direct
+    /// connection, or a session-mode pool) or `transaction` (a
+    /// transaction-mode pool such as PgBouncer's pool_mode = transaction:
+    /// no prepared statements, plans pinned per transaction, no LISTEN
+    /// unless --listen-url, no --source wal).
+    #[arg(long, env = "OUTBOX_POOLER", value_enum, default_value = "none")]
+    pub(crate) pooler: Pooler,
+    /// With --pooler transaction: a direct connection to PostgreSQL (not
+    /// through the pooler) used only to LISTEN for new events, so the relay
+    /// is woken at once instead of at the next poll [default: poll].
+    #[arg(
+        long,
+        env = "OUTBOX_LISTEN_URL",
+        hide_env_values = true,
+        conflicts_with = "no_notify"
+    )]
+    pub(crate) listen_url: Option<String>,
     /// Per-aggregate ordering: `partition` (one relay per partition of
     /// aggregates, id order while nothing fails), `strict` (never past an
     /// undelivered earlier event of the aggregate) or `none` (any relay, any

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | 0 | success, including a clean drain after SIGINT/SIGTERM |
 //! | 1 | runtime failure: PostgreSQL unreachable until `--connect-timeout`, a statement failed; `relay --drain` made a dead letter or stopped at an unavailable sink; a `dlq` selector matched nothing; a replay's sink refused an event, or its job runs elsewhere |
-//! | 2 | usage or configuration: bad flag, URL, TLS file, identifier, duration, schema not migrated or too new; PostgreSQL refused the login, the database or the certificate; log tailing not possible (`wal_level`, `REPLICATION`, no slot) or its slot invalidated |
+//! | 2 | usage or configuration: bad flag, URL, TLS file, identifier, duration, schema not migrated or too new; PostgreSQL refused the login, the database or the certificate; log tailing not possible (`wal_level`, `REPLICATION`, no slot) or its slot invalidated; a transaction-mode pooler in front of a relay not run with `--pooler transaction`, or what that setting cannot do (`--source wal`, `--retention`) |
 //!
 //! Errors print as `error: …` followed by one `caused by: …` line per source,
 //! or with `--log-format json` as one JSON line shaped like the log lines:

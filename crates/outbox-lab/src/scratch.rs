@@ -78,6 +78,11 @@ impl Postgres {
     pub(crate) fn is_throwaway(&self) -> bool {
         self.throwaway.is_some()
     }
+
+    /// The throwaway cluster, if this run started one.
+    pub(crate) fn throwaway(&self) -> Option<&outbox_testkit::Postgres> {
+        self.throwaway.as_ref()
+    }
 }
 
 /// `url` parsed (a [`ConfigError`] if it does not), with the connect timeout.

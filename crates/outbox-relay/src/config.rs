@@ -67,6 +67,51 @@ pub struct RelayConfig {
     /// runs out; a delivery still running then is abandoned. Longer than
     /// the slowest batch the sink may take.
     pub claim_timeout: Duration,
+    /// What sits between the relay and PostgreSQL (default
+    /// [`defaults::POOLER`]: nothing, or a session-mode pool).
+    pub pooler: Pooler,
+    /// With [`Pooler::Transaction`]: a direct connection (not through the
+    /// pooler) used only to LISTEN for the insert trigger's notifications.
+    /// Without it the relay polls (`poll_interval`).
+    pub listen: Option<crate::pg::PgConfig>,
+}
+
+/// What sits between the relay and PostgreSQL: the value of `outbox relay
+/// --pooler`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Pooler {
+    /// A connection of the relay's own for as long as it lasts: direct, or
+    /// through a session-mode pool (PgBouncer `pool_mode = session`). The
+    /// relay prepares its statements and pins its plans once per session,
+    /// and LISTENs on it.
+    #[default]
+    #[value(help = "Direct, or a session-mode pool (the default)")]
+    None,
+    /// A transaction-mode pool (PgBouncer `pool_mode = transaction`): each
+    /// transaction may run on another server connection, shared with other
+    /// clients. The relay leaves nothing on a session: unnamed statements,
+    /// plans pinned per transaction (`SET LOCAL`), no LISTEN (poll, or
+    /// `--listen-url`), no backend pids recorded for a takeover to
+    /// terminate (a lock claim's transaction ends itself after the lease
+    /// timeout idle instead). `--source wal` cannot run through one.
+    #[value(help = "A transaction-mode pool such as PgBouncer's pool_mode = transaction")]
+    Transaction,
+}
+
+impl Pooler {
+    /// The name used by `--pooler`, logs and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooler::None => "none",
+            Pooler::Transaction => "transaction",
+        }
+    }
+}
+
+impl fmt::Display for Pooler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// How the polling source claims a batch: the value of `outbox relay
@@ -189,6 +234,8 @@ impl Default for RelayConfig {
             wal: WalSettings::default(),
             claim: ClaimMode::Lock,
             claim_timeout: defaults::CLAIM_TIMEOUT,
+            pooler: defaults::POOLER,
+            listen: None,
         }
     }
 }
@@ -252,6 +299,27 @@ impl RelayConfig {
             });
         }
         Ok(())
+    }
+
+    /// Refuses what cannot run through the pooler in front: log tailing
+    /// needs the replication protocol and a session advisory lock, which a
+    /// transaction-mode pooler cannot carry.
+    pub(crate) fn check_pooler(&self) -> Result<(), RelayError> {
+        if self.pooler == Pooler::Transaction && self.source == SourceKind::Wal {
+            return Err(RelayError::Pooler(
+                "log tailing (--source wal) cannot run through a transaction-mode pooler: it needs the \
+                 replication protocol and a session advisory lock; give the WAL relay a DATABASE_URL that \
+                 connects directly to PostgreSQL, without --pooler transaction",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the relay LISTENs: with `notify`, on its own session, or
+    /// through a transaction-mode pooler only on `listen` (a LISTEN there
+    /// would be left on a server connection the relay does not keep).
+    pub(crate) fn listens(&self) -> bool {
+        self.notify && (self.pooler == Pooler::None || self.listen.is_some())
     }
 
     /// `ordering_for` as `type=mode,…`, for logs.

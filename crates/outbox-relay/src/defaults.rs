@@ -45,6 +45,10 @@ pub const BATCH_MAX_BYTES: u64 = 16 * 1024 * 1024;
 /// `--claim-timeout`: six times the sinks' default timeout.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// `--pooler`: nothing between the relay and PostgreSQL, or a session-mode
+/// pool; the relay prepares its statements once per session.
+pub const POOLER: crate::config::Pooler = crate::config::Pooler::None;
+
 /// `--wal-window`: events read whose position the server was not sent.
 pub const WAL_WINDOW: u32 = 5000;
 

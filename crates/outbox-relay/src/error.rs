@@ -1,6 +1,6 @@
 //! Why a relay stops, and the one-line error chain its logs print.
 
-use tokio_postgres::error::DbError;
+use tokio_postgres::error::{DbError, SqlState};
 
 use crate::pg::ConnectError;
 
@@ -24,6 +24,21 @@ pub enum RelayError {
         /// Why.
         reason: &'static str,
     },
+    /// What cannot run through the pooler in front (`--pooler`).
+    #[error("{0}")]
+    Pooler(&'static str),
+    /// A transaction-mode pooler sits in front of a relay run without
+    /// `--pooler transaction`: a prepared statement did not survive its
+    /// transaction, or two of its sessions share one server connection.
+    #[error(
+        "a transaction-mode pooler (such as PgBouncer with pool_mode = transaction) sits between the relay \
+         and PostgreSQL: {sign}; run the relay with --pooler transaction (OUTBOX_POOLER=transaction), or \
+         connect it directly or through a session-mode pool"
+    )]
+    TransactionPooler {
+        /// What gave it away.
+        sign: String,
+    },
 }
 
 impl RelayError {
@@ -31,10 +46,27 @@ impl RelayError {
     pub fn is_config(&self) -> bool {
         match self {
             RelayError::Schema(e) => e.is_config(),
-            RelayError::Ordering { .. } => true,
+            RelayError::Ordering { .. } | RelayError::Pooler(_) | RelayError::TransactionPooler { .. } => {
+                true
+            }
             RelayError::Connect(e) => e.is_permanent(),
         }
     }
+}
+
+/// Whether `e` says a transaction-mode pooler runs each transaction on
+/// whichever server connection is free: a statement prepared in one
+/// transaction is missing in the next (26000, `invalid_sql_statement_name`),
+/// or one of the same name is already there, another client's (42P05,
+/// `duplicate_prepared_statement`). A relay connected directly, or through a
+/// session-mode pool, never sees either: it names its statements once per
+/// session and never twice.
+pub(crate) fn transaction_pooler(e: &tokio_postgres::Error) -> Option<RelayError> {
+    let code = e.code()?;
+    if *code != SqlState::INVALID_SQL_STATEMENT_NAME && *code != SqlState::DUPLICATE_PSTATEMENT {
+        return None;
+    }
+    Some(RelayError::TransactionPooler { sign: error_chain(e) })
 }
 
 /// The error and its sources on one line, for logs and `last_error`.

@@ -7,7 +7,12 @@
 //! forgets relays silent for two thirds of the timeout (terminating their
 //! batch connections), and moves this relay towards an even share. So a dead
 //! relay's partitions move within the lease timeout, and a new relay gets
-//! its share within a few ticks.
+//! its share within a few ticks. Through a transaction-mode pooler
+//! (`--pooler transaction`) the tick records no batch connections: they are
+//! pooled server connections, shared with other clients, and must never be
+//! terminated; a frozen relay's transactions are ended by the server
+//! instead (`idle_in_transaction_session_timeout`, set per transaction by
+//! `outbox::sql`), within the lease timeout.
 //!
 //! What keeps two relays from delivering one aggregate at once is not this
 //! task but the claim: it reads the lease rows `FOR SHARE` and claims only
@@ -32,11 +37,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
-use crate::error::error_chain;
+use crate::config::Pooler;
+use crate::error::{RelayError, error_chain, transaction_pooler};
 use crate::wake;
 
 /// What the last successful tick said.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct LeaseView {
     /// Partitions this relay holds and is not handing over, ascending.
     pub(crate) claimable: Vec<i32>,
@@ -51,6 +57,10 @@ pub(crate) struct LeaseView {
     /// its partitions, so a batch claimed in an earlier epoch must not be
     /// sent even if this relay holds the same partitions again.
     pub(crate) epoch: u64,
+    /// A tick found a transaction-mode pooler in front of a relay run
+    /// without `--pooler transaction` (`error::transaction_pooler`): what
+    /// gave it away. The relay stops with it.
+    pub(crate) pooler_sign: Option<String>,
 }
 
 impl LeaseView {
@@ -78,6 +88,9 @@ pub(crate) struct LeaseSettings {
     /// poll: ticking at least this often lets the relay skip a claim
     /// transaction of its own per poll.
     pub(crate) poll: Duration,
+    /// Through a transaction-mode pooler the tick is unnamed, and the lanes
+    /// record no backend pids (they are not the relay's own).
+    pub(crate) pooler: Pooler,
 }
 
 impl LeaseSettings {
@@ -262,6 +275,7 @@ impl Ticker {
                 client = match self.connect().await {
                     Ok(c) => Some(c),
                     Err(error) => {
+                        self.pooler_sign(&error);
                         let error = error_chain(&error);
                         self.settings
                             .ctx
@@ -277,6 +291,7 @@ impl Ticker {
                 match tokio::time::timeout(self.settings.tick_timeout(), self.tick(c, tick)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => {
+                        self.pooler_sign(&error);
                         let error = error_chain(&error);
                         self.settings.ctx.health().lease_failed(error.clone());
                         warn!(%error, "lease tick failed");
@@ -312,11 +327,32 @@ impl Ticker {
         }
     }
 
-    /// The lease connection with the tick prepared: an unprepared query
-    /// would cost a second round trip, and a second transaction, per tick.
+    /// Passes a sign of a transaction-mode pooler in front of a relay run
+    /// without `--pooler transaction` on to the relay, which stops with it:
+    /// every tick would fail the same way.
+    fn pooler_sign(&self, error: &tokio_postgres::Error) {
+        if self.settings.pooler != Pooler::None {
+            return;
+        }
+        let Some(RelayError::TransactionPooler { sign }) = transaction_pooler(error) else {
+            return;
+        };
+        self.view
+            .send_modify(|view| Arc::make_mut(view).pooler_sign = Some(sign));
+        for lane in self.lanes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            lane.wake.notify_one();
+        }
+    }
+
+    /// The lease connection with the tick prepared (an untyped query would
+    /// cost a second round trip, and a second transaction, per tick), or
+    /// through a transaction-mode pooler unnamed (typed: one of each too).
     async fn connect(&self) -> Result<(Client, TickStatement), tokio_postgres::Error> {
-        let (c, _) = wake::connect(&self.settings.pg, wake::Purpose::Leases).await?;
-        let tick = self.sql.prepare_tick(&c).await?;
+        let (c, _) = wake::connect(&self.settings.pg).await?;
+        let tick = match self.settings.pooler {
+            Pooler::None => self.sql.prepare_tick(&c).await?,
+            Pooler::Transaction => self.sql.unprepared_tick(),
+        };
         Ok((c, tick))
     }
 
@@ -343,6 +379,7 @@ impl Ticker {
             .await?;
         let mut next = LeaseView {
             valid_until: Some(sent + self.settings.dead_after()),
+            pooler_sign: self.view.borrow().pooler_sign.clone(),
             ..LeaseView::default()
         };
         let mut due = false;
@@ -415,6 +452,7 @@ mod tests {
             ),
             timeout,
             poll,
+            pooler: Pooler::None,
         }
     }
 

@@ -59,7 +59,7 @@ mod wake;
 
 pub use backlog::{Backlog, HORIZON_WARN};
 pub use backoff::Backoff;
-pub use config::{ClaimMode, SourceKind, WalCleanup, WalSettings};
+pub use config::{ClaimMode, Pooler, SourceKind, WalCleanup, WalSettings};
 pub use context::{RelayContext, Signals};
 pub use failpoint::Failpoint;
 pub use relay::{Counters, OrderMode, Relay, RelayConfig, RelayError};

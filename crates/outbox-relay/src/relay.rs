@@ -224,6 +224,7 @@ impl Relay {
     /// losses reconnect, failovers included.
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
+        self.config.check_pooler()?;
         // Route breakers report to this relay's health and gauges.
         self.sink.bind(&self.ctx);
         for lane in &self.lanes {
@@ -363,14 +364,22 @@ impl Relay {
 
     /// The lane's `relay ready` line.
     fn ready(&self, source: &PollSource, types: Option<String>) {
+        if self.config.notify && !self.config.listens() {
+            info!(
+                poll_interval_ms = u64::try_from(self.config.poll_interval.as_millis()).unwrap_or(u64::MAX),
+                "no LISTEN through a transaction-mode pooler: new events are found by polling \
+                 (give --listen-url, a direct connection, to be woken at once)"
+            );
+        }
         info!(
             table = %self.config.outbox.display_name(),
             sink = self.sink.name(),
             batch_size = self.config.batch_size,
-            notify = self.config.notify,
+            notify = self.config.listens(),
             ordering = %self.config.ordering,
             ordering_for = %self.config.ordering_for_display(),
             claim = %self.config.claim,
+            pooler = %self.config.pooler,
             // No field at all unless the relay has lanes.
             types,
             // A bare UUID, and no field at all under `--ordering none`.

@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use outbox::Ident;
 use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, Client};
@@ -43,21 +42,9 @@ pub(crate) struct Wakeups {
     sweep: Arc<AtomicBool>,
 }
 
-/// How a connection is set up.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Purpose<'a> {
-    /// Claims and marks batches; LISTENs on the channel when given.
-    Batches(Option<&'a Ident>),
-    /// The lease ticks: the tick function plans its own statements.
-    Leases,
-}
-
-/// Connects, starts the task that drives the connection, and sets the
-/// session up for its purpose.
-pub(crate) async fn connect(
-    pg: &crate::pg::PgConfig,
-    purpose: Purpose<'_>,
-) -> Result<(Client, Wakeups), tokio_postgres::Error> {
+/// Connects and starts the task that drives the connection; the caller sets
+/// the session up (`outbox::sql::setup_batch_session`, `outbox::sql::listen`).
+pub(crate) async fn connect(pg: &crate::pg::PgConfig) -> Result<(Client, Wakeups), tokio_postgres::Error> {
     let (client, mut connection) = crate::pg::open(pg).await?;
     let (tx, rx) = mpsc::channel(1);
     let sweep = Arc::new(AtomicBool::new(false));
@@ -84,9 +71,6 @@ pub(crate) async fn connect(
             }
         }
     });
-    if let Purpose::Batches(channel) = purpose {
-        outbox::sql::setup_batch_session(&client, channel).await?;
-    }
     Ok((client, Wakeups { rx, sweep }))
 }
 

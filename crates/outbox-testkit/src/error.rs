@@ -34,6 +34,9 @@ pub enum Error {
         /// The command that installs it.
         install: &'static str,
     },
+    /// `pgbouncer` is neither on `PATH` nor in `/usr/sbin`.
+    #[error("pgbouncer not found on PATH or in /usr/sbin; install it with `apt-get install pgbouncer`")]
+    PgBouncerNotInstalled,
     /// `rabbitmq-server` is not installed.
     #[error("rabbitmq-server not found; install it with `apt-get install rabbitmq-server`")]
     RabbitMqNotInstalled,

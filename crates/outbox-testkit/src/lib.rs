@@ -9,6 +9,7 @@
 //! |---|---|
 //! | [`Postgres`], [`PgSettings`] | a PostgreSQL cluster: start (with TLS, a `pg_hba.conf` of its own), fresh databases, stop, crash, restart |
 //! | [`Replication`] | a streaming standby of a cluster ([`Postgres::start_standby`], synchronous or not) and its promotion: a failover |
+//! | [`PgBouncer`], [`PoolMode`] | a PgBouncer in front of a [`Postgres`], session or transaction pooling: start, kill, restart |
 //! | [`Redis`] | a redis-server without persistence: start, stop, restart |
 //! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
@@ -48,6 +49,7 @@ mod error;
 pub mod kafka;
 mod nats;
 mod notify;
+mod pgbouncer;
 mod postgres;
 mod rabbitmq;
 mod receiver;
@@ -60,6 +62,7 @@ pub use error::Error;
 pub use kafka::Kafka;
 pub use nats::Nats;
 pub use notify::Notifications;
+pub use pgbouncer::{PgBouncer, PoolMode};
 pub use postgres::{PgSettings, Postgres};
 pub use rabbitmq::RabbitMq;
 pub use receiver::{Post, Receiver, Respond};

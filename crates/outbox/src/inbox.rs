@@ -13,7 +13,7 @@
 use uuid::Uuid;
 
 use crate::sql::InboxSql;
-use crate::{Error, InboxConfig};
+use crate::{Error, InboxConfig, Statements};
 
 /// Whether an event was seen before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +38,7 @@ pub enum Processed<T> {
 pub struct Inbox {
     config: InboxConfig,
     sql: InboxSql,
+    statements: Statements,
 }
 
 impl Default for Inbox {
@@ -50,7 +51,20 @@ impl Inbox {
     /// An inbox on `config`'s table.
     pub fn new(config: InboxConfig) -> Self {
         let sql = InboxSql::new(&config);
-        Self { config, sql }
+        Self {
+            config,
+            sql,
+            statements: Statements::default(),
+        }
+    }
+
+    /// The same inbox sending its sqlx statement as `statements` says (see
+    /// [`Statements`]; the tokio-postgres flavour runs inside the caller's
+    /// transaction either way).
+    #[must_use]
+    pub fn with_statements(mut self, statements: Statements) -> Self {
+        self.statements = statements;
+        self
     }
 
     /// The table this inbox records into.
@@ -130,6 +144,7 @@ mod sqlx_driver {
         /// [`Inbox::record`] through sqlx.
         pub async fn record_sqlx(&self, conn: &mut PgConnection, event_id: Uuid) -> Result<Record, Error> {
             let done = sqlx::query(&self.sql.record)
+                .persistent(self.statements == Statements::Prepared)
                 .bind(event_id)
                 .execute(conn)
                 .await

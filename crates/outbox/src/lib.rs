@@ -76,9 +76,9 @@ pub use inbox::{Inbox, Processed, Record};
 pub use schema::{INBOX_VERSION, MigrationReport, OUTBOX_VERSION};
 #[cfg(feature = "tokio-postgres")]
 pub use schema::{check, check_inbox, existing_layout, migrate, migrate_inbox};
-pub use writer::Outbox;
 #[cfg(feature = "sqlx")]
 pub use writer::sqlx;
+pub use writer::{Outbox, Statements};
 #[cfg(feature = "tokio-postgres")]
 pub use writer::{enqueue, enqueue_all};
 

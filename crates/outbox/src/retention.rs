@@ -15,6 +15,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
+use crate::sql::typed::typed;
 use crate::sql::{CUTOFF, InboxSql, OutboxSql, RETENTION_LOCK};
 use crate::{Config, Error, InboxConfig};
 
@@ -40,18 +41,19 @@ pub async fn delete_published<C: GenericClient>(
 ) -> Result<Cleanup, Error> {
     let sql = OutboxSql::new(config);
     let cutoff = cutoff(client, older_than).await?;
-    let statement = client
-        .prepare(&sql.delete_published)
-        .await
-        .map_err(Error::pg("preparing the outbox cleanup"))?;
     let mut done = Cleanup {
         deleted: 0,
         batches: 0,
     };
     let mut last_id = 0i64;
     loop {
+        // Unnamed, each batch its own transaction: one round trip each, and
+        // nothing left on a session a transaction-mode pooler shares.
         let row = client
-            .query_one(&statement, &[&last_id, &cutoff, &batch_size])
+            .query_typed_one(
+                &sql.delete_published,
+                &[typed(&last_id), typed(&cutoff), typed(&batch_size)],
+            )
             .await
             .map_err(Error::pg("deleting published outbox rows"))?;
         let deleted: i64 = row.get(0);
@@ -76,17 +78,13 @@ pub async fn delete_processed<C: GenericClient>(
 ) -> Result<Cleanup, Error> {
     let sql = InboxSql::new(config);
     let cutoff = cutoff(client, older_than).await?;
-    let statement = client
-        .prepare(&sql.delete_processed)
-        .await
-        .map_err(Error::pg("preparing the inbox cleanup"))?;
     let mut done = Cleanup {
         deleted: 0,
         batches: 0,
     };
     loop {
         let deleted: i64 = client
-            .query_one(&statement, &[&cutoff, &batch_size])
+            .query_typed_one(&sql.delete_processed, &[typed(&cutoff), typed(&batch_size)])
             .await
             .map_err(Error::pg("deleting processed inbox records"))?
             .get(0);
@@ -101,7 +99,8 @@ pub async fn delete_processed<C: GenericClient>(
 
 /// Takes the session advisory lock that lets one process at a time run
 /// scheduled retention on `config`'s table; false if another holds it.
-/// Closing the connection releases it.
+/// Closing the connection releases it. Not through a transaction-mode
+/// pooler: the lock would stay on a server connection the pooler keeps.
 pub async fn try_lock<C: GenericClient>(client: &C, config: &Config) -> Result<bool, Error> {
     client
         .query_one(RETENTION_LOCK, &[&config.qualified()])
@@ -114,7 +113,7 @@ pub async fn try_lock<C: GenericClient>(client: &C, config: &Config) -> Result<b
 /// wrote the timestamps.
 async fn cutoff<C: GenericClient>(client: &C, older_than: Duration) -> Result<DateTime<Utc>, Error> {
     Ok(client
-        .query_one(CUTOFF, &[&older_than.as_secs_f64()])
+        .query_typed_one(CUTOFF, &[typed(&older_than.as_secs_f64())])
         .await
         .map_err(Error::pg("computing the retention cutoff"))?
         .get(0))

@@ -18,6 +18,26 @@ use crate::{Config, Error, Event};
 pub struct Outbox {
     config: Config,
     sql: OutboxSql,
+    statements: Statements,
+}
+
+/// How the sqlx flavour of the writer and the inbox sends its statements.
+/// The tokio-postgres flavour always sends them unnamed with their types,
+/// in one round trip, which works everywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Statements {
+    /// Prepared, and cached per connection by sqlx (its default): after
+    /// the first call, one round trip per statement.
+    #[default]
+    Prepared,
+    /// Unnamed, parsed with each call (sqlx's `persistent(false)`): for a
+    /// connection through a transaction-mode pooler (PgBouncer's
+    /// `pool_mode = transaction`), which runs each transaction on
+    /// whichever server connection is free, where a statement prepared in
+    /// an earlier transaction is missing (or another client's stands under
+    /// its name). sqlx then takes two round trips per statement. The
+    /// application's own sqlx queries need `.persistent(false)` there too.
+    Unnamed,
 }
 
 impl Default for Outbox {
@@ -101,7 +121,26 @@ impl Outbox {
     /// A writer for `config`'s table.
     pub fn new(config: Config) -> Self {
         let sql = OutboxSql::new(&config);
-        Self { config, sql }
+        Self {
+            config,
+            sql,
+            statements: Statements::default(),
+        }
+    }
+
+    /// The same writer sending its sqlx statements as `statements` says
+    /// (for a transaction-mode pooler, [`Statements::Unnamed`]).
+    ///
+    /// ```
+    /// use outbox::{Outbox, Statements};
+    ///
+    /// let writer = Outbox::default().with_statements(Statements::Unnamed);
+    /// # let _ = writer;
+    /// ```
+    #[must_use]
+    pub fn with_statements(mut self, statements: Statements) -> Self {
+        self.statements = statements;
+        self
     }
 
     /// The table this writer inserts into.
@@ -241,7 +280,7 @@ pub mod sqlx {
     use sqlx::PgConnection;
     use uuid::Uuid;
 
-    use super::{Columns, Outbox};
+    use super::{Columns, Outbox, Statements};
     use crate::{Error, Event};
 
     impl Outbox {
@@ -263,6 +302,7 @@ pub mod sqlx {
         pub async fn enqueue_sqlx(&self, conn: &mut PgConnection, event: &Event) -> Result<Uuid, Error> {
             event.validate()?;
             sqlx::query(&self.sql.insert_event)
+                .persistent(self.statements == Statements::Prepared)
                 .bind(event.event_id)
                 .bind(&event.aggregate_type)
                 .bind(&event.aggregate_id)
@@ -286,6 +326,7 @@ pub mod sqlx {
             }
             let c = Columns::of(events)?;
             sqlx::query(&self.sql.insert_events)
+                .persistent(self.statements == Statements::Prepared)
                 .bind(&c.ids)
                 .bind(&c.types)
                 .bind(&c.aggregates)

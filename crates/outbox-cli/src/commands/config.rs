@@ -159,7 +159,11 @@ fn value(layered: &Layered, key: &str) -> Value {
     }
     let g = &layered.cli.global;
     match key {
-        "poll_interval" if layered.raw("no_notify") == ["true"] => {
+        // Polling is the latency then (see `relay::prepare`).
+        "poll_interval"
+            if layered.raw("no_notify") == ["true"]
+                || (layered.raw("pooler") == ["transaction"] && layered.raw("listen_url").is_empty()) =>
+        {
             humantime::format_duration(POLL_WITHOUT_NOTIFY).to_string().into()
         }
         "poll_interval" => humantime::format_duration(outbox_relay::RelayConfig::default().poll_interval)
@@ -224,7 +228,7 @@ fn ordering(layered: &Layered) -> Vec<Row> {
 /// `value` of `key` with its secrets replaced by `***`.
 fn redact(key: &str, value: &str) -> String {
     match key {
-        "database_url" => outbox_relay::pg::redact(value),
+        "database_url" | "listen_url" => outbox_relay::pg::redact(value),
         "sink" => redact_url(value),
         "http_secret" => HIDDEN.to_owned(),
         "kafka_options" => match value.split_once('=') {

@@ -60,28 +60,33 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
         let mut db = super::connect(&pg).await?;
         outbox::check_inbox(&db, inbox.config()).await?;
         // Typed, so `$4->>'field'` needs no casts; unused parameters are fine.
-        let apply = db
-            .prepare_typed(
-                &args.apply,
-                &[Type::UUID, Type::TEXT, Type::TEXT, Type::JSONB, Type::JSONB],
-            )
-            .await
-            .map_err(|e| {
-                ConfigError(format!(
-                    "--apply does not prepare: {}",
-                    e.as_db_error()
-                        .map_or_else(|| e.to_string(), |d| d.message().to_owned())
-                ))
-            })?;
+        const APPLY_TYPES: [Type; 5] = [Type::UUID, Type::TEXT, Type::TEXT, Type::JSONB, Type::JSONB];
+        // Checked once (and closed again at once, in one transaction, so
+        // nothing is left on a session a transaction-mode pooler shares);
+        // each event then sends it unnamed, with its types: one round trip
+        // in the inbox's transaction, valid whichever server connection
+        // that transaction runs on.
+        db.batch_execute("BEGIN").await?;
+        let checked = db.prepare_typed(&args.apply, &APPLY_TYPES).await.map(drop);
+        db.batch_execute("COMMIT").await?;
+        checked.map_err(|e| {
+            ConfigError(format!(
+                "--apply does not prepare: {}",
+                e.as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+            ))
+        })?;
+        let apply = args.apply.as_str();
         let effect = async |tx: &tokio_postgres::Transaction<'_>, m: &Received| {
-            tx.execute(
-                &apply,
+            let [uuid, text, text2, jsonb, jsonb2] = APPLY_TYPES;
+            tx.execute_typed(
+                apply,
                 &[
-                    &m.event_id,
-                    &m.aggregate_id,
-                    &m.event_type,
-                    &m.payload,
-                    &m.headers,
+                    (&m.event_id, uuid),
+                    (&m.aggregate_id, text),
+                    (&m.event_type, text2),
+                    (&m.payload, jsonb),
+                    (&m.headers, jsonb2),
                 ],
             )
             .await

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use outbox_relay::health::Registry;
 use outbox_relay::{
-    Backlog, Backoff, ClaimMode, Counters, Failpoint, Relay, RelayConfig, SourceKind, WalSettings,
+    Backlog, Backoff, ClaimMode, Counters, Failpoint, Pooler, Relay, RelayConfig, SourceKind, WalSettings,
 };
 
 use crate::cli::{Global, RelayArgs};
@@ -140,6 +140,21 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         Ok(v) if !v.is_empty() => Some(v.parse::<Failpoint>().map_err(ConfigError)?),
         _ => None,
     };
+    let listen = match (&args.listen_url, args.pooler) {
+        (None, _) => None,
+        (Some(url), Pooler::Transaction) => Some(super::parse_pg_url(url, g).context("--listen-url")?),
+        (Some(_), Pooler::None) => {
+            return Err(ConfigError(
+                "--listen-url is for --pooler transaction; without a transaction-mode pooler the relay \
+                 LISTENs on its own session"
+                    .to_owned(),
+            )
+            .into());
+        }
+    };
+    // Through a transaction-mode pooler, without a listen connection, the
+    // poll is the delivery latency, as with --no-notify.
+    let polls = args.no_notify || (args.pooler == Pooler::Transaction && listen.is_none());
     let config = RelayConfig {
         outbox,
         batch_size: args.batch_size,
@@ -148,7 +163,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
             max: args.backoff_max,
             max_attempts: g.max_attempts,
         },
-        poll_interval: args.poll_interval.unwrap_or(if args.no_notify {
+        poll_interval: args.poll_interval.unwrap_or(if polls {
             POLL_WITHOUT_NOTIFY
         } else {
             RelayConfig::default().poll_interval
@@ -171,7 +186,18 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         },
         claim,
         claim_timeout: args.claim_timeout,
+        pooler: args.pooler,
+        listen,
     };
+    if args.retention.is_some() && args.pooler == Pooler::Transaction {
+        return Err(ConfigError(
+            "--retention takes a session advisory lock (one relay at a time runs it), which a \
+             transaction-mode pooler would leave on a shared server connection; run `outbox cleanup` \
+             on a schedule instead (it works through the pooler)"
+                .to_owned(),
+        )
+        .into());
+    }
     let retention = args.retention.map(|keep| outbox_relay::Retention {
         keep,
         interval: args.retention_interval,

@@ -26,6 +26,7 @@ mod nats;
 mod ordering;
 mod outage;
 mod partitions;
+mod pgbouncer;
 mod relay;
 mod replay;
 mod replay_engine;

@@ -68,7 +68,21 @@ pub(super) async fn measure(
     }
     let args = wakeup.relay_args();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let relay = scratch.spawn_bench_relay(&args).await?;
+    let url = scratch.pg_url.clone();
+    measure_on(scratch, &url, &args, rate, seconds, clock).await
+}
+
+/// [`measure`] with a relay on `url` (the bench's database, directly or
+/// through a pooler) started with `args`, on a cleared outbox.
+pub(super) async fn measure_on(
+    scratch: &mut Scratch,
+    url: &str,
+    args: &[&str],
+    rate: u32,
+    seconds: f64,
+    clock: Clock,
+) -> anyhow::Result<LatencyRun> {
+    let relay = scratch.spawn_bench_relay_on(url, args).await?;
 
     let received = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();

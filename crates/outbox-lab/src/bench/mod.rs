@@ -10,13 +10,17 @@
 //!    polling;
 //! 3. idle: transactions per second of a relay with nothing to do, NOTIFY vs
 //!    polling;
-//! 4. writer: commit rate of `enqueue` and `enqueue_all`.
+//! 4. writer: commit rate of `enqueue` and `enqueue_all`;
+//! 5. pooled (`pooled.rs`): throughput direct, through PgBouncer in session
+//!    mode and in transaction mode (`--pooler transaction`), and latency
+//!    through the transaction pool, polling or with `--listen-url`; not in
+//!    the default phases.
 //!
 //! `--source wal` measures log tailing (`relay --source wal`) beside the
 //! polling relay instead: throughput of polling vs the WAL source vs the
 //! WAL source with emitted events, latency NOTIFY vs WAL, and two phases of
-//! its own, 5. dead-tuples (what N delivered events leave for vacuum) and
-//! 6. outage (the WAL a slot retains while the sink is down, and the
+//! its own, dead-tuples (what N delivered events leave for vacuum) and
+//! outage (the WAL a slot retains while the sink is down, and the
 //! catch-up), then the issue's targets beside the figures.
 //!
 //! 7. held-snapshot (`--phases held-snapshot`, either source, not run by
@@ -41,6 +45,7 @@ mod idle;
 mod latency;
 mod naive_sql;
 pub(crate) mod outage;
+mod pooled;
 mod results;
 mod slot;
 pub(crate) mod throughput;
@@ -169,6 +174,10 @@ pub enum Phase {
     /// and with a REPEATABLE READ snapshot held by another session (the
     /// WAL source where wal_level = logical).
     HeldSnapshot,
+    /// The relay direct, through PgBouncer in session mode and in
+    /// transaction mode: throughput at batch 1 and 100, latency polling or
+    /// with --listen-url (the bench's own PostgreSQL only).
+    Pooled,
 }
 
 impl Phase {
@@ -183,6 +192,8 @@ struct Plan {
     events: usize,
     reps: usize,
     batch_sizes: Vec<u32>,
+    /// The pooled phase's: `--batch-sizes`, else 1 and 100.
+    pooled_batch_sizes: Vec<u32>,
     rate: u32,
     latency_seconds: f64,
     idle_seconds: f64,
@@ -200,6 +211,11 @@ impl Plan {
         let poll = Wakeup::Poll {
             interval_ms: args.poll_interval.as_millis().max(1) as u64,
         };
+        let pooled_batch_sizes = if args.batch_sizes.is_empty() {
+            vec![1, 100]
+        } else {
+            args.batch_sizes.clone()
+        };
         let batch_sizes = match (args.batch_sizes.is_empty(), args.source, args.quick) {
             (false, _, _) => args.batch_sizes.clone(),
             (true, Measured::Wal, _) => vec![100],
@@ -212,6 +228,7 @@ impl Plan {
                 events: 300,
                 reps: 1,
                 batch_sizes,
+                pooled_batch_sizes,
                 rate: 100,
                 latency_seconds: 1.0,
                 idle_seconds: 1.0,
@@ -229,6 +246,7 @@ impl Plan {
             events: args.events as usize,
             reps: args.reps as usize,
             batch_sizes,
+            pooled_batch_sizes,
             rate: args.rate,
             latency_seconds: args.latency_duration.as_secs_f64(),
             idle_seconds: args.idle_duration.as_secs_f64(),
@@ -275,6 +293,10 @@ impl Plan {
             Phase::Writer => Shape::ALL.len(),
             Phase::DeadTuples => DEAD_TUPLES.len(),
             Phase::HeldSnapshot => held_snapshot::SOURCES.len() * 2,
+            Phase::Pooled => {
+                POOLED_CLAIMS.len() * pooled::Route::ALL.len() * self.pooled_batch_sizes.len()
+                    + pooled::Waking::ALL.len()
+            }
         };
         (phases.iter().map(per_phase).sum::<usize>() * self.reps) as u64
     }
@@ -284,6 +306,8 @@ impl Plan {
 const DEAD_TUPLES: [Strategy; 3] = [Strategy::Relay, Strategy::Wal, Strategy::Emit];
 /// The outage phase's relays.
 const OUTAGE: [Strategy; 2] = [Strategy::Relay, Strategy::Wal];
+/// The pooled phase's claim modes.
+const POOLED_CLAIMS: [&str; 2] = ["lock", "deadline"];
 
 /// Runs `outbox-lab bench`: the phases, then the report; fails (exit 1) only
 /// if a run lost or duplicated an event, never for speed.
@@ -319,6 +343,14 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
+    if phases.contains(&Phase::Pooled) && db.url.is_some() {
+        return Err(ConfigError(
+            "--phases pooled puts PgBouncer in front of the bench's own throwaway PostgreSQL: run it \
+             without DATABASE_URL"
+                .to_owned(),
+        )
+        .into());
+    }
     // The relays are `outbox`'s: a missing binary is told before anything starts.
     outbox_bin()?;
     // The held-snapshot phase runs the WAL source whatever `--source` says.
@@ -332,7 +364,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
         progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let mut report = Report::new(plan.source, plan.events, plan.reps, throwaway_pg);
-    let measured = measure(&mut scratch, &plan, &phases, &progress, &mut report).await;
+    let measured = measure(&mut scratch, &pg, &plan, &phases, &progress, &mut report).await;
     progress.finish_and_clear();
     // The slot goes also when a phase failed: it would keep WAL forever.
     let dropped = scratch.drop_all().await;
@@ -353,6 +385,7 @@ pub async fn run(db: &Database, args: BenchArgs) -> anyhow::Result<()> {
 /// Runs the phases into `report`.
 async fn measure(
     scratch: &mut Scratch,
+    pg: &Postgres,
     plan: &Plan,
     phases: &[Phase],
     progress: &indicatif::ProgressBar,
@@ -424,6 +457,41 @@ async fn measure(
                         progress.inc(1);
                     }
                     report.add_dead_tuples(strategy, runs);
+                }
+            }
+            Phase::Pooled => {
+                let throwaway = pg.throwaway().ok_or_else(|| {
+                    ConfigError("--phases pooled needs the bench's own PostgreSQL".to_owned())
+                })?;
+                let pools = pooled::Pools::start(throwaway, &pg.url).await?;
+                for &batch in &plan.pooled_batch_sizes {
+                    for claim in POOLED_CLAIMS {
+                        for route in pooled::Route::ALL {
+                            let mut runs = Vec::with_capacity(reps);
+                            for rep in 1..=reps {
+                                progress.set_message(format!(
+                                    "{}, {claim}, batch {batch} rep {rep}/{reps}",
+                                    route.label()
+                                ));
+                                runs.push(
+                                    pooled::drain(scratch, &pools, route, claim, plan.events, batch).await?,
+                                );
+                                progress.inc(1);
+                            }
+                            report.add_pooled(pooled::PooledRow::new(route, claim, batch, plan.events, runs));
+                        }
+                    }
+                }
+                for waking in pooled::Waking::ALL {
+                    let mut runs = Vec::with_capacity(reps);
+                    for rep in 1..=reps {
+                        progress.set_message(format!("latency, {} rep {rep}/{reps}", waking.label()));
+                        runs.push(
+                            pooled::latency(scratch, &pools, waking, plan.rate, plan.latency_seconds).await?,
+                        );
+                        progress.inc(1);
+                    }
+                    report.add_pooled_latency(pooled::PooledLatencyRow::new(waking, plan.rate, runs));
                 }
             }
             Phase::Outage => {
@@ -517,6 +585,22 @@ impl Scratch {
     async fn spawn_bench_relay(&mut self, args: &[&str]) -> anyhow::Result<outbox_testkit::Spawned> {
         let sink = self.redis_url().await?;
         self.spawn_bench_relay_to(&sink, args).await
+    }
+
+    /// [`Scratch::spawn_bench_relay`] on another connection string (the
+    /// same database through a pooler).
+    async fn spawn_bench_relay_on(
+        &mut self,
+        pg_url: &str,
+        args: &[&str],
+    ) -> anyhow::Result<outbox_testkit::Spawned> {
+        let sink = self.redis_url().await?;
+        let args: Vec<&str> = ["--stream-prefix", STREAM_PREFIX]
+            .iter()
+            .chain(args)
+            .copied()
+            .collect();
+        self.spawn_relay_on(pg_url, &sink, &args, &[]).await
     }
 
     /// [`Scratch::spawn_bench_relay`] to the bench's stream on another Redis.

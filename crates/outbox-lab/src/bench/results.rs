@@ -11,6 +11,7 @@ use super::Measured;
 use super::held_snapshot::HeldRow;
 use super::idle::IdleRun;
 use super::latency::{Clock, LatencyRun};
+use super::pooled::{PooledLatencyRow, PooledRow, Route};
 use super::throughput::{Run, Strategy};
 use super::wal_results::{DeadTuplesRow, OutageRow, SourceRatio, Target};
 use super::writer::{Shape, WriterRun};
@@ -39,6 +40,27 @@ const THROUGHPUT: [Col; 9] = [
     Col::Right(12),
     Col::Right(9),
 ];
+
+const POOLED: [Col; 7] = [
+    Col::Left(30),
+    Col::Left(9),
+    Col::Right(6),
+    Col::Right(28),
+    Col::Right(10),
+    Col::Right(10),
+    Col::Right(5),
+];
+const POOLED_LATENCY: [Col; 6] = [
+    Col::Left(36),
+    Col::Right(6),
+    Col::Right(26),
+    Col::Right(26),
+    Col::Right(26),
+    Col::Right(9),
+];
+/// The batch size the issue's target (transaction pool ≥ 70% of direct)
+/// is stated at.
+const POOLED_TARGET_BATCH: u32 = 100;
 
 /// One strategy at one batch size.
 #[derive(Debug, Serialize)]
@@ -134,6 +156,10 @@ pub(super) struct Report {
     /// `--source wal`: each target beside its figure (reported, never
     /// judged).
     pub(super) targets: Vec<Target>,
+    /// The pooled phase: each route, claim mode and batch size.
+    pub(super) pooled: Vec<PooledRow>,
+    /// The pooled phase's latency, each way of waking.
+    pub(super) pooled_latency: Vec<PooledLatencyRow>,
 }
 
 impl Report {
@@ -154,6 +180,92 @@ impl Report {
             held_snapshot: Vec::new(),
             wal_level_logical: false,
             targets: Vec::new(),
+            pooled: Vec::new(),
+            pooled_latency: Vec::new(),
+        }
+    }
+
+    pub(super) fn add_pooled(&mut self, row: PooledRow) {
+        self.pooled.push(row);
+    }
+
+    pub(super) fn add_pooled_latency(&mut self, row: PooledLatencyRow) {
+        self.pooled_latency.push(row);
+    }
+
+    /// The median rate of `row` as a share of the direct relay's with the
+    /// same claim mode and batch size.
+    fn of_direct(&self, row: &PooledRow) -> Option<f64> {
+        let direct = self
+            .pooled
+            .iter()
+            .find(|r| r.route == Route::Direct && r.claim == row.claim && r.batch_size == row.batch_size)?;
+        Some(row.events_per_second.median / direct.events_per_second.median)
+    }
+
+    fn print_pooled(&self) {
+        let Some(events) = self.pooled.first().map(|r| r.events) else {
+            return;
+        };
+        let mut t = Table::new(
+            format!("pooled: {events} events per drain, relay → redis"),
+            &[
+                "route",
+                "claim",
+                "batch",
+                "events/s",
+                "of direct",
+                "delivered",
+                "dup",
+            ],
+        );
+        for r in &self.pooled {
+            let delivered = r.runs.iter().map(|x| x.delivered).min().unwrap_or(0);
+            let dup = r.runs.iter().map(|x| x.duplicates).max().unwrap_or(0);
+            t.rows.push(vec![
+                r.route.label().to_owned(),
+                r.claim.to_owned(),
+                r.batch_size.to_string(),
+                r.events_per_second.show(0),
+                self.of_direct(r)
+                    .map_or("-".to_owned(), |x| format!("{:.0}%", x * 100.0)),
+                delivered.to_string(),
+                dup.to_string(),
+            ]);
+        }
+        t.print_fixed(&POOLED);
+        for r in self
+            .pooled
+            .iter()
+            .filter(|r| r.route == Route::Transaction && r.batch_size == POOLED_TARGET_BATCH)
+        {
+            if let Some(share) = self.of_direct(r) {
+                println!(
+                    "target (issue 32): PgBouncer transaction ≥ 70% of direct at batch {POOLED_TARGET_BATCH}, {} claims: {:.0}%, {}",
+                    r.claim,
+                    share * 100.0,
+                    if share >= 0.7 { "met" } else { "not met" }
+                );
+            }
+        }
+        if !self.pooled_latency.is_empty() {
+            let mut t = Table::new(
+                "pooled latency: created_at → consumer XREAD, one event per transaction",
+                &["wake-up", "ev/s", "p50 ms", "p99 ms", "max ms", "received"],
+            );
+            for r in &self.pooled_latency {
+                let received = r.runs.iter().map(|x| x.received).min().unwrap_or(0);
+                let written = r.runs.iter().map(|x| x.written).max().unwrap_or(0);
+                t.rows.push(vec![
+                    r.waking.label().to_owned(),
+                    r.rate.to_string(),
+                    r.p50_ms.show(2),
+                    r.p99_ms.show(2),
+                    r.max_ms.show(2),
+                    format!("{received}/{written}"),
+                ]);
+            }
+            t.print_fixed(&POOLED_LATENCY);
         }
     }
 
@@ -281,6 +393,7 @@ impl Report {
             }
             t.print_fixed(&WRITER);
         }
+        self.print_pooled();
         self.print_wal();
         self.print_held_snapshot();
     }
@@ -371,6 +484,33 @@ impl Report {
                     bail!(
                         "latency, {}: {} of {} events reached the consumer",
                         r.wakeup.label(),
+                        run.received,
+                        run.written
+                    );
+                }
+            }
+        }
+        for r in &self.pooled {
+            for run in &r.runs {
+                let expected = r.events as u64;
+                if run.delivered != expected || run.marked != expected {
+                    bail!(
+                        "{}, {} claims, at batch {}: {} marked and {} delivered of {expected}",
+                        r.route.label(),
+                        r.claim,
+                        r.batch_size,
+                        run.marked,
+                        run.delivered
+                    );
+                }
+            }
+        }
+        for r in &self.pooled_latency {
+            for run in &r.runs {
+                if run.received != run.written {
+                    bail!(
+                        "pooled latency, {}: {} of {} events reached the consumer",
+                        r.waking.label(),
                         run.received,
                         run.written
                     );

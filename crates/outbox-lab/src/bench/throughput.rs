@@ -163,6 +163,15 @@ impl Scratch {
         let mut args = vec!["--batch-size", batch.as_str(), "--drain"];
         args.extend(strategy.relay_args());
         let relay = self.spawn_bench_relay(&args).await?;
+        self.relay_drained(relay).await
+    }
+
+    /// Waits for a `--drain` relay to report its drain, and stops it;
+    /// returns the seconds it reports and its peak RSS.
+    pub(crate) async fn relay_drained(
+        &mut self,
+        relay: outbox_testkit::Spawned,
+    ) -> anyhow::Result<(f64, Option<u64>)> {
         // The relay times its own drain, from its first claim to its last
         // commit, as the floor is timed: process start-up is not the relay's
         // throughput. Watching for the log line costs the database nothing.

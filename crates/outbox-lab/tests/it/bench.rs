@@ -216,6 +216,42 @@ async fn bench_source_wal_quick_measures_each_source_beside_polling() {
     }
 }
 
+/// `bench --phases pooled --quick` (issue 32): the relay direct, through
+/// PgBouncer in session mode and in transaction mode, each route and claim
+/// mode delivering every event once; latency through the transaction pool,
+/// polling and with `--listen-url`, every event received.
+#[tokio::test]
+async fn issue_32_bench_pooled_quick_delivers_every_event_on_every_route() {
+    let out = run_lab(&["bench", "--phases", "pooled", "--quick", "--json"], &[]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json");
+    let rows = report["pooled"].as_array().unwrap();
+    assert_eq!(rows.len(), 16, "4 routes × 2 claim modes × batch sizes 1, 100");
+    let routes: std::collections::BTreeSet<&str> = rows.iter().filter_map(|r| r["route"].as_str()).collect();
+    assert_eq!(
+        routes.into_iter().collect::<Vec<_>>(),
+        ["direct", "direct_unnamed", "session", "transaction"]
+    );
+    for row in rows {
+        let run = &row["runs"][0];
+        assert_eq!(run["delivered"], 300, "{row}");
+        assert_eq!(run["marked"], 300, "{row}");
+        assert_eq!(run["duplicates"], 0, "{row}");
+        assert!(row["events_per_second"]["median"].as_f64().unwrap() > 0.0);
+    }
+    let latency = report["pooled_latency"].as_array().unwrap();
+    assert_eq!(latency.len(), 3, "{latency:?}");
+    for row in latency {
+        let run = &row["runs"][0];
+        assert_eq!(run["received"], run["written"], "{row}");
+        assert_eq!(run["duplicates"], 0, "{row}");
+    }
+    assert!(
+        report["throughput"].as_array().unwrap().is_empty(),
+        "only the phase asked for"
+    );
+}
+
 #[tokio::test]
 async fn bench_phases_of_log_tailing_need_source_wal() {
     let out = run_lab(&["bench", "--phases", "outage"], &[]).await;

@@ -1,8 +1,9 @@
-//! The testkit against the real programs: PostgreSQL, redis-server,
+//! The testkit against the real programs: PostgreSQL, PgBouncer, redis-server,
 //! nats-server, rabbitmq-server, an HTTP client and `sh`. Every wait is bounded.
 
 mod nats;
 mod notify;
+mod pgbouncer;
 mod postgres;
 mod rabbitmq;
 mod receiver;

@@ -6,13 +6,11 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use tokio_postgres::types::ToSql;
 use tokio_postgres::{Error, GenericClient, Row};
 use uuid::Uuid;
 
 use super::OutboxSql;
-
-type Param<'p> = &'p (dyn ToSql + Sync);
+use super::typed::{Typed, typed};
 
 /// Unpublished rows of one aggregate type.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -76,14 +74,14 @@ pub struct DeadFilter<'a> {
 }
 
 impl DeadFilter<'_> {
-    fn params(&self) -> [Param<'_>; 6] {
+    fn params(&self) -> [Typed<'_>; 6] {
         [
-            &self.ids,
-            &self.aggregate_type,
-            &self.error_contains,
-            &self.event_type,
-            &self.dead_before,
-            &self.dead_after,
+            typed(&self.ids),
+            typed(&self.aggregate_type),
+            typed(&self.error_contains),
+            typed(&self.event_type),
+            typed(&self.dead_before),
+            typed(&self.dead_after),
         ]
     }
 }
@@ -255,14 +253,14 @@ impl OutboxSql {
         client: &impl GenericClient,
         limit: i64,
     ) -> Result<Vec<DeadLetter>, Error> {
-        let rows = client.query(self.list_dead.as_str(), &[&limit]).await?;
+        let rows = client.query_typed(&self.list_dead, &[typed(&limit)]).await?;
         rows.iter().map(dead_letter).collect()
     }
 
     /// Gives up on the dead letters among `ids`: they stay for inspection
     /// but no longer hold their aggregate back. Returns rows changed.
     pub async fn give_up(&self, client: &impl GenericClient, ids: &[i64]) -> Result<u64, Error> {
-        client.execute(self.give_up_dead.as_str(), &[&ids]).await
+        client.execute_typed(&self.give_up_dead, &[typed(&ids)]).await
     }
 
     /// How many dead letters `filter` matches.
@@ -272,7 +270,7 @@ impl OutboxSql {
         filter: &DeadFilter<'_>,
     ) -> Result<i64, Error> {
         client
-            .query_one(self.count_dead.as_str(), &filter.params())
+            .query_typed_one(&self.count_dead, &filter.params())
             .await?
             .try_get(0)
     }
@@ -285,7 +283,7 @@ impl OutboxSql {
         filter: &DeadFilter<'_>,
     ) -> Result<u64, Error> {
         let requeued: i64 = client
-            .query_one(self.requeue_dead.as_str(), &filter.params())
+            .query_typed_one(&self.requeue_dead, &filter.params())
             .await?
             .try_get(0)?;
         Ok(requeued.unsigned_abs())
@@ -295,7 +293,7 @@ impl OutboxSql {
     /// change (its dry run).
     pub async fn count_give_up(&self, client: &impl GenericClient, ids: &[i64]) -> Result<i64, Error> {
         client
-            .query_one(self.count_give_up.as_str(), &[&ids])
+            .query_typed_one(&self.count_give_up, &[typed(&ids)])
             .await?
             .try_get(0)
     }
@@ -306,9 +304,9 @@ impl OutboxSql {
         client: &impl GenericClient,
         page: &DeadPage<'_>,
     ) -> Result<Vec<EventDetail>, Error> {
-        let f = page.filter.params();
-        let params: [Param<'_>; 8] = [f[0], f[1], f[2], f[3], f[4], f[5], &page.after_id, &page.limit];
-        let rows = client.query(self.list_dead_page.as_str(), &params).await?;
+        let mut params = page.filter.params().to_vec();
+        params.extend([typed(&page.after_id), typed(&page.limit)]);
+        let rows = client.query_typed(&self.list_dead_page, &params).await?;
         rows.iter().map(event_detail).collect()
     }
 
@@ -319,7 +317,7 @@ impl OutboxSql {
         client: &impl GenericClient,
         limit: i64,
     ) -> Result<Vec<DeadByError>, Error> {
-        let rows = client.query(self.dead_by_error.as_str(), &[&limit]).await?;
+        let rows = client.query_typed(&self.dead_by_error, &[typed(&limit)]).await?;
         rows.iter()
             .map(|r| {
                 Ok(DeadByError {
@@ -339,7 +337,10 @@ impl OutboxSql {
         span: &Throughput,
     ) -> Result<Vec<i64>, Error> {
         let rows = client
-            .query(self.throughput.as_str(), &[&span.bucket_seconds, &span.buckets])
+            .query_typed(
+                &self.throughput,
+                &[typed(&span.bucket_seconds), typed(&span.buckets)],
+            )
             .await?;
         let mut counts = vec![0; usize::try_from(span.buckets).unwrap_or(0)];
         for r in &rows {
@@ -362,7 +363,7 @@ impl OutboxSql {
         event_id: Option<Uuid>,
     ) -> Result<Option<EventStory>, Error> {
         let Some(r) = client
-            .query_opt(self.event_story.as_str(), &[&id, &event_id])
+            .query_typed_opt(&self.event_story, &[typed(&id), typed(&event_id)])
             .await?
         else {
             return Ok(None);
@@ -382,12 +383,15 @@ impl OutboxSql {
     /// Wakes the relays listening on `channel`: a requeue or a give-up makes
     /// rows claimable without the INSERT the trigger notifies for.
     pub async fn notify(&self, client: &impl GenericClient, channel: &str) -> Result<(), Error> {
-        client.execute(self.notify, &[&channel]).await.map(drop)
+        client
+            .execute_typed(self.notify, &[typed(&channel)])
+            .await
+            .map(drop)
     }
 
     /// The live relays, oldest first.
     pub async fn relays(&self, client: &impl GenericClient) -> Result<Vec<RelayRow>, Error> {
-        let rows = client.query(self.relays.as_str(), &[]).await?;
+        let rows = client.query_typed(&self.relays, &[]).await?;
         rows.iter()
             .map(|r| {
                 Ok(RelayRow {
@@ -404,7 +408,7 @@ impl OutboxSql {
     /// Every partition with its owner and backlog. Reads every row waiting
     /// for delivery.
     pub async fn partition_backlog(&self, client: &impl GenericClient) -> Result<Vec<PartitionRow>, Error> {
-        let rows = client.query(self.partition_backlog.as_str(), &[]).await?;
+        let rows = client.query_typed(&self.partition_backlog, &[]).await?;
         rows.iter()
             .map(|r| {
                 Ok(PartitionRow {

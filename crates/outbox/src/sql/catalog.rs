@@ -3,16 +3,24 @@
 //! validated and quoted (`Ident`, `Config::qualified`); values are bind
 //! parameters, except the partition bounds, which DDL cannot bind and which
 //! are dates this crate formats.
+//!
+//! Each runs unnamed with its parameters' types (`query_typed`): one round
+//! trip, where an untyped query is prepared first in one of its own, and
+//! through a transaction-mode pooler those two may run on different server
+//! connections (the second finds no statement, or another client's of the
+//! same name).
 
 use chrono::NaiveDate;
 use tokio_postgres::{Error, GenericClient};
 
+use super::typed::typed;
+
 /// `pg_class.relkind` of `qualified`, if it exists (`p`: partitioned).
 pub(crate) async fn relkind(client: &impl GenericClient, qualified: &str) -> Result<Option<i8>, Error> {
     client
-        .query_one(
+        .query_typed_one(
             "SELECT (SELECT relkind FROM pg_class WHERE oid = to_regclass($1))",
-            &[&qualified],
+            &[typed(&qualified)],
         )
         .await?
         .try_get(0)
@@ -21,7 +29,7 @@ pub(crate) async fn relkind(client: &impl GenericClient, qualified: &str) -> Res
 /// Whether the table (or other relation) `qualified` exists.
 pub(crate) async fn exists(client: &impl GenericClient, qualified: &str) -> Result<bool, Error> {
     client
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+        .query_typed_one("SELECT to_regclass($1) IS NOT NULL", &[typed(&qualified)])
         .await?
         .try_get(0)
 }
@@ -29,14 +37,14 @@ pub(crate) async fn exists(client: &impl GenericClient, qualified: &str) -> Resu
 /// The highest version the ledger `ledger` records (0: none).
 pub(crate) async fn ledger_version(client: &impl GenericClient, ledger: &str) -> Result<i32, Error> {
     client
-        .query_one(&format!("SELECT coalesce(max(version), 0) FROM {ledger}"), &[])
+        .query_typed_one(&format!("SELECT coalesce(max(version), 0) FROM {ledger}"), &[])
         .await?
         .try_get(0)
 }
 
 /// Serialises concurrent migrations of one table, until the transaction ends.
 pub(crate) async fn lock_migrations(tx: &impl GenericClient, ledger: &str) -> Result<(), Error> {
-    tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&ledger])
+    tx.execute_typed("SELECT pg_advisory_xact_lock(hashtext($1))", &[typed(&ledger)])
         .await
         .map(drop)
 }
@@ -57,7 +65,7 @@ pub(crate) async fn create_ledger(tx: &impl GenericClient, schema: &str, ledger:
 
 /// Applied migrations as (version, checksum), oldest first.
 pub(crate) async fn applied(tx: &impl GenericClient, ledger: &str) -> Result<Vec<(i32, String)>, Error> {
-    tx.query(
+    tx.query_typed(
         &format!("SELECT version, checksum FROM {ledger} ORDER BY version"),
         &[],
     )
@@ -75,9 +83,9 @@ pub(crate) async fn record(
     name: &str,
     checksum: &str,
 ) -> Result<(), Error> {
-    tx.execute(
+    tx.execute_typed(
         &format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"),
-        &[&version, &name, &checksum],
+        &[typed(&version), typed(&name), typed(&checksum)],
     )
     .await
     .map(drop)
@@ -86,9 +94,9 @@ pub(crate) async fn record(
 /// The server's date in UTC, `ago_secs` seconds back.
 pub(crate) async fn utc_date(client: &impl GenericClient, ago_secs: f64) -> Result<NaiveDate, Error> {
     client
-        .query_one(
+        .query_typed_one(
             "SELECT ((now() - make_interval(secs => $1)) AT TIME ZONE 'UTC')::date",
-            &[&ago_secs],
+            &[typed(&ago_secs)],
         )
         .await?
         .try_get(0)
@@ -113,7 +121,7 @@ pub(crate) async fn create_daily_partition(
 /// Rows in `table`, and how many of them are unpublished.
 pub(crate) async fn counts(client: &impl GenericClient, table: &str) -> Result<(i64, i64), Error> {
     let row = client
-        .query_one(
+        .query_typed_one(
             &format!("SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FROM {table}"),
             &[],
         )
@@ -124,7 +132,7 @@ pub(crate) async fn counts(client: &impl GenericClient, table: &str) -> Result<(
 /// Dead letters in `table` (given up on or not).
 pub(crate) async fn dead_count(client: &impl GenericClient, table: &str) -> Result<i64, Error> {
     client
-        .query_one(
+        .query_typed_one(
             &format!("SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL"),
             &[],
         )
@@ -138,10 +146,10 @@ pub(crate) async fn partitions_of(
     qualified: &str,
 ) -> Result<Vec<String>, Error> {
     client
-        .query(
+        .query_typed(
             "SELECT c.relname::text FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid \
               WHERE i.inhparent = to_regclass($1) ORDER BY 1",
-            &[&qualified],
+            &[typed(&qualified)],
         )
         .await?
         .iter()

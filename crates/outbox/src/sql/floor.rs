@@ -20,6 +20,7 @@
 use tokio_postgres::{Client, Error};
 
 use super::relay::RelayStatements;
+use super::typed::typed;
 
 /// `$1` the current floor, `$2` the settled bound: an id below it with no
 /// row is known never to get one. In the statement's one snapshot:
@@ -90,7 +91,12 @@ impl RelayStatements {
     /// future that sends on first poll, so it pipelines with the claim's
     /// round trip.
     pub async fn find_floor(&self, client: &Client, p: &FloorParams) -> Result<ClaimFloor, Error> {
-        let row = client.query_one(&self.find_floor, &[&p.from, &p.settled]).await?;
+        // Outside the claim's transaction (its own snapshot), so alone: in
+        // an explicit one that pins its plans behind a transaction pooler.
+        let params = [typed(&p.from), typed(&p.settled)];
+        let row = self
+            .alone(client, self.find_floor.query_one(client, &params))
+            .await?;
         Ok(ClaimFloor {
             head: row.try_get(0)?,
             gap: row.try_get(1)?,

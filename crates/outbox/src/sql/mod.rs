@@ -20,6 +20,8 @@ mod relay;
 #[cfg(feature = "tokio-postgres")]
 mod replay;
 #[cfg(feature = "tokio-postgres")]
+pub(crate) mod typed;
+#[cfg(feature = "tokio-postgres")]
 pub(crate) mod wal;
 
 #[cfg(feature = "tokio-postgres")]
@@ -36,7 +38,7 @@ use relay::Shape;
 #[cfg(feature = "tokio-postgres")]
 pub use relay::{
     ClaimParams, ClaimScope, ClaimSpec, ClaimedRows, DeadlineClaim, DeadlineMarks, Fence, MarkFailedParams,
-    Partitions, RelayStatements, Strict, TickParams, TickRow, TickStatement, backend_identity,
+    Partitions, RelayStatements, Strict, TickParams, TickRow, TickStatement, backend_identity, listen,
     setup_batch_session,
 };
 #[cfg(feature = "tokio-postgres")]

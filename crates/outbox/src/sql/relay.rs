@@ -3,19 +3,43 @@
 //! floor (its statement and row in `floor.rs`), the lease tick and the
 //! goodbye.
 //!
-//! The batch statements are prepared once per connection
-//! ([`RelayStatements`]), and every method returns a future that sends its
-//! request on first poll, so a caller may poll several together and
-//! tokio-postgres pipelines them in that order (marks, `COMMIT`, `BEGIN` and
-//! the next claim in one round trip).
+//! The batch statements run one of two ways ([`RelayStatements`]), the same
+//! methods either way:
+//!
+//! - prepared once per connection ([`OutboxSql::prepare_relay`]), their
+//!   plans pinned for the session ([`setup_batch_session`]): the fastest,
+//!   for a direct connection or a session-mode pooler;
+//! - unnamed, parsed with each run ([`OutboxSql::unprepared_relay`]), for a
+//!   transaction-mode pooler (PgBouncer's `pool_mode = transaction`), which
+//!   hands each transaction whichever server connection is free: a named
+//!   statement or a session `SET` would outlive its transaction on a server
+//!   connection other clients then get. So nothing is left on the session:
+//!   each transaction the relay begins pins its plans with `SET LOCAL`, sent
+//!   with its `BEGIN` ([`RelayStatements::begin`]), and a statement that is
+//!   its own transaction (a deadline claim, its mark) runs inside an explicit
+//!   `BEGIN … COMMIT` sent with it, in the same round trip.
+//!
+//! Every method returns a future that sends its request on first poll, so a
+//! caller may poll several together and tokio-postgres pipelines them in
+//! that order (marks, `COMMIT`, `BEGIN` and the next claim in one round
+//! trip).
+//!
+//! To add a statement: its text in [`OutboxSql`], a field of type `Stmt` in
+//! [`RelayStatements`] made by `OutboxSql::relay_statements`, and a method
+//! binding its parameters with [`typed`] (their types come from the Rust
+//! values), run through `Stmt`'s methods; wrap it in `alone` if it runs
+//! outside the claim's transaction.
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Error, GenericClient, Row, Statement};
+use tokio_postgres::{Client, Error, GenericClient, Row, RowStream, Statement};
 use uuid::Uuid;
 
 use super::OutboxSql;
+use super::typed::{Typed, typed};
 use crate::{Ident, OutboxRow};
 
 type Param<'p> = &'p (dyn ToSql + Sync);
@@ -164,46 +188,123 @@ pub struct TickRow {
     pub partitions: i32,
 }
 
-/// One batch connection's prepared statements.
+/// One batch connection's statements, prepared or unnamed (see the
+/// [module docs](self)).
 #[derive(Debug)]
 pub struct RelayStatements {
     /// The claim in each [`Shape`], indexed by it, bounded by bytes; then
     /// the same four for one row (see [`claim_params`]).
-    claims: Vec<Statement>,
-    mark_failed: Statement,
-    next_retry: Statement,
-    fetch_payload: Statement,
+    claims: Vec<Stmt>,
+    mark_failed: Stmt,
+    next_retry: Stmt,
+    fetch_payload: Stmt,
     /// `FIND_CLAIM_FLOOR` (see [`RelayStatements::find_floor`]).
-    pub(super) find_floor: Statement,
-    /// `MARK_DEADLINE_CLAIM` and `RELEASE_DEADLINE_CLAIM`, prepared only for deadline claims.
-    deadline: Option<(Statement, Statement)>,
+    pub(super) find_floor: Stmt,
+    /// `MARK_DEADLINE_CLAIM` and `RELEASE_DEADLINE_CLAIM`, only for deadline claims.
+    deadline: Option<(Stmt, Stmt)>,
     spec: ClaimSpec,
+    /// How a transaction begins: `BEGIN`, or, unprepared, `BEGIN` with the
+    /// plans pinned by `SET LOCAL` (see [`pinned_begin`]).
+    begin: String,
+    /// Unprepared: plans are pinned per transaction, so a statement that is
+    /// its own transaction runs in an explicit one (`alone`).
+    unnamed: bool,
+}
+
+/// One of the relay's statements, as its connection runs it.
+#[derive(Debug)]
+pub(super) enum Stmt {
+    /// A named statement, prepared on the connection once and then only
+    /// bound and run: the parse and plan are paid once.
+    Prepared(Statement),
+    /// Parsed, bound and run as the unnamed statement on every call, its
+    /// parameters' types given with them, in one round trip: nothing of it
+    /// outlives the call.
+    Unnamed(String),
+}
+
+impl Stmt {
+    /// `text` prepared on `client`, or unnamed without one.
+    async fn new(client: Option<&Client>, text: &str) -> Result<Stmt, Error> {
+        match client {
+            Some(client) => client.prepare(text).await.map(Stmt::Prepared),
+            None => Ok(Stmt::Unnamed(text.to_owned())),
+        }
+    }
+
+    async fn query_raw(&self, client: &Client, params: Vec<Typed<'_>>) -> Result<RowStream, Error> {
+        match self {
+            Stmt::Prepared(s) => client.query_raw(s, params.into_iter().map(|(p, _)| p)).await,
+            Stmt::Unnamed(text) => client.query_typed_raw(text, params).await,
+        }
+    }
+
+    async fn execute(&self, client: &Client, params: &[Typed<'_>]) -> Result<u64, Error> {
+        match self {
+            Stmt::Prepared(s) => client.execute_raw(s, params.iter().map(|(p, _)| *p)).await,
+            Stmt::Unnamed(text) => client.execute_typed(text, params).await,
+        }
+    }
+
+    pub(super) async fn query_one(&self, client: &Client, params: &[Typed<'_>]) -> Result<Row, Error> {
+        match self {
+            Stmt::Prepared(s) => {
+                let params: Vec<Param<'_>> = params.iter().map(|(p, _)| *p).collect();
+                client.query_one(s, &params).await
+            }
+            Stmt::Unnamed(text) => client.query_typed_one(text, params).await,
+        }
+    }
 }
 
 impl OutboxSql {
-    /// Prepares the batch statements on `client`.
+    /// Prepares the batch statements on `client`, for a session of its own
+    /// (direct, or through a session-mode pooler), set up by
+    /// [`setup_batch_session`].
     pub async fn prepare_relay(&self, client: &Client) -> Result<RelayStatements, Error> {
+        self.relay_statements(Some(client), "BEGIN".to_owned()).await
+    }
+
+    /// The batch statements unprepared, for a connection through a
+    /// transaction-mode pooler (see the [module docs](self)); the session is
+    /// not set up. A lock claim's transaction left idle for
+    /// `idle_timeout` ends the session (`idle_in_transaction_session_timeout`),
+    /// which releases its locks: behind a pooler nobody may terminate the
+    /// backends of a relay declared dead, so the server must end its
+    /// transactions itself. Make it the lease timeout: longer than a batch
+    /// may stay at the sink.
+    pub async fn unprepared_relay(&self, idle_timeout: Duration) -> Result<RelayStatements, Error> {
+        self.relay_statements(None, pinned_begin(idle_timeout)).await
+    }
+
+    /// The statements prepared on `client`, or unnamed without one.
+    async fn relay_statements(
+        &self,
+        client: Option<&Client>,
+        begin: String,
+    ) -> Result<RelayStatements, Error> {
+        let stmt = |text| Stmt::new(client, text);
         let texts: Vec<&str> = [false, true]
             .into_iter()
             .flat_map(|one| Shape::ALL.map(|s| self.claim_text(s, one)))
             .collect();
-        let claims = futures::future::try_join_all(texts.into_iter().map(|t| client.prepare(t)));
+        let claims = futures::future::try_join_all(texts.into_iter().map(stmt));
         let deadline = async {
             if !self.claim_spec.deadline {
                 return Ok(None);
             }
             let (mark, release) = tokio::try_join!(
-                client.prepare(&self.mark_deadline_claim),
-                client.prepare(&self.release_deadline_claim)
+                stmt(&self.mark_deadline_claim),
+                stmt(&self.release_deadline_claim)
             )?;
             Ok(Some((mark, release)))
         };
         let (claims, mark_failed, next_retry, fetch_payload, find_floor, deadline) = tokio::try_join!(
             claims,
-            client.prepare(&self.mark_failed),
-            client.prepare(&self.next_retry),
-            client.prepare(&self.fetch_payload),
-            client.prepare(&self.find_claim_floor),
+            stmt(&self.mark_failed),
+            stmt(&self.next_retry),
+            stmt(&self.fetch_payload),
+            stmt(&self.find_claim_floor),
             deadline,
         )?;
         Ok(RelayStatements {
@@ -214,6 +315,8 @@ impl OutboxSql {
             find_floor,
             deadline,
             spec: self.claim_spec,
+            begin,
+            unnamed: client.is_none(),
         })
     }
 
@@ -240,13 +343,21 @@ impl OutboxSql {
             "FORMAT JSON"
         };
         let explain = format!("EXPLAIN ({options}) {text}");
+        let params: Vec<Param<'_>> = params.iter().map(|(p, _)| *p).collect();
         client.query_one(&explain, &params).await?.try_get(0)
     }
 
     /// The lease connection's tick, prepared: an unprepared query would cost
     /// a second round trip, and a second transaction, per tick.
     pub async fn prepare_tick(&self, client: &Client) -> Result<TickStatement, Error> {
-        client.prepare(&self.relay_tick).await.map(TickStatement)
+        Stmt::new(Some(client), &self.relay_tick).await.map(TickStatement)
+    }
+
+    /// The lease tick unnamed, for a connection through a transaction-mode
+    /// pooler: parsed, bound and run in one round trip and one transaction,
+    /// as the prepared one is.
+    pub fn unprepared_tick(&self) -> TickStatement {
+        TickStatement(Stmt::Unnamed(self.relay_tick.clone()))
     }
 
     /// A relay leaving: its partitions go to the others at their next
@@ -259,23 +370,23 @@ impl OutboxSql {
     }
 }
 
-/// The lease tick, prepared on the lease connection.
+/// The lease tick, prepared on the lease connection or unnamed.
 #[derive(Debug)]
-pub struct TickStatement(Statement);
+pub struct TickStatement(Stmt);
 
 impl TickStatement {
     /// One relay tick (heartbeat and rebalance; see migration 0003): the
     /// partitions it holds, whether each is being released, whether any of
     /// them has a row due, and the partition count.
     pub async fn run(&self, client: &Client, p: &TickParams<'_>) -> Result<Vec<TickRow>, Error> {
-        let params: [Param<'_>; 5] = [
-            &p.relay_id,
-            &p.name,
-            &p.dead_after_secs,
-            &p.backend_pids,
-            &p.backend_starts,
+        let params = vec![
+            typed(&p.relay_id),
+            typed(&p.name),
+            typed(&p.dead_after_secs),
+            typed(&p.backend_pids),
+            typed(&p.backend_starts),
         ];
-        let rows = client.query(&self.0, &params).await?;
+        let rows: Vec<Row> = self.0.query_raw(client, params).await?.try_collect().await?;
         rows.iter()
             .map(|r| {
                 Ok(TickRow {
@@ -320,17 +431,17 @@ impl Shape {
 /// bound last.
 /// A claim of one row has no bound (one row is never cut) and skips its
 /// cost, about 60 µs per claim, a fifth of the relay's time at batch size 1.
-fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<Param<'a>>) {
+fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<Typed<'a>>) {
     debug_assert_eq!(
         spec.deadline,
         p.deadline.is_some(),
         "a claim's parameters must match its statement"
     );
-    let mut params: Vec<Param<'a>> = vec![&p.limit];
+    let mut params: Vec<Typed<'a>> = vec![typed(&p.limit)];
     let shape = match &p.scope {
         ClaimScope::All => Shape::All,
         ClaimScope::Partitions(l) => {
-            params.extend([&l.relay_id as Param<'a>, &l.claimable, &l.count]);
+            params.extend([typed(&l.relay_id), typed(&l.claimable), typed(&l.count)]);
             match &l.strict {
                 // The peek reads twice the batch, so it locks at most that
                 // many lease rows. Measured against locking them all (64):
@@ -340,23 +451,23 @@ fn claim_params<'a>(p: &'a ClaimParams<'a>, spec: &'a ClaimSpec) -> (usize, Vec<
                 None if p.limit.saturating_mul(8) <= l.claimable.len() as i64 => Shape::FewPartitions,
                 None => Shape::Partitions,
                 Some(s) => {
-                    params.extend([&s.exceptions as Param<'a>, &s.by_default]);
+                    params.extend([typed(&s.exceptions), typed(&s.by_default)]);
                     Shape::Strict
                 }
             }
         }
     };
-    params.push(&p.floor);
+    params.push(typed(&p.floor));
     if let Some(types_in) = &spec.types {
-        params.extend([&p.types as Param<'a>, types_in]);
+        params.extend([typed(&p.types), typed(types_in)]);
     }
     if let Some(lease) = &p.deadline {
-        params.extend([&lease.owner as Param<'a>, &lease.timeout_ms]);
+        params.extend([typed(&lease.owner), typed(&lease.timeout_ms)]);
     }
     if p.limit == 1 {
         return (shape as usize + Shape::ALL.len(), params);
     }
-    params.push(&p.max_bytes);
+    params.push(typed(&p.max_bytes));
     (shape as usize, params)
 }
 
@@ -380,50 +491,84 @@ pub struct ClaimedRows {
 }
 
 impl RelayStatements {
-    /// Claims a batch in the open transaction and marks it published
-    /// (a promise the commit keeps). Rows come back in id order.
+    /// Begins the batch's transaction: `BEGIN`, or unprepared, `BEGIN` with
+    /// the plans pinned for this transaction (one simple query, one round
+    /// trip, pipelined with what follows).
+    pub async fn begin(&self, client: &Client) -> Result<(), Error> {
+        client.batch_execute(&self.begin).await
+    }
+
+    /// Runs `statement`, which is its own transaction. Unprepared, in an
+    /// explicit one that pins its plans: `BEGIN; SET LOCAL …`, the
+    /// statement, `COMMIT`, pipelined (one round trip still). Only outside a
+    /// transaction: inside one, this `COMMIT` would end it.
+    pub(super) async fn alone<T>(
+        &self,
+        client: &Client,
+        statement: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        if !self.unnamed {
+            return statement.await;
+        }
+        // A failed statement makes the COMMIT a rollback, not an error: the
+        // statement's own error is the one returned.
+        let (begun, done, committed) = tokio::join!(
+            client.batch_execute(&self.begin),
+            statement,
+            client.batch_execute("COMMIT")
+        );
+        begun?;
+        let done = done?;
+        committed?;
+        Ok(done)
+    }
+
+    /// Claims a batch and marks it published: a lock claim in the open
+    /// transaction (a promise the commit keeps), a deadline claim as its own
+    /// transaction. Rows come back in id order.
     pub async fn claim(&self, client: &Client, p: &ClaimParams<'_>) -> Result<ClaimedRows, Error> {
         let (which, params) = claim_params(p, &self.spec);
         let statement = &self.claims[which];
-        // Decoded as they arrive, each raw row dropped once decoded: a batch
-        // of large payloads is held about once, not twice.
-        let stream = client.query_raw(statement, params).await?;
-        futures::pin_mut!(stream);
-        let (mut rows, mut large, mut unreadable, mut locked) = (Vec::new(), Vec::new(), Vec::new(), 0_i64);
-        let mut fence = None;
-        while let Some(row) = stream.try_next().await? {
-            locked = row.try_get("locked_rows")?;
-            if let Some(lease) = &p.deadline
-                && fence.is_none()
-            {
-                // One deadline for the whole claim (`DEADLINE_CTE`).
-                fence = Some(Fence {
-                    owner: lease.owner,
-                    until: row.try_get("claimed_until")?,
-                });
-            }
-            let mut decoded = decode(&row, serde_json::Value::Null, serde_json::Value::Null)?;
-            // One row's payload or headers that cannot be read must not
-            // fail the claim: the same row would fail every claim after it.
-            let why =
-                |e: Error| std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
-            match row.try_get::<_, Option<serde_json::Value>>("payload") {
-                Ok(Some(payload)) => decoded.payload = payload,
-                Ok(None) => large.push((decoded.id, row.try_get::<_, i32>("bytes")?)),
-                Err(e) => unreadable.push((decoded.id, format!("payload: {}", why(e)))),
-            }
-            match row.try_get("headers") {
-                Ok(headers) => decoded.headers = headers,
-                Err(e) => unreadable.push((decoded.id, format!("headers: {}", why(e)))),
-            }
-            rows.push(decoded);
-        }
+        let read = async {
+            // Decoded as they arrive, each raw row dropped once decoded: a
+            // batch of large payloads is held about once, not twice.
+            let stream = statement.query_raw(client, params).await?;
+            read_claim(stream, p).await
+        };
+        let (rows, large, unreadable, locked, fence) = if self.spec.deadline {
+            self.alone(client, read).await?
+        } else {
+            read.await?
+        };
+        self.finish_claim(client, rows, large, unreadable, locked, fence)
+            .await
+    }
+
+    /// Reads the payloads the claim left out, and says whether it was cut.
+    async fn finish_claim(
+        &self,
+        client: &Client,
+        mut rows: Vec<OutboxRow>,
+        large: Vec<(i64, i32)>,
+        unreadable: Vec<(i64, String)>,
+        locked: i64,
+        fence: Option<Fence>,
+    ) -> Result<ClaimedRows, Error> {
         // `RETURNING` order is unspecified.
         rows.sort_unstable_by_key(|r| r.id);
         let at = |rows: &[OutboxRow], id: i64| rows.binary_search_by_key(&id, |r| r.id).ok();
+        let mut unreadable = unreadable;
         for (id, bytes) in large {
             let Some(i) = at(&rows, id) else { continue };
-            match self.fetch_payload(client, id, bytes).await? {
+            let fetched = self.fetch_payload(client, id, bytes);
+            // A deadline claim has committed: its payloads are read outside
+            // a transaction.
+            let fetched = if self.spec.deadline {
+                self.alone(client, fetched).await?
+            } else {
+                fetched.await?
+            };
+            match fetched {
                 Ok(payload) => rows[i].payload = payload,
                 Err(e) => unreadable.push((id, format!("payload: {e}"))),
             }
@@ -451,8 +596,10 @@ impl RelayStatements {
         bytes: i32,
     ) -> Result<Result<serde_json::Value, serde_json::Error>, Error> {
         let piece = i32::try_from(super::LARGE_PAYLOAD).unwrap_or(i32::MAX);
-        let params: [Param<'_>; 2] = [&id, &piece];
-        let stream = client.query_raw(&self.fetch_payload, params).await?;
+        let stream = self
+            .fetch_payload
+            .query_raw(client, vec![typed(&id), typed(&piece)])
+            .await?;
         futures::pin_mut!(stream);
         let mut text = Vec::with_capacity(usize::try_from(bytes).unwrap_or(0));
         while let Some(row) = stream.try_next().await? {
@@ -464,8 +611,14 @@ impl RelayStatements {
     /// Turns failed rows of the claim back into unpublished ones with their
     /// retry time. Returns rows updated.
     pub async fn mark_failed(&self, client: &Client, p: &MarkFailedParams<'_>) -> Result<u64, Error> {
-        let params: [Param<'_>; 5] = [&p.ids, &p.errors, &p.attempts, &p.delay_ms, &p.dead];
-        client.execute(&self.mark_failed, &params).await
+        let params = [
+            typed(&p.ids),
+            typed(&p.errors),
+            typed(&p.attempts),
+            typed(&p.delay_ms),
+            typed(&p.dead),
+        ];
+        self.mark_failed.execute(client, &params).await
     }
 
     /// Records a deadline claim's outcomes, checking the claim is still its
@@ -474,25 +627,25 @@ impl RelayStatements {
     /// and another relay took those rows.
     ///
     /// # Panics
-    /// If the statements were not prepared for deadline claims.
+    /// If the statements were not made for deadline claims.
     pub async fn mark_deadline_claim(
         &self,
         client: &Client,
         p: &DeadlineMarks<'_>,
     ) -> Result<(u64, u64), Error> {
-        let (mark, _) = self.deadline.as_ref().expect("prepared for deadline claims");
+        let (mark, _) = self.deadline.as_ref().expect("made for deadline claims");
         let f = &p.failed;
-        let params: [Param<'_>; 8] = [
-            &f.ids,
-            &f.errors,
-            &f.attempts,
-            &f.delay_ms,
-            &f.dead,
-            &p.delivered,
-            &p.fence.owner,
-            &p.fence.until,
+        let params = [
+            typed(&f.ids),
+            typed(&f.errors),
+            typed(&f.attempts),
+            typed(&f.delay_ms),
+            typed(&f.dead),
+            typed(&p.delivered),
+            typed(&p.fence.owner),
+            typed(&p.fence.until),
         ];
-        let row = client.query_one(mark, &params).await?;
+        let row = self.alone(client, mark.query_one(client, &params)).await?;
         let count = |i| row.try_get::<_, i64>(i).map(|n| u64::try_from(n).unwrap_or(0));
         Ok((count(0)?, count(1)?))
     }
@@ -501,23 +654,70 @@ impl RelayStatements {
     /// Returns rows released.
     ///
     /// # Panics
-    /// If the statements were not prepared for deadline claims.
+    /// If the statements were not made for deadline claims.
     pub async fn release_deadline_claim(
         &self,
         client: &Client,
         ids: &[i64],
         fence: Fence,
     ) -> Result<u64, Error> {
-        let (_, release) = self.deadline.as_ref().expect("prepared for deadline claims");
-        let params: [Param<'_>; 3] = [&ids, &fence.owner, &fence.until];
-        client.execute(release, &params).await
+        let (_, release) = self.deadline.as_ref().expect("made for deadline claims");
+        let params = [typed(&ids), typed(&fence.owner), typed(&fence.until)];
+        self.alone(client, release.execute(client, &params)).await
     }
 
     /// Seconds until the next row waiting for a retry comes due: `None` if
-    /// none waits, negative if one is due now.
+    /// none waits, negative if one is due now. Outside a transaction.
     pub async fn next_retry(&self, client: &Client) -> Result<Option<f64>, Error> {
-        client.query_one(&self.next_retry, &[]).await?.try_get(0)
+        self.alone(client, self.next_retry.query_one(client, &[]))
+            .await?
+            .try_get(0)
     }
+}
+
+/// What a claim's stream held: its rows (payloads over `LARGE_PAYLOAD`
+/// left out), those left out with their size, the unreadable ones, how many
+/// rows it locked, and a deadline claim's fence.
+type ReadClaim = (
+    Vec<OutboxRow>,
+    Vec<(i64, i32)>,
+    Vec<(i64, String)>,
+    i64,
+    Option<Fence>,
+);
+
+/// Decodes a claim's rows as they arrive.
+async fn read_claim(stream: RowStream, p: &ClaimParams<'_>) -> Result<ReadClaim, Error> {
+    futures::pin_mut!(stream);
+    let (mut rows, mut large, mut unreadable, mut locked) = (Vec::new(), Vec::new(), Vec::new(), 0_i64);
+    let mut fence = None;
+    while let Some(row) = stream.try_next().await? {
+        locked = row.try_get("locked_rows")?;
+        if let Some(lease) = &p.deadline
+            && fence.is_none()
+        {
+            // One deadline for the whole claim (`DEADLINE_CTE`).
+            fence = Some(Fence {
+                owner: lease.owner,
+                until: row.try_get("claimed_until")?,
+            });
+        }
+        let mut decoded = decode(&row, serde_json::Value::Null, serde_json::Value::Null)?;
+        // One row's payload or headers that cannot be read must not
+        // fail the claim: the same row would fail every claim after it.
+        let why = |e: Error| std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
+        match row.try_get::<_, Option<serde_json::Value>>("payload") {
+            Ok(Some(payload)) => decoded.payload = payload,
+            Ok(None) => large.push((decoded.id, row.try_get::<_, i32>("bytes")?)),
+            Err(e) => unreadable.push((decoded.id, format!("payload: {}", why(e)))),
+        }
+        match row.try_get("headers") {
+            Ok(headers) => decoded.headers = headers,
+            Err(e) => unreadable.push((decoded.id, format!("headers: {}", why(e)))),
+        }
+        rows.push(decoded);
+    }
+    Ok((rows, large, unreadable, locked, fence))
 }
 
 /// Every relay statement is an index-driven point operation: a walk of the
@@ -536,23 +736,61 @@ impl RelayStatements {
 /// such a cost crosses `jit_above_cost`: the claim was then compiled by
 /// LLVM on every run, about a second each. JIT never pays off for
 /// statements this short, so it is off too.
-const PIN_INDEX_PLANS: &str = "SET jit = off; SET enable_seqscan = off; SET enable_bitmapscan = off; \
-     SET enable_sort = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
+const PIN_INDEX_PLANS: [(&str, &str); 6] = [
+    ("jit", "off"),
+    ("enable_seqscan", "off"),
+    ("enable_bitmapscan", "off"),
+    ("enable_sort", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+];
+
+/// `PIN_INDEX_PLANS` as `SET` (`scope` ``) or `SET LOCAL` (`scope` `LOCAL `).
+fn pin_index_plans(scope: &str) -> String {
+    PIN_INDEX_PLANS
+        .iter()
+        .map(|(name, value)| format!("SET {scope}{name} = {value}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// An unprepared connection's `BEGIN`: the plans pinned for the
+/// transaction only, and a transaction left idle for `idle_timeout` ending
+/// its session (see [`OutboxSql::unprepared_relay`]).
+fn pinned_begin(idle_timeout: Duration) -> String {
+    let ms = idle_timeout.as_millis().max(1);
+    format!(
+        "BEGIN; {}; SET LOCAL idle_in_transaction_session_timeout = {ms}",
+        pin_index_plans("LOCAL ")
+    )
+}
 
 /// Sets a batch session up: plans pinned to index paths and, when given,
-/// `LISTEN` on the insert trigger's channel, in one round trip.
+/// `LISTEN` on the insert trigger's channel, in one round trip. Only for a
+/// session of the relay's own: through a transaction-mode pooler these
+/// settings would stay on a server connection other clients then use.
 pub async fn setup_batch_session(client: &Client, listen: Option<&Ident>) -> Result<(), Error> {
-    let mut setup = PIN_INDEX_PLANS.to_owned();
+    let mut setup = pin_index_plans("");
     if let Some(channel) = listen {
         setup.push_str(&format!("; LISTEN {}", channel.quoted()));
     }
     client.batch_execute(&setup).await
 }
 
+/// `LISTEN` on the insert trigger's channel, alone: a connection that only
+/// wakes the relay (one whose batches go through a transaction-mode pooler).
+pub async fn listen(client: &Client, channel: &Ident) -> Result<(), Error> {
+    client
+        .batch_execute(&format!("LISTEN {}", channel.quoted()))
+        .await
+}
+
 /// This connection's backend pid and start time: what the lease tick
 /// reports so a takeover can tell a frozen relay's sessions from live ones.
 pub async fn backend_identity(client: &Client) -> Result<(i32, DateTime<Utc>), Error> {
-    let me = client.query_one(super::BACKEND_IDENTITY, &[]).await?;
+    // Unnamed: a relay checks with it whether a transaction-mode pooler sits
+    // in front, before it leaves a named statement on a server connection.
+    let me = client.query_typed_one(super::BACKEND_IDENTITY, &[]).await?;
     Ok((me.try_get(0)?, me.try_get(1)?))
 }
 

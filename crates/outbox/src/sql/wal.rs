@@ -475,9 +475,11 @@ impl WalSql {
         client.batch_execute(&self.create_publication).await
     }
 
-    /// The slot, if it exists.
+    /// The slot, if it exists. Typed, so one round trip that leaves nothing
+    /// on the session (`outbox stats` runs it, also through a
+    /// transaction-mode pooler).
     pub async fn slot_state(&self, client: &impl GenericClient) -> Result<Option<SlotState>, Error> {
-        let Some(row) = client.query_opt(SLOT, &[&self.slot]).await? else {
+        let Some(row) = client.query_typed_opt(SLOT, &[(&self.slot, Type::NAME)]).await? else {
             return Ok(None);
         };
         Ok(Some(SlotState {

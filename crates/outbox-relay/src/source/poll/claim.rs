@@ -12,7 +12,7 @@
 //! | marks | `MARK_FAILED` then `COMMIT` of the claim's transaction | `MARK_DEADLINE_CLAIM`, its own transaction, fenced by the claim |
 //! | gives back | `ROLLBACK` | `RELEASE_DEADLINE_CLAIM` |
 //! | a claim that found nothing | `COMMIT` of its empty transaction | nothing open |
-//! | a relay declared dead | its batch connections are terminated (they hold locks) | nothing to terminate: the deadline runs out |
+//! | a relay declared dead | its batch connections are terminated (they hold locks); through a transaction-mode pooler, whose server connections are not its own, the server ends a transaction idle for the lease timeout instead | nothing to terminate: the deadline runs out |
 //!
 //! It owns no connection and no pipeline state: the parent passes the
 //! session and the batch in, and keeps the invariant that at most one
@@ -148,7 +148,7 @@ impl Claiming for ByLock {
                 find_floor(s, ask.floor),
                 async {
                     if claim.is_some() {
-                        client.batch_execute("BEGIN").await?;
+                        s.statements.begin(client).await?;
                     }
                     Ok::<_, tokio_postgres::Error>(())
                 },

@@ -64,20 +64,22 @@ use self::claim::{Ask, ByDeadline, ByLock, Claiming, RoundTrip};
 pub use self::floor::SETTLE as CLAIM_FLOOR_SETTLE;
 use self::floor::{Asked, Floor};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
-use crate::config::{OrderMode, RelayConfig};
+use crate::config::{OrderMode, Pooler, RelayConfig};
 use crate::context::RelayContext;
-use crate::error::{RelayError, error_chain};
+use crate::error::{RelayError, error_chain, transaction_pooler};
 use crate::lease::{LeaseSettings, Leases};
 use crate::metric::{WakeCause, WakeMetrics};
 use crate::pg::{PgConfig, Startup};
 use crate::plan::Plan;
 use crate::wake::{self, Wake, Wakeups};
 
-/// One connection with its prepared statements and notifications.
+/// One connection with its statements and notifications.
 struct Session {
     client: Client,
-    /// (pid, backend start), recorded in the relays table.
-    backend: (i32, chrono::DateTime<chrono::Utc>),
+    /// (pid, backend start), recorded in the relays table; None through a
+    /// transaction-mode pooler, whose server connections are not the
+    /// relay's to terminate.
+    backend: Option<(i32, chrono::DateTime<chrono::Utc>)>,
     wakeups: Wakeups,
     statements: RelayStatements,
 }
@@ -85,11 +87,22 @@ struct Session {
 /// The source's two connections, by role. Batches alternate between them
 /// while a backlog lasts.
 struct Sessions {
-    /// LISTENs, and takes every fresh claim (one after a wait).
+    /// LISTENs (unless through a transaction-mode pooler), and takes every
+    /// fresh claim (one after a wait).
     listening: Session,
     /// Takes the claims made while a batch of the listening one is at the
     /// sink, and its claims alternate with it while the backlog lasts.
     other: Session,
+    /// Through a transaction-mode pooler, with `--listen-url`: a direct
+    /// connection that only LISTENs, whose notifications wake the relay.
+    listener: Option<Listener>,
+}
+
+/// A connection kept open only for its notifications.
+struct Listener {
+    /// Kept so the connection stays open.
+    _client: Client,
+    wakeups: Wakeups,
 }
 
 /// Which of the two [`Sessions`] a batch lives on.
@@ -119,6 +132,16 @@ impl Sessions {
 
     fn both(&self) -> [&Session; 2] {
         [&self.listening, &self.other]
+    }
+
+    /// The notifications that wake the relay: the listener's, else the
+    /// listening session's (none arrive there through a transaction-mode
+    /// pooler: it does not LISTEN).
+    fn wakeups(&mut self) -> &mut Wakeups {
+        match &mut self.listener {
+            Some(listener) => &mut listener.wakeups,
+            None => &mut self.listening.wakeups,
+        }
     }
 }
 
@@ -229,6 +252,47 @@ pub(crate) struct PollSource {
     /// The partitions the last claim was for, and their epoch: a change
     /// makes the next claim a sweep.
     partitions_seen: (Vec<i32>, u64),
+    /// Batches failing in a row with one error (see [`Streak`]).
+    streak: Streak,
+    /// A batch failed on a sign of a transaction-mode pooler in front of a
+    /// relay run without `--pooler transaction`: the next claim stops the
+    /// relay with it.
+    pooler: Option<RelayError>,
+}
+
+/// Batches that failed in a row with the same error. A few of them make the
+/// relay unready and say so at error level, once, instead of retrying in
+/// silence for ever; a committed batch makes it ready again.
+#[derive(Debug, Default)]
+struct Streak {
+    /// The last failure's error chain.
+    error: String,
+    /// How many batches in a row failed with it.
+    count: u32,
+}
+
+impl Streak {
+    /// Failures in a row with one error that make the relay unready.
+    const UNREADY_AFTER: u32 = 3;
+
+    /// Counts a failure; true when this one makes the streak long enough
+    /// to report (once per streak).
+    fn failed(&mut self, error: &str) -> bool {
+        if self.error == error {
+            self.count += 1;
+        } else {
+            self.error = error.to_owned();
+            self.count = 1;
+        }
+        self.count == Self::UNREADY_AFTER
+    }
+
+    /// A batch committed: the streak is over. True if it had been reported.
+    fn broken(&mut self) -> bool {
+        let reported = self.count >= Self::UNREADY_AFTER;
+        *self = Streak::default();
+        reported
+    }
 }
 
 /// What a round trip's claim needs of the floor: where it starts, and the
@@ -295,6 +359,8 @@ impl PollSource {
             earliest_retry: None,
             leases: None,
             types: lane.types,
+            streak: Streak::default(),
+            pooler: None,
         };
         let Some(sessions) = source.connect_at_startup(cancel).await? else {
             return Ok(None);
@@ -320,9 +386,10 @@ impl PollSource {
 
     fn use_sessions(&mut self, sessions: Sessions) {
         // A deadline claim holds no lock across delivery: nothing for another
-        // relay to terminate if this one is declared dead.
+        // relay to terminate if this one is declared dead. Nor may anything
+        // behind a transaction-mode pooler be (`backend` is None there).
         if let Some(leases) = self.leases.as_ref().filter(|_| self.claiming.holds_locks()) {
-            leases.set_backends(sessions.both().iter().map(|s| s.backend).collect());
+            leases.set_backends(sessions.both().iter().filter_map(|s| s.backend).collect());
         }
         self.ctx.health().postgres(&self.lane, None);
         self.sessions = Some(sessions);
@@ -356,12 +423,30 @@ impl PollSource {
 
     /// The connections, reconnecting first if they were lost. None if
     /// cancelled while reconnecting.
-    async fn sessions(&mut self, cancel: &CancellationToken) -> Option<&mut Sessions> {
+    async fn sessions(&mut self, cancel: &CancellationToken) -> Result<Option<&mut Sessions>, SourceError> {
         if self.sessions.is_none() {
-            let sessions = self.reconnect(cancel).await?;
+            let Some(sessions) = self.reconnect(cancel).await? else {
+                return Ok(None);
+            };
             self.use_sessions(sessions);
         }
-        self.sessions.as_mut()
+        Ok(self.sessions.as_mut())
+    }
+
+    /// Stops the relay if the lease task found a transaction-mode pooler in
+    /// front (see `error::transaction_pooler`).
+    fn check_lease_pooler(&self) -> Result<(), SourceError> {
+        match self.leases.as_ref().and_then(|l| l.view().pooler_sign.clone()) {
+            Some(sign) => Err(self.pooler_found(RelayError::TransactionPooler { sign })),
+            None => Ok(()),
+        }
+    }
+
+    /// A transaction-mode pooler sits in front of a relay run without
+    /// `--pooler transaction`: unready, and stopping with `error`.
+    fn pooler_found(&self, error: RelayError) -> SourceError {
+        self.ctx.health().postgres(&self.lane, Some(error.to_string()));
+        SourceError::Fatal(error)
     }
 
     /// Commits the settled batch on its own, before a wait or a fresh claim.
@@ -380,6 +465,7 @@ impl PollSource {
     async fn wait(&mut self, cancel: &CancellationToken) -> Result<bool, SourceError> {
         let (wait, timer) = self.next_wait();
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
+        let wakeups = ss.wakeups();
         let woken = async {
             match &self.leases {
                 Some(leases) => leases.woken().await,
@@ -389,7 +475,7 @@ impl PollSource {
         // Both branches are cancel-safe: `wait` loses no notification and
         // `woken` is a `Notify` permit, kept if not consumed.
         let (wake, cause) = tokio::select! {
-            wake = ss.listening.wakeups.wait(wait, cancel) => (wake, WakeCause::Notify),
+            wake = wakeups.wait(wait, cancel) => (wake, WakeCause::Notify),
             () = woken => (Wake::Notified, WakeCause::Lease),
         };
         match wake {
@@ -425,11 +511,7 @@ impl PollSource {
                 self.floor.sweep_next();
             }
         }
-        if self
-            .sessions
-            .as_ref()
-            .is_some_and(|ss| ss.listening.wakeups.take_sweep())
-        {
+        if self.sessions.as_mut().is_some_and(|ss| ss.wakeups().take_sweep()) {
             self.floor.sweep_next();
         }
         let now = Instant::now();
@@ -517,6 +599,10 @@ impl PollSource {
     /// when each of its failed rows comes due, and makes its receipt.
     fn committed(&mut self, done: Option<Settled>) {
         let Some(d) = done else { return };
+        if self.streak.broken() {
+            info!("a batch committed again; the relay is ready");
+            self.ctx.health().postgres(&self.lane, None);
+        }
         if let Some(soonest) = d.outcomes.failures.soonest {
             // Measured from after the commit, so the wake-up is never before
             // the time PostgreSQL recorded.
@@ -578,35 +664,106 @@ impl PollSource {
         }
     }
 
-    async fn open_session(&self, listen: bool) -> Result<Session, SessionError> {
-        let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
-        let (client, wakeups) = wake::connect(&self.pg, wake::Purpose::Batches(channel)).await?;
-        // One transaction: outside one, each statement prepared (Parse,
-        // Sync) commits one of its own, 15 per session, which PostgreSQL 15
-        // publishes late enough to pass for idle cost (tests/it/idle.rs).
-        client.batch_execute("BEGIN").await?;
-        if listen {
-            outbox::check(&client, &self.config.outbox)
-                .await
-                .map_err(SessionError::Schema)?;
-        }
-        let backend = outbox::sql::backend_identity(&client).await?;
-        let statements = self.sql.prepare_relay(&client).await?;
-        client.batch_execute("COMMIT").await?;
+    /// Sets one batch connection up as a session; `listen`: the one that
+    /// LISTENs (on a session of its own) and checks the schema. `backend`:
+    /// its identity, unless through a transaction-mode pooler.
+    async fn set_up(
+        &self,
+        (client, wakeups): (Client, Wakeups),
+        backend: Option<(i32, chrono::DateTime<chrono::Utc>)>,
+        listen: bool,
+    ) -> Result<Session, SessionError> {
+        let statements = match self.config.pooler {
+            Pooler::Transaction => {
+                if listen {
+                    // tokio-postgres prepares the check's statements and
+                    // closes them after use: in one transaction, that is
+                    // all on one server connection.
+                    client.batch_execute("BEGIN").await?;
+                    outbox::check(&client, &self.config.outbox)
+                        .await
+                        .map_err(SessionError::Schema)?;
+                    client.batch_execute("COMMIT").await?;
+                }
+                self.sql.unprepared_relay(self.config.lease_timeout).await?
+            }
+            Pooler::None => {
+                // One transaction: outside one, each statement prepared
+                // (Parse, Sync) commits one of its own, 15 per session, which
+                // PostgreSQL 15 publishes late enough to pass for idle cost
+                // (tests/it/idle.rs). A SET in it outlives its commit; a
+                // LISTEN starts with it.
+                client.batch_execute("BEGIN").await?;
+                let channel = (listen && self.config.notify).then_some(&self.config.outbox.channel);
+                outbox::sql::setup_batch_session(&client, channel).await?;
+                if listen {
+                    outbox::check(&client, &self.config.outbox)
+                        .await
+                        .map_err(SessionError::Schema)?;
+                }
+                let statements = self.sql.prepare_relay(&client).await?;
+                client.batch_execute("COMMIT").await?;
+                statements
+            }
+        };
         Ok(Session {
-            backend,
-            statements,
             client,
+            backend,
             wakeups,
+            statements,
         })
     }
 
-    /// Both connections, then when the next retry is due.
+    /// Both connections (and the listener, if any), then when the next
+    /// retry is due.
     async fn open_sessions(&mut self) -> Result<Sessions, SessionError> {
-        let listening = self.open_session(true).await?;
-        let other = self.open_session(false).await?;
+        let listening = wake::connect(&self.pg).await?;
+        let other = wake::connect(&self.pg).await?;
+        let (a, b) = match self.config.pooler {
+            Pooler::Transaction => (None, None),
+            Pooler::None => {
+                // Two sessions of one relay never share a server connection,
+                // unless a transaction-mode pooler hands each transaction
+                // whichever is free. Both identities are read one after the
+                // other, each its own transaction, before anything (a named
+                // statement, a SET) is left on either session: PgBouncer
+                // hands the second the server connection the first just
+                // freed, so this catches it in most cases.
+                let a = outbox::sql::backend_identity(&listening.0).await?;
+                let b = outbox::sql::backend_identity(&other.0).await?;
+                if a.0 == b.0 {
+                    return Err(SessionError::Pooler(RelayError::TransactionPooler {
+                        sign: format!(
+                            "the relay's two batch connections ran on one server connection (backend pid {})",
+                            a.0
+                        ),
+                    }));
+                }
+                (Some(a), Some(b))
+            }
+        };
+        let listening = self.set_up(listening, a, true).await?;
+        let other = self.set_up(other, b, false).await?;
+        let listener = match (&self.config.listen, self.config.notify, self.config.pooler) {
+            (Some(pg), true, Pooler::Transaction) => {
+                let (client, wakeups) = wake::connect(pg).await?;
+                outbox::sql::listen(&client, &self.config.outbox.channel).await?;
+                Some(Listener {
+                    _client: client,
+                    wakeups,
+                })
+            }
+            _ => None,
+        };
         self.learn_next_retry(&listening).await;
-        Ok(Sessions { listening, other })
+        if let Some(found) = self.pooler.take() {
+            return Err(SessionError::Pooler(found));
+        }
+        Ok(Sessions {
+            listening,
+            other,
+            listener,
+        })
     }
 
     /// Learns when the next row waiting for a retry comes due, whoever
@@ -623,8 +780,17 @@ impl PollSource {
                     self.floor.retry_at(at);
                 }
             }
-            // Not fatal: the fallback poll still finds the row.
-            Err(error) => warn!(error = %error_chain(&error), "reading the next retry time"),
+            Err(error) => {
+                if self.config.pooler == Pooler::None
+                    && let Some(found) = transaction_pooler(&error)
+                {
+                    // `open_sessions` stops the relay with it.
+                    self.pooler = Some(found);
+                    return;
+                }
+                // Not fatal: the fallback poll still finds the row.
+                warn!(error = %error_chain(&error), "reading the next retry time");
+            }
         }
     }
 
@@ -637,9 +803,10 @@ impl PollSource {
     ) -> Result<Option<Sessions>, RelayError> {
         let mut startup = Startup::new(&self.pg, self.config.connect_timeout);
         loop {
-            let delay = match self.open_sessions().await {
+            let delay = match self.open_sessions().await.map_err(|e| self.fatal(e)) {
                 Ok(ss) => return Ok(Some(ss)),
                 Err(SessionError::Schema(e)) => return Err(RelayError::Schema(e)),
+                Err(SessionError::Pooler(e)) => return Err(e),
                 Err(SessionError::Postgres(e)) => startup.failed(e).map_err(RelayError::Connect)?,
             };
             if wait_or_cancel(delay, cancel).await {
@@ -648,20 +815,34 @@ impl PollSource {
         }
     }
 
-    /// Reconnects with backoff until it works or `cancel` fires.
-    async fn reconnect(&mut self, cancel: &CancellationToken) -> Option<Sessions> {
+    /// A statement error that says a transaction-mode pooler sits in front
+    /// of a relay run without `--pooler transaction` becomes a reason to
+    /// stop (see `error::transaction_pooler`).
+    fn fatal(&self, error: SessionError) -> SessionError {
+        match &error {
+            SessionError::Postgres(e) if self.config.pooler == Pooler::None => {
+                transaction_pooler(e).map_or(error, SessionError::Pooler)
+            }
+            _ => error,
+        }
+    }
+
+    /// Reconnects with backoff until it works or `cancel` fires (then
+    /// None); fails only when a transaction-mode pooler turned up.
+    async fn reconnect(&mut self, cancel: &CancellationToken) -> Result<Option<Sessions>, SourceError> {
         let mut wait =
             crate::backoff::Doubling::new(crate::backoff::RECONNECT_FIRST, crate::backoff::RECONNECT_MAX);
         loop {
             let delay = wait.next_delay();
-            match self.open_sessions().await {
+            match self.open_sessions().await.map_err(|e| self.fatal(e)) {
                 Ok(ss) => {
                     // Notifications sent while we were away are lost; the
                     // loop claims at once, which covers them.
                     info!("relay reconnected");
                     self.ctx.signal("STATUS=reconnected");
-                    return Some(ss);
+                    return Ok(Some(ss));
                 }
+                Err(SessionError::Pooler(e)) => return Err(self.pooler_found(e)),
                 Err(error) => {
                     let error = error_chain(&error);
                     let problem = Some(format!("reconnecting: {error}"));
@@ -674,7 +855,7 @@ impl PollSource {
                 }
             }
             if wait_or_cancel(delay, cancel).await {
-                return None;
+                return Ok(None);
             }
         }
     }
@@ -731,7 +912,11 @@ impl PollSource {
 
 impl Source for PollSource {
     async fn claim(&mut self, cancel: &CancellationToken) -> Result<Claim, SourceError> {
-        if self.sessions(cancel).await.is_none() {
+        if let Some(error) = self.pooler.take() {
+            return Err(self.pooler_found(error));
+        }
+        self.check_lease_pooler()?;
+        if self.sessions(cancel).await?.is_none() {
             return Ok(Claim::Cancelled);
         }
         if let Some(c) = self.pipeline.prefetched.take() {
@@ -741,8 +926,9 @@ impl Source for PollSource {
         if self.pipeline.idle && !self.wait(cancel).await? {
             return Ok(Claim::Cancelled);
         }
+        self.check_lease_pooler()?;
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
-        if !ss.listening.wakeups.drain() {
+        if !ss.wakeups().drain() {
             return Err(SourceError::ConnectionLost);
         }
         loop {
@@ -828,7 +1014,7 @@ impl Source for PollSource {
         let epoch = self.lease_epoch();
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
         // Notifications up to here are covered by the next claim.
-        let chain = full && ss.listening.wakeups.drain();
+        let chain = full && ss.wakeups().drain();
         let sent = Instant::now();
         let floor = chain.then(|| self.floor_for_claim());
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
@@ -880,6 +1066,18 @@ impl Source for PollSource {
         // Everything in flight is rolled back, due again, perhaps below the
         // floor.
         self.floor.sweep_next();
+        if let SourceError::Postgres(e) = &error
+            && self.config.pooler == Pooler::None
+            && let Some(found) = transaction_pooler(e)
+        {
+            // Not one more statement: a name this relay prepared may stand
+            // for another client's statement on the server connection the
+            // pooler hands it next. Dropping the connections rolls back
+            // what they had open; the next claim stops the relay.
+            self.sessions = None;
+            self.pooler = Some(found);
+            return true;
+        }
         let lost = matches!(error, SourceError::ConnectionLost)
             || self
                 .sessions
@@ -895,7 +1093,20 @@ impl Source for PollSource {
             self.sessions = None;
             return !cancel.is_cancelled();
         }
-        warn!(error = %error_chain(&error), "batch failed; retrying");
+        let chain = error_chain(&error);
+        if self.streak.failed(&chain) {
+            // Retrying goes on (the cause may pass), but not in silence:
+            // unready until a batch commits.
+            tracing::error!(
+                error = %chain,
+                failures = Streak::UNREADY_AFTER,
+                "batches keep failing with the same error; the relay is unready until one commits"
+            );
+            let problem = format!("batches keep failing: {chain}");
+            self.ctx.health().postgres(&self.lane, Some(problem));
+        } else {
+            warn!(error = %chain, "batch failed; retrying");
+        }
         if let Some(ss) = &self.sessions {
             for s in ss.both() {
                 // Outside a transaction this is a harmless warning.
@@ -941,6 +1152,7 @@ pub(crate) fn start_leases(
         ctx: ctx.clone(),
         timeout: config.lease_timeout,
         poll: config.poll_interval,
+        pooler: config.pooler,
     };
     Some(Leases::start(settings, &OutboxSql::new(&config.outbox)))
 }
@@ -949,13 +1161,16 @@ pub(crate) fn start_leases(
 /// should wake the relay.
 const NO_POLL: Duration = Duration::from_secs(3600);
 
-/// Opening a session fails either on the connection or on the schema check.
+/// Opening a session fails on the connection, on the schema check, or on
+/// finding a transaction-mode pooler in front of a relay not told so.
 #[derive(Debug, thiserror::Error)]
 enum SessionError {
     #[error(transparent)]
     Postgres(#[from] tokio_postgres::Error),
     #[error(transparent)]
     Schema(outbox::Error),
+    #[error(transparent)]
+    Pooler(RelayError),
 }
 
 /// Sleeps for `d`; true if `cancel` fired first.
