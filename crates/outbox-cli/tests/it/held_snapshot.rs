@@ -10,7 +10,7 @@
 //! after sees what that round trip found.
 
 use outbox::{Event, Outbox};
-use outbox_testkit::{Receiver, Redis, Respond};
+use outbox_testkit::{Receiver, Redis, Respond, Spawned};
 use serde_json::json;
 use tokio_postgres::Client;
 
@@ -21,6 +21,20 @@ use crate::support::{
 };
 
 const STREAM: &str = "outbox.event.orders";
+
+/// A relay with small batches (the floor moves often) serving `/metrics`
+/// (where the floor shows), and the address it serves on.
+async fn floor_relay(db: &Db, redis: &Redis) -> (Spawned, String) {
+    let addr = http_addr();
+    let relay = start_relay(
+        &db.url,
+        &redis.url(),
+        &["--http", &addr, "--batch-size", "10"],
+        &[],
+    )
+    .await;
+    (relay, addr)
+}
 
 /// The relay's claim floor as `/metrics` shows it.
 async fn floor(addr: &str) -> f64 {
@@ -80,14 +94,7 @@ async fn a_held_snapshot_loses_nothing_and_the_floor_passes_what_it_keeps() {
         .await
         .unwrap()
         .get(0);
-    let addr = http_addr();
-    let relay = start_relay(
-        &db.url,
-        &redis.url(),
-        &["--http", &addr, "--batch-size", "10"],
-        &[],
-    )
-    .await;
+    let (relay, addr) = floor_relay(&db, &redis).await;
 
     let mut first_of_last = 0;
     for round in 0..5 {
@@ -159,14 +166,7 @@ async fn a_held_snapshot_loses_nothing_and_the_floor_passes_what_it_keeps() {
 async fn the_floor_waits_for_interleaved_transactions_and_their_rows_arrive() {
     let mut db = Db::start().await;
     let redis = Redis::start().await.unwrap();
-    let addr = http_addr();
-    let relay = start_relay(
-        &db.url,
-        &redis.url(),
-        &["--http", &addr, "--batch-size", "10"],
-        &[],
-    )
-    .await;
+    let (relay, addr) = floor_relay(&db, &redis).await;
     db.insert_events(50, 5).await;
     db.wait_drained("the first 50").await;
     // The floor past them first: a gap is passed only once the
@@ -255,14 +255,7 @@ async fn the_floor_waits_for_interleaved_transactions_and_their_rows_arrive() {
 async fn a_rolled_back_id_does_not_hold_the_floor() {
     let mut db = Db::start().await;
     let redis = Redis::start().await.unwrap();
-    let addr = http_addr();
-    let relay = start_relay(
-        &db.url,
-        &redis.url(),
-        &["--http", &addr, "--batch-size", "10"],
-        &[],
-    )
-    .await;
+    let (relay, addr) = floor_relay(&db, &redis).await;
     db.insert_events(20, 5).await;
     let rolled_back = {
         let client = connect(&db.url).await;

@@ -16,7 +16,7 @@ use std::collections::HashSet;
 
 use nix::sys::signal::Signal;
 use outbox::{Event, Outbox, Statements};
-use outbox_testkit::{PgBouncer, PoolMode, Redis};
+use outbox_testkit::{PgBouncer, PoolMode, Redis, Spawned};
 use serde_json::json;
 use tokio_postgres::SimpleQueryMessage;
 
@@ -233,6 +233,33 @@ async fn issue_32_transaction_mode_without_the_setting_stops_on_a_missing_statem
     assert!(unsent.is_empty(), "marked published, never sent: {unsent:?}");
 }
 
+/// Batches of 50 through a transaction-mode pool, leases that lapse in 3 s.
+const PAUSED_FLAGS: [&str; 6] = [
+    "--pooler",
+    "transaction",
+    "--batch-size",
+    "50",
+    "--lease-timeout",
+    "3s",
+];
+
+/// A relay with [`PAUSED_FLAGS`], parked between its first delivery and
+/// its mark (a batch at the sink, and one claimed ahead, still open).
+async fn start_paused(p: &Pooled, redis: &Redis) -> Spawned {
+    let relay = start_relay(
+        &p.url,
+        &redis.url(),
+        &PAUSED_FLAGS,
+        &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
+    )
+    .await;
+    relay
+        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-deliver reached", LONG)
+        .await
+        .unwrap();
+    relay
+}
+
 /// kill -9 of a relay parked between delivery and mark, through transaction
 /// mode: it recorded no backend pid for a takeover to terminate; a new relay
 /// delivers everything, the killed batch twice and nothing else twice, in
@@ -242,25 +269,7 @@ async fn issue_32_kill_9_mid_stream_through_transaction_mode() {
     let mut p = Pooled::start(PoolMode::Transaction).await;
     p.db.insert_events(2000, 10).await;
     let redis = Redis::start().await.unwrap();
-    let flags = [
-        "--pooler",
-        "transaction",
-        "--batch-size",
-        "50",
-        "--lease-timeout",
-        "3s",
-    ];
-    let mut relay = start_relay(
-        &p.url,
-        &redis.url(),
-        &flags,
-        &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-    )
-    .await;
-    relay
-        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-deliver reached", LONG)
-        .await
-        .unwrap();
+    let mut relay = start_paused(&p, &redis).await;
     assert_eq!(
         read_stream(&redis.url(), STREAM).await.len(),
         50,
@@ -276,7 +285,7 @@ async fn issue_32_kill_9_mid_stream_through_transaction_mode() {
     relay.kill().unwrap();
     relay.wait(LONG).await.unwrap();
 
-    let relay = start_relay(&p.url, &redis.url(), &flags, &[]).await;
+    let relay = start_relay(&p.url, &redis.url(), &PAUSED_FLAGS, &[]).await;
     p.db.wait_drained("everything delivered after the restart").await;
     stop_relay(relay).await;
     let events = read_stream(&redis.url(), STREAM).await;
@@ -296,31 +305,13 @@ async fn issue_32_a_frozen_relays_locks_end_with_the_lease_timeout() {
     let mut p = Pooled::start(PoolMode::Transaction).await;
     p.db.insert_events(1000, 10).await;
     let redis = Redis::start().await.unwrap();
-    let flags = [
-        "--pooler",
-        "transaction",
-        "--batch-size",
-        "50",
-        "--lease-timeout",
-        "3s",
-    ];
-    let mut frozen = start_relay(
-        &p.url,
-        &redis.url(),
-        &flags,
-        &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-    )
-    .await;
-    frozen
-        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-deliver reached", LONG)
-        .await
-        .unwrap();
+    let mut frozen = start_paused(&p, &redis).await;
     frozen.signal(Signal::SIGSTOP).unwrap();
     let locking = "SELECT count(*) FROM pg_stat_activity \
          WHERE application_name = 'outbox-relay' AND state = 'idle in transaction'";
     assert_eq!(p.db.count(locking).await, 2, "two transactions hold rows");
 
-    let other = start_relay(&p.url, &redis.url(), &flags, &[]).await;
+    let other = start_relay(&p.url, &redis.url(), &PAUSED_FLAGS, &[]).await;
     p.db.wait_drained("every event delivered by the other relay")
         .await;
     assert_eq!(p.db.count(locking).await, 0, "the server ended them");
