@@ -16,9 +16,6 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::SystemTime;
 
-use outbox_relay::pg::{ConnectError, UrlError};
-use outbox_relay::{RelayError, SinkError};
-
 use crate::logging::LogFormat;
 
 /// A configuration mistake found by the CLI itself (exit code 2).
@@ -26,22 +23,10 @@ use crate::logging::LogFormat;
 #[error("{0}")]
 pub(crate) struct ConfigError(pub(crate) String);
 
-/// Whether anything in the chain is a configuration error.
+/// Whether anything in the chain is a configuration error: this binary's
+/// own, or the library's ([`outbox_relay::exit::is_config`]).
 fn is_config(e: &anyhow::Error) -> bool {
-    e.chain().any(|cause| {
-        cause.is::<ConfigError>()
-            || cause.is::<SinkError>()
-            || cause.is::<UrlError>()
-            || cause
-                .downcast_ref::<ConnectError>()
-                .is_some_and(ConnectError::is_permanent)
-            || cause
-                .downcast_ref::<outbox::Error>()
-                .is_some_and(outbox::Error::is_config)
-            || cause
-                .downcast_ref::<RelayError>()
-                .is_some_and(RelayError::is_config)
-    })
+    e.chain().any(|cause| cause.is::<ConfigError>()) || outbox_relay::exit::is_config(e.as_ref())
 }
 
 /// Prints the error chain to stderr in the log format and picks the exit
@@ -51,72 +36,12 @@ pub(crate) fn report(e: &anyhow::Error, format: LogFormat) -> ExitCode {
     let mut stderr = std::io::stderr().lock();
     // Nothing is left to tell if stderr itself is gone.
     let _ = match format {
-        LogFormat::Human => write_human(&mut stderr, e),
-        LogFormat::Json => writeln!(stderr, "{}", json(e, code, SystemTime::now())),
+        LogFormat::Human => outbox_relay::exit::write_human(&mut stderr, e.as_ref()),
+        LogFormat::Json => writeln!(
+            stderr,
+            "{}",
+            outbox_relay::exit::json_line(e.as_ref(), code, "outbox", SystemTime::now())
+        ),
     };
     ExitCode::from(code)
-}
-
-fn write_human(out: &mut impl Write, e: &anyhow::Error) -> std::io::Result<()> {
-    writeln!(out, "error: {e}")?;
-    for cause in e.chain().skip(1) {
-        writeln!(out, "caused by: {cause}")?;
-    }
-    Ok(())
-}
-
-/// The error as one line in tracing's JSON shape, keys in its order, so a
-/// log pipeline parses it like every line before it: `message` is the
-/// outermost error, `causes` its sources outermost first, `exit_code` the
-/// process's.
-#[derive(serde::Serialize)]
-struct JsonError {
-    timestamp: String,
-    level: &'static str,
-    fields: JsonFields,
-    target: &'static str,
-}
-
-#[derive(serde::Serialize)]
-struct JsonFields {
-    message: String,
-    causes: Vec<String>,
-    exit_code: u8,
-}
-
-fn json(e: &anyhow::Error, code: u8, now: SystemTime) -> String {
-    let line = JsonError {
-        // The format of tracing-subscriber's timestamps.
-        timestamp: humantime::format_rfc3339_micros(now).to_string(),
-        level: "ERROR",
-        fields: JsonFields {
-            message: e.to_string(),
-            causes: e.chain().skip(1).map(ToString::to_string).collect(),
-            exit_code: code,
-        },
-        target: "outbox",
-    };
-    serde_json::to_string(&line).expect("strings and numbers always serialize")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn json_keeps_the_chain_and_the_code() {
-        let e = anyhow::Error::new(ConfigError("unknown scheme \"nope\"".into())).context("opening the sink");
-        let line = json(&e, 2, SystemTime::UNIX_EPOCH);
-        assert!(!line.contains('\n'), "{line}");
-        assert!(line.starts_with(r#"{"timestamp":"1970-01-01T00:00:00.000000Z","level":"ERROR","fields":{"message":"opening the sink""#), "{line}");
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v["timestamp"], "1970-01-01T00:00:00.000000Z");
-        assert_eq!(v["level"], "ERROR");
-        assert_eq!(v["fields"]["message"], "opening the sink");
-        assert_eq!(
-            v["fields"]["causes"],
-            serde_json::json!(["unknown scheme \"nope\""])
-        );
-        assert_eq!(v["fields"]["exit_code"], 2);
-    }
 }

@@ -13,28 +13,14 @@
 
 use std::io::Write;
 use std::process::ExitCode;
-
-use outbox_relay::pg::{ConnectError, UrlError};
-use outbox_relay::{RelayError, SinkError};
+use std::time::SystemTime;
 
 use crate::cli::LogFormat;
 
-/// Whether anything in the chain is a configuration error.
+/// Whether anything in the chain is a configuration error: this binary's
+/// own, or the library's ([`outbox_relay::exit::is_config`]).
 fn is_config(e: &anyhow::Error) -> bool {
-    e.chain().any(|cause| {
-        cause.is::<outbox_lab::ConfigError>()
-            || cause.is::<SinkError>()
-            || cause.is::<UrlError>()
-            || cause
-                .downcast_ref::<ConnectError>()
-                .is_some_and(ConnectError::is_permanent)
-            || cause
-                .downcast_ref::<outbox::Error>()
-                .is_some_and(outbox::Error::is_config)
-            || cause
-                .downcast_ref::<RelayError>()
-                .is_some_and(RelayError::is_config)
-    })
+    e.chain().any(|cause| cause.is::<outbox_lab::ConfigError>()) || outbox_relay::exit::is_config(e.as_ref())
 }
 
 /// Prints the error chain to stderr in the log format and picks the exit
@@ -44,49 +30,12 @@ pub(crate) fn report(e: &anyhow::Error, format: LogFormat) -> ExitCode {
     let mut stderr = std::io::stderr().lock();
     // Nothing is left to tell if stderr itself is gone.
     let _ = match format {
-        LogFormat::Human => write_human(&mut stderr, e),
-        LogFormat::Json => writeln!(stderr, "{}", json(e, code)),
+        LogFormat::Human => outbox_relay::exit::write_human(&mut stderr, e.as_ref()),
+        LogFormat::Json => writeln!(
+            stderr,
+            "{}",
+            outbox_relay::exit::json_line(e.as_ref(), code, "outbox_lab", SystemTime::now())
+        ),
     };
     ExitCode::from(code)
-}
-
-fn write_human(out: &mut impl Write, e: &anyhow::Error) -> std::io::Result<()> {
-    writeln!(out, "error: {e}")?;
-    for cause in e.chain().skip(1) {
-        writeln!(out, "caused by: {cause}")?;
-    }
-    Ok(())
-}
-
-/// The error as one line in tracing's JSON shape, keys in its order:
-/// `message` the outermost error, `causes` its sources, `exit_code` the
-/// process's.
-#[derive(serde::Serialize)]
-struct JsonError {
-    timestamp: String,
-    level: &'static str,
-    fields: JsonFields,
-    target: &'static str,
-}
-
-#[derive(serde::Serialize)]
-struct JsonFields {
-    message: String,
-    causes: Vec<String>,
-    exit_code: u8,
-}
-
-fn json(e: &anyhow::Error, code: u8) -> String {
-    let line = JsonError {
-        // The format of tracing-subscriber's timestamps.
-        timestamp: humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
-        level: "ERROR",
-        fields: JsonFields {
-            message: e.to_string(),
-            causes: e.chain().skip(1).map(ToString::to_string).collect(),
-            exit_code: code,
-        },
-        target: "outbox_lab",
-    };
-    serde_json::to_string(&line).expect("strings and numbers always serialize")
 }

@@ -44,6 +44,7 @@ mod context;
 mod counters;
 pub mod defaults;
 mod error;
+pub mod exit;
 pub mod failpoint;
 pub mod health;
 mod lease;
