@@ -36,6 +36,12 @@ async fn floor_relay(db: &Db, redis: &Redis) -> (Spawned, String) {
     (relay, addr)
 }
 
+/// Waits until row `id` matches `cond` (SQL over the outbox's columns).
+async fn wait_for_row(db: &Db, id: i64, cond: &str, what: &str) {
+    let sql = format!("SELECT count(*) FROM outbox WHERE id = {id} AND {cond}");
+    wait_until(what, LONG, || async { db.count(&sql).await == 1 }).await;
+}
+
 /// The relay's claim floor as `/metrics` shows it.
 async fn floor(addr: &str) -> f64 {
     let (_, scrape) = scrape(addr).await;
@@ -321,14 +327,7 @@ async fn a_retry_and_a_requeued_dead_letter_below_the_floor_are_delivered() {
     .await;
     receiver.set_refuse(Some(("dead-me", 422)));
     let dead = add("dead", json!({"note": "dead-me"})).await;
-    wait_until("the dead letter", LONG, || async {
-        db.count(&format!(
-            "SELECT count(*) FROM outbox WHERE id = {dead} AND dead_at IS NOT NULL"
-        ))
-        .await
-            == 1
-    })
-    .await;
+    wait_for_row(&db, dead, "dead_at IS NOT NULL", "the dead letter").await;
 
     // The floor passes both while the retry waits.
     drive_until(&db, &addr, "the floor past the retry and the dead letter", |f| {
@@ -340,14 +339,7 @@ async fn a_retry_and_a_requeued_dead_letter_below_the_floor_are_delivered() {
         1,
         "the floor passed the row before its retry (--backoff-base too short for this machine?)"
     );
-    wait_until("the retry delivered", LONG, || async {
-        db.count(&format!(
-            "SELECT count(*) FROM outbox WHERE id = {retried} AND published_at IS NOT NULL"
-        ))
-        .await
-            == 1
-    })
-    .await;
+    wait_for_row(&db, retried, "published_at IS NOT NULL", "the retry delivered").await;
 
     receiver.set_refuse(None);
     let url = db.url.clone();
@@ -357,13 +349,12 @@ async fn a_retry_and_a_requeued_dead_letter_below_the_floor_are_delivered() {
     )
     .await;
     assert_eq!(requeue.status.code(), Some(0), "{}", text(&requeue.stderr));
-    wait_until("the requeued dead letter delivered", LONG, || async {
-        db.count(&format!(
-            "SELECT count(*) FROM outbox WHERE id = {dead} AND published_at IS NOT NULL"
-        ))
-        .await
-            == 1
-    })
+    wait_for_row(
+        &db,
+        dead,
+        "published_at IS NOT NULL",
+        "the requeued dead letter delivered",
+    )
     .await;
     db.wait_drained("everything").await;
     stop_relay(relay).await;
