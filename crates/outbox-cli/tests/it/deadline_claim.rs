@@ -11,7 +11,8 @@ use outbox_testkit::{Receiver, Redis, Respond};
 
 use crate::metrics::{get, http_addr, scrape, value};
 use crate::support::{
-    Db, LONG, distinct_events, first_delivery_violations, read_stream, start_relay, stop_relay, wait_until,
+    Db, LONG, distinct_events, first_delivery_violations, read_stream, start_relay, start_relay_paused,
+    stop_relay, wait_until,
 };
 
 /// Batch connections of relays with a transaction open (lock mode holds one
@@ -35,17 +36,7 @@ async fn kill_between_delivery_and_mark_redelivers_once_the_claim_expires() {
         "--batch-size",
         "50",
     ];
-    let mut relay = start_relay(
-        &db.url,
-        &redis.url(),
-        &lease,
-        &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-    )
-    .await;
-    relay
-        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-deliver reached", LONG)
-        .await
-        .unwrap();
+    let mut relay = start_relay_paused(&db.url, &redis.url(), &lease).await;
     let stream = "outbox.event.orders";
     assert_eq!(
         read_stream(&redis.url(), stream).await.len(),

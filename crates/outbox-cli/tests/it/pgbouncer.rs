@@ -23,7 +23,7 @@ use tokio_postgres::SimpleQueryMessage;
 use crate::metrics::{http_addr, ready};
 use crate::support::{
     Db, LONG, connect, distinct_events, first_delivery_violations, order_violations, read_stream, run_cli,
-    start_relay, stop_relay, text, wait_until,
+    start_relay, start_relay_paused, stop_relay, text, wait_until,
 };
 
 /// The stream the Redis sink writes `orders` events to.
@@ -246,18 +246,7 @@ const PAUSED_FLAGS: [&str; 6] = [
 /// A relay with [`PAUSED_FLAGS`], parked between its first delivery and
 /// its mark (a batch at the sink, and one claimed ahead, still open).
 async fn start_paused(p: &Pooled, redis: &Redis) -> Spawned {
-    let relay = start_relay(
-        &p.url,
-        &redis.url(),
-        &PAUSED_FLAGS,
-        &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-    )
-    .await;
-    relay
-        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-deliver reached", LONG)
-        .await
-        .unwrap();
-    relay
+    start_relay_paused(&p.url, &redis.url(), &PAUSED_FLAGS).await
 }
 
 /// kill -9 of a relay parked between delivery and mark, through transaction

@@ -128,6 +128,17 @@ pub async fn start_relay(url: &str, sink: &str, extra: &[&str], envs: &[(&str, &
     relay
 }
 
+/// Starts `outbox relay` parked between its first delivery and its mark
+/// (`OUTBOX_FAILPOINT=pause-after-deliver`), and waits until it got there.
+pub async fn start_relay_paused(url: &str, sink: &str, extra: &[&str]) -> Spawned {
+    let relay = start_relay(url, sink, extra, &[("OUTBOX_FAILPOINT", "pause-after-deliver")]).await;
+    relay
+        .wait_for_notification("OUTBOX_FAILPOINT=pause-after-deliver reached", LONG)
+        .await
+        .unwrap();
+    relay
+}
+
 /// Polls `check` every 20 ms until it is true; panics with `what` after `timeout`.
 pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
 where
