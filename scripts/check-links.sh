@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every relative link in README.md, ARCHITECTURE.md and docs/**/*.md points
+# Every relative link in README.md, ARCHITECTURE.md, CHANGELOG.md and docs/**/*.md points
 # to a file that exists, and a `#fragment` into a Markdown file to one of
 # its headings (GitHub's anchors: lower case, punctuation dropped, spaces to
 # dashes). Links with a scheme (https:, mailto:) are not followed. Prints
@@ -16,7 +16,7 @@ anchors() {
 }
 
 broken=0
-mapfile -t pages < <({ ls README.md ARCHITECTURE.md; find docs -name '*.md'; } | sort)
+mapfile -t pages < <({ ls README.md ARCHITECTURE.md CHANGELOG.md; find docs -name '*.md'; } | sort)
 for page in "${pages[@]}"; do
     dir=$(dirname "$page")
     # Inline links and images, outside code spans: ](target) or ](target "title").

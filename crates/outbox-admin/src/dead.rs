@@ -240,7 +240,7 @@ pub(crate) async fn list(
             button type="submit" { "Filter" }
             a href="/dead" { "Clear" }
         }
-        p #dead-count { (total) " dead letters match (" (selection.describe()) ")" @if after_id > 0 { ", after id " (after_id) } "." }
+        p #dead-count { (view::dead_letters(total)) " match (" (selection.describe()) ")" @if after_id > 0 { ", after id " (after_id) } "." }
         @if rows.is_empty() {
             p.muted { "No dead letters here." }
         } @else {
@@ -323,21 +323,21 @@ pub(crate) async fn confirm(
         .client()
         .await
         .map_err(|e| Failure("connecting to PostgreSQL".into(), e))?;
-    let (count, verb, target) = match action {
+    let (count, (verb, done), target) = match action {
         Action::RequeueSelected | Action::RequeueFiltered => (
             state.sql.count_dead(&*client, &selection.filter()).await,
-            "requeued",
+            ("requeue", "requeued"),
             "/dead/requeue",
         ),
         Action::GiveUpSelected => (
             state.sql.count_give_up(&*client, &selection.ids).await,
-            "given up on",
+            ("give up on", "given up on"),
             "/dead/give-up",
         ),
     };
     let count = count.map_err(|e| Failure("counting dead letters".into(), e))?;
     let body = html! {
-        p.message #dry-run { (count) " dead letters will be " (verb) "." }
+        p.message #dry-run { (view::dead_letters(count)) " will be " (done) "." }
         p.muted { "Selection: " (selection.describe()) "." }
         @if action == Action::GiveUpSelected {
             p.muted { "Given-up dead letters stay for inspection but no longer hold their aggregate back under --ordering strict." }
@@ -352,7 +352,7 @@ pub(crate) async fn confirm(
                 input type="hidden" name="scope" value=(if action == Action::RequeueFiltered { "filtered" } else { "selected" });
                 (selection.hidden())
                 div.actions {
-                    button #confirm type="submit" { "Yes, " (verb.split(' ').next().unwrap_or(verb)) " " (count) }
+                    button #confirm type="submit" { "Yes, " (verb) " " (view::dead_letters(count)) }
                     a href="/dead" { "Cancel" }
                 }
             }
@@ -407,12 +407,12 @@ pub(crate) async fn requeue(
         requeued = n,
         selection = %selection.describe(),
         by = access.who(),
-        "admin: requeued {n} dead letters"
+        "admin: requeued {}", view::dead_letters(n)
     );
     Ok(done(
         &state,
         &access,
-        &format!("Requeued {n} dead letters ({}).", selection.describe()),
+        &format!("Requeued {} ({}).", view::dead_letters(n), selection.describe()),
     ))
 }
 
@@ -460,12 +460,12 @@ pub(crate) async fn give_up(
         given_up = n,
         selection = %selection.describe(),
         by = access.who(),
-        "admin: gave up on {n} dead letters"
+        "admin: gave up on {}", view::dead_letters(n)
     );
     Ok(done(
         &state,
         &access,
-        &format!("Gave up on {n} dead letters ({}).", selection.describe()),
+        &format!("Gave up on {} ({}).", view::dead_letters(n), selection.describe()),
     ))
 }
 

@@ -125,6 +125,14 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// "1 dead letter", "3 dead letters".
+pub(crate) fn dead_letters(n: impl Into<i128>) -> String {
+    match n.into() {
+        1 => "1 dead letter".to_owned(),
+        n => format!("{n} dead letters"),
+    }
+}
+
 /// `2024-05-01 12:00:03 UTC`.
 pub(crate) fn instant(t: DateTime<Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S UTC").to_string()

@@ -45,3 +45,47 @@ pub(crate) fn report(e: &anyhow::Error, format: LogFormat) -> ExitCode {
     };
     ExitCode::from(code)
 }
+
+/// Ends the process on a usage error from clap. A bad value that came
+/// from an environment variable is named as that variable: clap names the
+/// flag, which is nowhere in a unit file or manifest that set
+/// `OUTBOX_BATCH_SIZE=abc`.
+pub(crate) fn usage(e: clap::Error, command: &clap::Command) -> ! {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation) {
+        let text = |kind| match e.get(kind) {
+            Some(ContextValue::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        if let (Some(flag), Some(value)) = (text(ContextKind::InvalidArg), text(ContextKind::InvalidValue)) {
+            // "--batch-size <N>" → "batch-size".
+            let long = flag.trim_start_matches('-').split([' ', '=']).next().unwrap_or_default();
+            if let Some(var) = from_environment(command, long, &value) {
+                let why = std::error::Error::source(&e).map(|s| format!(": {s}")).unwrap_or_default();
+                eprintln!("error: invalid value '{value}' in the environment variable {var} (--{long}){why}");
+                std::process::exit(2);
+            }
+        }
+    }
+    e.exit()
+}
+
+/// The variable of the flag `--long` (in any subcommand) if it holds
+/// `value` and the command line does not give the flag.
+fn from_environment(command: &clap::Command, long: &str, value: &str) -> Option<String> {
+    let on_command_line = std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    if on_command_line {
+        return None;
+    }
+    let mut stack = vec![command];
+    while let Some(c) = stack.pop() {
+        for arg in c.get_arguments().filter(|a| a.get_long() == Some(long)) {
+            let var = arg.get_env()?;
+            if std::env::var_os(var).is_some_and(|v| v == value) {
+                return Some(var.to_string_lossy().into_owned());
+            }
+        }
+        stack.extend(c.get_subcommands());
+    }
+    None
+}

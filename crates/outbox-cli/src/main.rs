@@ -13,10 +13,10 @@ mod logging;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = cli::Cli::try_parse().unwrap_or_else(|e| exit::usage(e, &cli::Cli::command()));
     // lapin warns with the whole message, payload included, for each
     // unroutable one; the row's last_error already says so.
     let default_filter = "info,tokio_postgres=warn,lapin=error";

@@ -98,7 +98,7 @@ pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// What the server said: `FATAL: terminating connection due to
 /// administrator command (SQLSTATE 57P01)`.
-fn db_message(db: &DbError) -> String {
+pub(crate) fn db_message(db: &DbError) -> String {
     format!(
         "{}: {} (SQLSTATE {})",
         db.severity(),

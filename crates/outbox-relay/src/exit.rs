@@ -10,6 +10,8 @@ use std::error::Error;
 use std::io::Write;
 use std::time::SystemTime;
 
+use tokio_postgres::error::DbError;
+
 use crate::pg::{ConnectError, UrlError};
 use crate::{RelayError, SinkError};
 
@@ -38,10 +40,25 @@ pub fn is_config(root: &(dyn Error + 'static)) -> bool {
     })
 }
 
+/// The sources of `root`, outermost first, as text. tokio-postgres
+/// displays an error the server answered as a bare `db error` whose source
+/// is the server's `DbError`: that link is left out, and the `DbError`
+/// is given in the server's words with its SQLSTATE.
+fn causes(root: &(dyn Error + 'static)) -> Vec<String> {
+    chain(root)
+        .skip(1)
+        .filter(|cause| !(cause.to_string() == "db error" && cause.source().is_some_and(|s| s.is::<DbError>())))
+        .map(|cause| match cause.downcast_ref::<DbError>() {
+            Some(db) => crate::error::db_message(db),
+            None => cause.to_string(),
+        })
+        .collect()
+}
+
 /// `error: …`, then `caused by: …` per source.
 pub fn write_human(out: &mut impl Write, root: &(dyn Error + 'static)) -> std::io::Result<()> {
     writeln!(out, "error: {root}")?;
-    for cause in chain(root).skip(1) {
+    for cause in causes(root) {
         writeln!(out, "caused by: {cause}")?;
     }
     Ok(())
@@ -74,7 +91,7 @@ pub fn json_line(root: &(dyn Error + 'static), code: u8, target: &'static str, n
         level: "ERROR",
         fields: JsonFields {
             message: root.to_string(),
-            causes: chain(root).skip(1).map(ToString::to_string).collect(),
+            causes: causes(root),
             exit_code: code,
         },
         target,

@@ -93,3 +93,11 @@ pub(crate) fn shutdown_token() -> anyhow::Result<CancellationToken> {
     });
     Ok(token)
 }
+
+/// `1 live relay`, `3 live relays`: counts in the commands' own lines.
+pub(crate) fn counted(n: u64, one: &str, many: &str) -> String {
+    match n {
+        1 => format!("1 {one}"),
+        n => format!("{n} {many}"),
+    }
+}

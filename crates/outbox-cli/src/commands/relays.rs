@@ -83,10 +83,10 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "outbox {}: {} partitions, {} live relays",
+        "outbox {}: {}, {}",
         report.table,
-        report.partitions,
-        report.relays.len()
+        super::counted(report.partitions as u64, "partition", "partitions"),
+        super::counted(report.relays.len() as u64, "live relay", "live relays")
     );
     if let Some(slot) = &report.slot {
         // A relay reading the slot is the backend streaming it; standbys

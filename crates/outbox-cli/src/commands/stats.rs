@@ -68,7 +68,7 @@ pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     println!("  dead letters     {}", stats.dead_letters);
     println!("  given up         {}", stats.given_up);
     println!(
-        "  blocked aggregates  {} (held back by a dead letter under --ordering strict)",
+        "  blocked aggregates  {} (aggregates with a dead letter: their later events wait only under --ordering strict)",
         stats.blocked_aggregates
     );
     match stats.oldest_unpublished_age_seconds {

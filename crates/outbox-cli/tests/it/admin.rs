@@ -338,6 +338,7 @@ async fn admin_console_in_chromium_requeues_dead_letters_and_payloads_stay_inert
     })
     .await;
     assert_eq!(text_of(&b, "#dry-run").await, "3 dead letters will be requeued.");
+    assert_eq!(text_of(&b, "#confirm").await, "Yes, requeue 3 dead letters");
     assert_eq!(dead(&db).await, 3, "the dry run changed nothing");
     screenshot(&b, "requeue-dry-run.png").await;
     b.find(Locator::Id("confirm"))
@@ -458,7 +459,7 @@ async fn admin_console_takes_bearer_tokens_refuses_wrong_ones_and_sets_strict_he
         .await
         .unwrap();
     assert_eq!(one.status(), StatusCode::OK);
-    assert!(one.text().await.unwrap().contains("Requeued 1 dead letters"));
+    assert!(one.text().await.unwrap().contains("Requeued 1 dead letter ("));
     assert_eq!(dead(&db).await, 1);
     let gave_up = h
         .post(format!("{base}/dead/give-up"))
@@ -472,7 +473,7 @@ async fn admin_console_takes_bearer_tokens_refuses_wrong_ones_and_sets_strict_he
             .text()
             .await
             .unwrap()
-            .contains("Gave up on 1 dead letters")
+            .contains("Gave up on 1 dead letter (")
     );
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE given_up_at IS NOT NULL")
