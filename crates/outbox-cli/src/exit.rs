@@ -59,9 +59,15 @@ pub(crate) fn usage(e: clap::Error, command: &clap::Command) -> ! {
         };
         if let (Some(flag), Some(value)) = (text(ContextKind::InvalidArg), text(ContextKind::InvalidValue)) {
             // "--batch-size <N>" → "batch-size".
-            let long = flag.trim_start_matches('-').split([' ', '=']).next().unwrap_or_default();
+            let long = flag
+                .trim_start_matches('-')
+                .split([' ', '='])
+                .next()
+                .unwrap_or_default();
             if let Some(var) = from_environment(command, long, &value) {
-                let why = std::error::Error::source(&e).map(|s| format!(": {s}")).unwrap_or_default();
+                let why = std::error::Error::source(&e)
+                    .map(|s| format!(": {s}"))
+                    .unwrap_or_default();
                 eprintln!("error: invalid value '{value}' in the environment variable {var} (--{long}){why}");
                 std::process::exit(2);
             }
@@ -73,7 +79,8 @@ pub(crate) fn usage(e: clap::Error, command: &clap::Command) -> ! {
 /// The variable of the flag `--long` (in any subcommand) if it holds
 /// `value` and the command line does not give the flag.
 fn from_environment(command: &clap::Command, long: &str, value: &str) -> Option<String> {
-    let on_command_line = std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    let on_command_line =
+        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
     if on_command_line {
         return None;
     }

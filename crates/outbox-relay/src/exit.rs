@@ -47,7 +47,9 @@ pub fn is_config(root: &(dyn Error + 'static)) -> bool {
 fn causes(root: &(dyn Error + 'static)) -> Vec<String> {
     chain(root)
         .skip(1)
-        .filter(|cause| !(cause.to_string() == "db error" && cause.source().is_some_and(|s| s.is::<DbError>())))
+        .filter(|cause| {
+            !(cause.to_string() == "db error" && cause.source().is_some_and(|s| s.is::<DbError>()))
+        })
         .map(|cause| match cause.downcast_ref::<DbError>() {
             Some(db) => crate::error::db_message(db),
             None => cause.to_string(),

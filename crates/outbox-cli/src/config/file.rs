@@ -328,14 +328,16 @@ impl ConfigFile {
     pub(crate) fn read(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError(format!("reading --config {}: {e}", path.display())))?;
-        let body = toml::from_str(&text).map_err(|e: toml::de::Error| match e.span() {
-            Some(span) => ConfigError(format!(
-                "--config {}:{}: {}",
-                path.display(),
-                line_of(&text, &span),
-                e.message().trim_end()
-            )),
-            None => ConfigError(format!("--config {}: {}", path.display(), e.message().trim_end())),
+        let body = toml::from_str(&text).map_err(|e: toml::de::Error| {
+            let message = suggest(e.message().trim_end());
+            match e.span() {
+                Some(span) => ConfigError(format!(
+                    "--config {}:{}: {message}",
+                    path.display(),
+                    line_of(&text, &span)
+                )),
+                None => ConfigError(format!("--config {}: {message}", path.display())),
+            }
         })?;
         Ok(Self {
             path: path.to_owned(),
@@ -356,6 +358,35 @@ impl ConfigFile {
 
     pub(crate) fn into_body(self) -> RelayFile {
         self.body
+    }
+}
+
+/// serde's message for an unknown key lists every key the table takes (40
+/// and more at the top level); the key meant is nearly always one edit or
+/// two away, so name that one instead, and the page that lists them all.
+fn suggest(message: &str) -> String {
+    let Some(rest) = message.strip_prefix("unknown field `") else {
+        return message.to_owned();
+    };
+    let Some((key, known)) = rest.split_once("`, expected one of ") else {
+        return message.to_owned();
+    };
+    let closest = known
+        .split(", ")
+        .map(|k| k.trim_matches('`'))
+        // `subjekt` meant `nats_subject`: a key's words after its sink's
+        // name count as well as the whole key.
+        .map(|k| {
+            let tail = k.split_once('_').map_or(k, |(_, t)| t);
+            let distance = strsim::damerau_levenshtein(key, k).min(strsim::damerau_levenshtein(key, tail));
+            (distance, k)
+        })
+        .min();
+    match closest {
+        Some((distance, k)) if distance <= 2.max(key.len() / 4) => {
+            format!("unknown key `{key}`: did you mean `{k}`? (every key: docs/configuration.md)")
+        }
+        _ => format!("unknown key `{key}` (every key: docs/configuration.md)"),
     }
 }
 
@@ -486,6 +517,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("defaults"), "{e}");
+    }
+
+    #[test]
+    fn an_unknown_key_is_answered_with_the_closest_one() {
+        let known = "`sink`, `batch_size`, `poll_interval`";
+        assert_eq!(
+            suggest(&format!("unknown field `batchsize`, expected one of {known}")),
+            "unknown key `batchsize`: did you mean `batch_size`? (every key: docs/configuration.md)"
+        );
+        assert_eq!(
+            suggest("unknown field `subjekt`, expected one of `sink`, `nats_subject`"),
+            "unknown key `subjekt`: did you mean `nats_subject`? (every key: docs/configuration.md)"
+        );
+        assert_eq!(
+            suggest(&format!("unknown field `colour`, expected one of {known}")),
+            "unknown key `colour` (every key: docs/configuration.md)"
+        );
+        assert_eq!(
+            suggest("invalid type: string \"a\", expected u16"),
+            "invalid type: string \"a\", expected u16"
+        );
     }
 
     #[test]

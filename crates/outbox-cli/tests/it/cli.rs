@@ -106,16 +106,28 @@ async fn schema_not_migrated_or_too_new_exits_2() {
 async fn a_refused_statement_is_reported_in_the_servers_words() {
     let mut db = Db::start().await;
     let fresh = db.pg.fresh_database().await.unwrap();
-    let name = fresh.rsplit('/').next().unwrap().split('?').next().unwrap().to_owned();
+    let name = fresh
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .split('?')
+        .next()
+        .unwrap()
+        .to_owned();
     db.client
-        .batch_execute(&format!("ALTER DATABASE \"{name}\" SET default_transaction_read_only = on"))
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{name}\" SET default_transaction_read_only = on"
+        ))
         .await
         .unwrap();
     let out = run_cli(&["migrate"], &[("DATABASE_URL", &fresh)]).await;
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(!stderr.contains("db error"), "{stderr}");
-    assert!(stderr.contains("read-only transaction (SQLSTATE 25006)"), "{stderr}");
+    assert!(
+        stderr.contains("read-only transaction (SQLSTATE 25006)"),
+        "{stderr}"
+    );
     let json = run_cli(&["--log-format", "json", "migrate"], &[("DATABASE_URL", &fresh)]).await;
     let stderr = text(&json.stderr);
     assert!(!stderr.contains("db error"), "{stderr}");

@@ -130,7 +130,7 @@ async fn unknown_keys_and_bad_values_name_the_key_and_line() {
     let cases = [
         (
             "sink = \"redis://x\"\n\nbatchsize = 5\n",
-            ":3: unknown field `batchsize`, expected one of `sink`, `batch_size`",
+            ":3: unknown key `batchsize`: did you mean `batch_size`? (every key: docs/configuration.md)",
         ),
         (
             "sink = \"redis://x\"\nbatch_size = \"x\"\n",
@@ -148,7 +148,7 @@ async fn unknown_keys_and_bad_values_name_the_key_and_line() {
         ),
         (
             "sink = \"redis://x\"\n[routes.orders]\nsink = \"redis://y\"\nsubjekt = \"a\"\n",
-            ":4: unknown field `subjekt`",
+            ":4: unknown key `subjekt`: did you mean `nats_subject`?",
         ),
     ];
     for (body, needle) in cases {
