@@ -22,8 +22,9 @@ ensure_deps() {
     local missing=()
     find_initdb || missing+=(postgresql)
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-    # rdkafka-sys builds its bundled librdkafka with ./configure && make.
-    { command -v make && command -v cc; } >/dev/null 2>&1 || missing+=(build-essential)
+    # rdkafka-sys builds its bundled librdkafka with ./configure && make, whose
+    # configure fails without a C++ compiler.
+    { command -v make && command -v cc && command -v c++; } >/dev/null 2>&1 || missing+=(build-essential)
     if [ "${1:-}" = brokers ]; then
         # Debian puts both in /usr/sbin, which a normal user's PATH lacks.
         command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)

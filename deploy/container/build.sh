@@ -7,7 +7,7 @@
 #
 # Default tag: localhost/outbox:latest. RUST_IMAGE picks the builder image
 # (default docker.io/library/rust:1.89-bookworm; any image with cargo 1.89+,
-# a C compiler and make).
+# make, and C and C++ compilers).
 set -eu
 
 tag=${1:-localhost/outbox:latest}
