@@ -91,7 +91,7 @@ fn masked_query(query: &str, keep: &[&str]) -> String {
         .map(|pair| {
             let (key, value) = pair.split_once('=').unwrap_or(("", pair));
             let name = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
-            if value.is_empty() || keep.contains(&name.as_ref()) {
+            if value.is_empty() || keep.contains(&&*name) {
                 pair.to_owned()
             } else if pair.contains('=') {
                 format!("{key}={HIDDEN}")
