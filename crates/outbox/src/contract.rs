@@ -23,8 +23,8 @@
 
 use serde_json::{Map, Value};
 
-pub use crate::error::Violation;
 use crate::OutboxRow;
+pub use crate::error::Violation;
 
 /// The longest `aggregate_type` or `event_type`, in characters: the default
 /// names (`outbox.event.{aggregate_type}`, 13 more) and the AMQP routing
@@ -46,9 +46,12 @@ pub const MAX_NAME_CHARS: usize = 100;
 /// ```
 pub fn is_name(value: &str) -> bool {
     value.chars().count() <= MAX_NAME_CHARS
-        && value
-            .split('.')
-            .all(|segment| !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'))
+        && value.split('.').all(|segment| {
+            !segment.is_empty()
+                && segment
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        })
 }
 
 /// Whether `name` is an HTTP field name (RFC 9110 `token`: one or more of
@@ -63,13 +66,9 @@ pub fn is_name(value: &str) -> bool {
 /// ```
 pub fn is_header_name(name: &str) -> bool {
     !name.is_empty()
-        && name.bytes().all(|b| {
-            b.is_ascii_alphanumeric()
-                || matches!(
-                    b,
-                    b'!' | b'#' | b'$' | b'%' | b'&' | b'\'' | b'*' | b'+' | b'-' | b'.' | b'^' | b'_' | b'`' | b'|' | b'~'
-                )
-        })
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// Checks an `aggregate_type` or `event_type` (`column` names which).
@@ -175,7 +174,10 @@ pub mod samples {
     /// `(headers as JSON text, follows the rule)`.
     pub const HEADERS: &[(&str, bool)] = &[
         (r#"{}"#, true),
-        (r#"{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}"#, true),
+        (
+            r#"{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}"#,
+            true,
+        ),
         (r#"{"x-tenant_id": "7", "A!#$%&'*+-.^_`|~9": ""}"#, true),
         (r#"{"note": "any text, even with spaces: ünïcode"}"#, true),
         (r#"["traceparent"]"#, false),

@@ -85,7 +85,8 @@ async fn replay_stores_and_lists_its_target_masked_and_resumes_with_the_full_url
     assert_masked("replay", &text(&out.stdout));
     receiver.wait_for_count(3, LONG).await.unwrap();
 
-    let stored: Vec<String> = db.client
+    let stored: Vec<String> = db
+        .client
         .query("SELECT target FROM outbox_replays", &[])
         .await
         .unwrap()
@@ -110,7 +111,9 @@ async fn replay_stores_and_lists_its_target_masked_and_resumes_with_the_full_url
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
-        stderr.contains("held a password or query values, which are never stored: give the URL again with --to"),
+        stderr.contains(
+            "held a password or query values, which are never stored: give the URL again with --to"
+        ),
         "{stderr}"
     );
     assert_masked("the refused resume", &stderr);

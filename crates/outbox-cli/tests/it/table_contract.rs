@@ -40,7 +40,11 @@ async fn psql(url: &str, sql: &str) {
 
 /// `outbox relay --drain` to `sink`; returns its exit code and stderr.
 async fn drain(db: &Db, sink: &str) -> (Option<i32>, String) {
-    let out = run_cli(&["relay", "--sink", sink, "--drain"], &[("DATABASE_URL", db.url.as_str())]).await;
+    let out = run_cli(
+        &["relay", "--sink", sink, "--drain"],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
     (out.status.code(), text(&out.stderr))
 }
 
@@ -57,7 +61,12 @@ async fn entries(redis: &Redis, stream: &str) -> Vec<HashMap<String, String>> {
         .unwrap();
     entries
         .into_iter()
-        .map(|(_, fields)| fields.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect())
+        .map(|(_, fields)| {
+            fields
+                .chunks(2)
+                .map(|kv| (kv[0].clone(), kv[1].clone()))
+                .collect()
+        })
         .collect()
 }
 
@@ -155,7 +164,9 @@ async fn a_row_that_bypasses_the_constraints_is_a_dead_letter_naming_the_column(
             ),
             (
                 "space".to_owned(),
-                said("headers: name \"trace parent\" is not an HTTP token (letters, digits and !#$%&'*+-.^_`|~)")
+                said(
+                    "headers: name \"trace parent\" is not an HTTP token (letters, digits and !#$%&'*+-.^_`|~)"
+                )
             ),
             (
                 "stream".to_owned(),

@@ -252,7 +252,10 @@ const SETTINGS: &[&str] = &[
 /// a `key=value` string with `password` and `sslpassword` hidden.
 pub fn redact(url: &str) -> String {
     use crate::redact::HIDDEN;
-    if ["postgres://", "postgresql://"].iter().any(|prefix| url.starts_with(prefix)) {
+    if ["postgres://", "postgresql://"]
+        .iter()
+        .any(|prefix| url.starts_with(prefix))
+    {
         return crate::redact::url_keeping(url, SETTINGS);
     }
     match key_values(url) {

@@ -15,12 +15,19 @@ const INSERT: &str = "INSERT INTO outbox (aggregate_type, aggregate_id, event_ty
                       VALUES ($1, '1', $2, '{}', $3::text::jsonb)";
 
 /// The constraint that refused `INSERT` with these values, if one did.
-async fn refused_by(client: &tokio_postgres::Client, aggregate_type: &str, event_type: &str, headers: &str) -> Option<String> {
+async fn refused_by(
+    client: &tokio_postgres::Client,
+    aggregate_type: &str,
+    event_type: &str,
+    headers: &str,
+) -> Option<String> {
     let err = client
         .execute(INSERT, &[&aggregate_type, &event_type, &headers])
         .await
         .err()?;
-    let db = err.as_db_error().unwrap_or_else(|| panic!("not a database error: {err}"));
+    let db = err
+        .as_db_error()
+        .unwrap_or_else(|| panic!("not a database error: {err}"));
     assert_eq!(db.code(), &SqlState::CHECK_VIOLATION, "{db}");
     Some(db.constraint().expect("the constraint's name").to_owned())
 }
@@ -29,17 +36,32 @@ async fn refused_by(client: &tokio_postgres::Client, aggregate_type: &str, event
 async fn each_constraint_refuses_its_bad_row_by_name() {
     let db = Db::start().await;
     let c = &db.client;
-    assert_eq!(refused_by(c, "orders", "OrderCreated", r#"{"traceparent": "00-x-01"}"#).await, None);
+    assert_eq!(
+        refused_by(c, "orders", "OrderCreated", r#"{"traceparent": "00-x-01"}"#).await,
+        None
+    );
     for (aggregate_type, event_type, headers, constraint) in [
         ("", "E", "{}", "outbox_aggregate_type_is_a_name"),
         ("billing / eu", "E", "{}", "outbox_aggregate_type_is_a_name"),
         ("orders", "Order Created", "{}", "outbox_event_type_is_a_name"),
-        ("orders", "E", r#"["traceparent"]"#, "outbox_headers_are_string_tokens"),
-        ("orders", "E", r#"{"trace parent": "x"}"#, "outbox_headers_are_string_tokens"),
+        (
+            "orders",
+            "E",
+            r#"["traceparent"]"#,
+            "outbox_headers_are_string_tokens",
+        ),
+        (
+            "orders",
+            "E",
+            r#"{"trace parent": "x"}"#,
+            "outbox_headers_are_string_tokens",
+        ),
         ("orders", "E", r#"{"n": 1}"#, "outbox_headers_are_string_tokens"),
     ] {
         assert_eq!(
-            refused_by(c, aggregate_type, event_type, headers).await.as_deref(),
+            refused_by(c, aggregate_type, event_type, headers)
+                .await
+                .as_deref(),
             Some(constraint),
             "{aggregate_type:?} {event_type:?} {headers}"
         );
@@ -77,7 +99,11 @@ async fn the_sql_and_rust_rules_agree() {
             .unwrap()
             .get(0);
         let headers: Value = serde_json::from_str(text).unwrap();
-        assert_eq!((sql, contract::check_headers(&headers).is_ok()), (ok, ok), "{text}");
+        assert_eq!(
+            (sql, contract::check_headers(&headers).is_ok()),
+            (ok, ok),
+            "{text}"
+        );
         assert_eq!(refused_by(c, "orders", "E", text).await.is_none(), ok, "{text}");
     }
 }
@@ -99,11 +125,20 @@ async fn the_writer_refuses_before_any_sql() {
     );
     let number = Event::new("orders", "1", "OrderCreated", json!({})).with_header("n", 1);
     let err = outbox.enqueue_all(&tx, &[number]).await.unwrap_err();
-    assert_eq!(err.to_string(), "invalid event: headers: \"n\" is a number, expected a string");
+    assert_eq!(
+        err.to_string(),
+        "invalid event: headers: \"n\" is a number, expected a string"
+    );
     let bad_type = Event::new("billing / eu", "1", "Invoiced", json!({}));
     let err = outbox.emit(&tx, &bad_type).await.unwrap_err();
     assert!(
-        matches!(&err, outbox::Error::Contract(Violation::NotAName { column: "aggregate_type", .. })),
+        matches!(
+            &err,
+            outbox::Error::Contract(Violation::NotAName {
+                column: "aggregate_type",
+                ..
+            })
+        ),
         "{err}"
     );
     tx.rollback().await.unwrap();
@@ -145,8 +180,10 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
         )
         .await
         .unwrap();
-    let rows: Vec<(String, bool, bool, Option<String>)> =
-        rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    let rows: Vec<(String, bool, bool, Option<String>)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
     let error = |what: &str| {
         Some(format!(
             "permanent: the event breaks the table contract (migration 8): {what}; it was not sent"
@@ -156,7 +193,12 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
         rows,
         [
             ("good".to_owned(), false, false, None),
-            ("space".to_owned(), true, false, error("aggregate_type \"billing / eu\" is not a name")),
+            (
+                "space".to_owned(),
+                true,
+                false,
+                error("aggregate_type \"billing / eu\" is not a name")
+            ),
             (
                 "array".to_owned(),
                 true,
@@ -171,11 +213,17 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
     // A dead letter that breaks the contract can be given up, not
     // requeued until fixed.
     let c = &db.client;
-    c.execute("UPDATE outbox SET given_up_at = now() WHERE aggregate_id = 'array'", &[])
-        .await
-        .unwrap();
+    c.execute(
+        "UPDATE outbox SET given_up_at = now() WHERE aggregate_id = 'array'",
+        &[],
+    )
+    .await
+    .unwrap();
     let err = c
-        .execute("UPDATE outbox SET dead_at = NULL WHERE aggregate_id = 'array'", &[])
+        .execute(
+            "UPDATE outbox SET dead_at = NULL WHERE aggregate_id = 'array'",
+            &[],
+        )
         .await
         .unwrap_err();
     assert_eq!(
