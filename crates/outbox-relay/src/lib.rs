@@ -20,6 +20,7 @@
 //! | [`sink`] | the [`Sink`] trait, one file per sink, chosen by URL |
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
 //! | [`pg`] | from `DATABASE_URL` to a connection, for every crate: TLS as libpq does it, startup retries |
+//! | [`redact`] | secrets out of URLs before they are printed, logged or stored: passwords and every query value |
 //! | `retention` | [`Retention`]: cleanup or partition maintenance on a schedule, one relay at a time |
 //! | [`metric`] | what the relay records for Prometheus through the `metrics` facade: names, descriptions, handles |
 //! | [`health`] | one relay's readiness (PostgreSQL, leases, each sink's breaker), and the process's [`health::Registry`] that `/readyz` reports |
@@ -51,6 +52,7 @@ mod lease;
 pub mod metric;
 pub mod pg;
 mod plan;
+pub mod redact;
 pub mod relay;
 pub mod replay;
 mod retention;

@@ -37,6 +37,11 @@ pub enum Error {
     /// An event is missing a required field or is too large.
     #[error("invalid event: {0}")]
     InvalidEvent(String),
+    /// An event breaks the table contract (`docs/schema.md`): the table's
+    /// CHECK constraints would refuse it, and the relay could not deliver
+    /// it as written. Found before any SQL.
+    #[error("invalid event: {0}")]
+    Contract(#[from] Violation),
     /// The outbox or inbox table has not been created yet.
     #[error(
         "{table} is not migrated (found schema version {found}, this binary needs {needed}); run `outbox migrate`"
@@ -139,6 +144,62 @@ pub enum Error {
         /// The driver's error.
         #[source]
         source: sqlx::Error,
+    },
+}
+
+/// What breaks the table contract ([`crate::contract`]), naming the column:
+/// the writer's error and the relay's dead-letter reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// An `aggregate_type` or `event_type` that is empty.
+    #[error("{column} is empty")]
+    Empty {
+        /// The column.
+        column: &'static str,
+    },
+    /// An `aggregate_type` or `event_type` over
+    /// [`MAX_NAME_CHARS`](crate::contract::MAX_NAME_CHARS).
+    #[error(
+        "{column} is {chars} characters, over the limit of {} (names built from it must fit Kafka's 249)",
+        crate::contract::MAX_NAME_CHARS
+    )]
+    NameTooLong {
+        /// The column.
+        column: &'static str,
+        /// Its length in characters.
+        chars: usize,
+    },
+    /// An `aggregate_type` or `event_type` that cannot name a stream,
+    /// subject, routing key or topic.
+    #[error(
+        "{column} {value:?} is not a name: expected letters, digits, '_' and '-', in segments joined by single dots (what Redis, NATS, AMQP and Kafka names all accept)"
+    )]
+    NotAName {
+        /// The column.
+        column: &'static str,
+        /// The refused value.
+        value: String,
+    },
+    /// `headers` that are not a JSON object (an array, a string, null…).
+    #[error("headers: expected a JSON object of strings, got {got}")]
+    HeadersNotAnObject {
+        /// What it is instead, e.g. `an array`.
+        got: &'static str,
+    },
+    /// A header name that is not an HTTP token.
+    #[error("headers: name {name:?} is not an HTTP token (letters, digits and !#$%&'*+-.^_`|~)")]
+    HeaderName {
+        /// The refused name.
+        name: String,
+    },
+    /// A header whose value is not a string.
+    #[error("headers: {name:?} is {got}, expected a string")]
+    HeaderValue {
+        /// The header's name.
+        name: String,
+        /// What its value is, e.g. `a number`.
+        got: &'static str,
     },
 }
 

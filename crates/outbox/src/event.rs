@@ -100,21 +100,29 @@ impl Event {
         Ok(())
     }
 
-    /// Refuses events that no sink could route: sinks name streams, subjects
-    /// and topics after `aggregate_type`, and order by `aggregate_id`.
-    pub(crate) fn validate(&self) -> Result<(), Error> {
-        for (field, value) in [
-            ("aggregate_type", &self.aggregate_type),
-            ("aggregate_id", &self.aggregate_id),
-            ("event_type", &self.event_type),
-        ] {
-            if value.is_empty() {
-                return Err(Error::InvalidEvent(format!("{field} is empty")));
-            }
-            if value.contains('\0') {
-                return Err(Error::InvalidEvent(format!("{field} contains a NUL byte")));
-            }
+    /// Refuses events that no sink could deliver as written, before any
+    /// SQL: the table contract ([`crate::contract`], which the table's
+    /// CHECK constraints enforce too), and an empty or NUL-holding
+    /// `aggregate_id` (the unit of ordering).
+    ///
+    /// ```
+    /// use outbox::Event;
+    /// use serde_json::json;
+    ///
+    /// let event = Event::new("billing / eu", "7", "Invoiced", json!({}));
+    /// let err = event.validate().unwrap_err();
+    /// assert!(err.to_string().starts_with("invalid event: aggregate_type \"billing / eu\" is not a name"), "{err}");
+    /// ```
+    pub fn validate(&self) -> Result<(), Error> {
+        crate::contract::check_name("aggregate_type", &self.aggregate_type)?;
+        if self.aggregate_id.is_empty() {
+            return Err(Error::InvalidEvent("aggregate_id is empty".to_owned()));
         }
+        if self.aggregate_id.contains('\0') {
+            return Err(Error::InvalidEvent("aggregate_id contains a NUL byte".to_owned()));
+        }
+        crate::contract::check_name("event_type", &self.event_type)?;
+        crate::contract::check_header_map(&self.headers)?;
         Ok(())
     }
 }

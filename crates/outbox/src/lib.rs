@@ -13,6 +13,7 @@
 //! |---|---|
 //! | [`Event`], [`OutboxRow`] | the event as written and as claimed |
 //! | [`Outbox`] | the writer: `enqueue`, `enqueue_all` in your transaction |
+//! | [`contract`] | the table contract: what a row must hold to be delivered (the writer, the CHECK constraints and the relay apply it) |
 //! | [`Inbox`] | the idempotent consumer: record + side effect in one transaction |
 //! | [`migrate`], [`migrate_inbox`], [`check`] | versioned, embedded migrations |
 //! | [`retention`] | batched deletion of published rows and old inbox records |
@@ -50,6 +51,7 @@
 #![cfg_attr(not(feature = "tokio-postgres"), allow(dead_code, unused_imports))]
 
 mod config;
+pub mod contract;
 mod error;
 mod event;
 mod ident;
@@ -69,7 +71,7 @@ pub mod worker;
 mod writer;
 
 pub use config::{Config, DEFAULT_MAX_ATTEMPTS, DEFAULT_PARTITIONS, InboxConfig, Layout, MAX_PARTITIONS};
-pub use error::Error;
+pub use error::{Error, Violation};
 pub use event::{Event, OutboxRow, payload_bytes};
 pub use ident::Ident;
 pub use inbox::{Inbox, Processed, Record};

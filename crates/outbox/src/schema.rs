@@ -55,7 +55,16 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "replays",
         template: include_str!("../migrations/outbox/0006_replays.sql"),
     },
+    TABLE_CONTRACT,
 ];
+
+/// The table contract's CHECK constraints; named so both layouts' lists
+/// take it by name, not by position.
+const TABLE_CONTRACT: Migration = Migration {
+    version: 8,
+    name: "table_contract",
+    template: include_str!("../migrations/outbox/0008_table_contract.sql"),
+};
 
 /// The daily-partitioned layout: its own first migration, then the same
 /// later ones, which work on either layout.
@@ -70,6 +79,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[3],
     OUTBOX_MIGRATIONS[4],
     OUTBOX_MIGRATIONS[5],
+    TABLE_CONTRACT,
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -79,7 +89,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 6;
+pub const OUTBOX_VERSION: i32 = 8;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 
@@ -140,6 +150,8 @@ impl Target {
                 ("{replays}", config.companion("_replays")?),
                 ("{removed}", config.companion("_removed")?),
                 ("{tick_fn}", config.companion("_relay_tick")?),
+                ("{name_fn}", config.companion("_is_name")?),
+                ("{headers_fn}", config.companion("_headers_ok")?),
                 ("{partitions}", config.partitions.to_string()),
                 // A string literal; identifiers cannot contain a quote.
                 ("{channel}", config.channel.as_str().to_owned()),

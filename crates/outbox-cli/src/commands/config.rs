@@ -1,6 +1,7 @@
 //! `outbox config show`: every effective relay setting, where it came from
 //! (`flag`, `env OUTBOX_X`, `file outbox.toml:12`, `default`), and each
-//! sink table's; secrets redacted.
+//! sink table's; secrets redacted (a URL's password and every query value,
+//! through `outbox_relay::redact`).
 //!
 //! It takes the relay's flags and layers `--config` the same way
 //! (`crate::config::Layered`), then runs the relay's own checks
@@ -9,14 +10,12 @@
 
 use std::io::Write;
 
+use outbox_relay::redact::HIDDEN;
 use serde_json::{Map, Value, json};
 
 use super::relay::{self, POLL_WITHOUT_NOTIFY};
 use crate::cli::{Command, ConfigCommand};
 use crate::config::{Layered, Origin, setting_keys, table_keys};
-
-/// What stands in for a secret.
-const HIDDEN: &str = "***";
 
 /// One line of the output.
 struct Row {
@@ -229,7 +228,7 @@ fn ordering(layered: &Layered) -> Vec<Row> {
 fn redact(key: &str, value: &str) -> String {
     match key {
         "database_url" | "listen_url" => outbox_relay::pg::redact(value),
-        "sink" => redact_url(value),
+        "sink" => outbox_relay::redact::url(value),
         "http_secret" => HIDDEN.to_owned(),
         "kafka_options" => match value.split_once('=') {
             Some((property, _)) if secret_name(property) => format!("{property}={HIDDEN}"),
@@ -246,38 +245,6 @@ fn secret_name(name: &str) -> bool {
     ["password", "secret", "jaas"].iter().any(|w| name.contains(w))
 }
 
-/// A URL with its password, and any query parameter named like a secret,
-/// replaced.
-pub(crate) fn redact_url(value: &str) -> String {
-    let Ok(mut url) = url::Url::parse(value) else {
-        return unparsed(value);
-    };
-    if url.password().is_some() {
-        // Only fails for URLs that cannot have credentials at all.
-        let _ = url.set_password(Some(HIDDEN));
-    }
-    if url.query_pairs().any(|(k, _)| secret_name(&k)) {
-        let pairs: Vec<(String, String)> = url
-            .query_pairs()
-            .map(|(k, v)| {
-                let v = if secret_name(&k) { HIDDEN.into() } else { v };
-                (k.into_owned(), v.into_owned())
-            })
-            .collect();
-        url.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    url.to_string().replace("%2A%2A%2A", HIDDEN)
-}
-
-/// A value that may hold a secret where it cannot be found.
-fn unparsed(value: &str) -> String {
-    if value.contains('@') || secret_name(value) {
-        format!("<{} characters, not shown>", value.chars().count())
-    } else {
-        value.to_owned()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,9 +259,10 @@ mod tests {
             redact("sink", "redis://127.0.0.1:6379/0"),
             "redis://127.0.0.1:6379/0"
         );
+        // Every query value, not only secret-named ones (issue 35).
         assert_eq!(
-            redact("sink", "https://h/x?token=1&client_secret=s"),
-            "https://h/x?token=1&client_secret=***"
+            redact("sink", "https://h/x?token=1&client_secret=s&foo=bar"),
+            "https://h/x?token=***&client_secret=***&foo=***"
         );
         assert_eq!(
             redact("database_url", "postgres://u:secret@h:5432/db?sslmode=require"),

@@ -662,7 +662,7 @@ async fn a_bad_target_is_refused_before_anything_is_read() {
     let out = run_cli(&["replay", "--resume", "1"], &env).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(
-        text(&out.stderr).contains("held a password, which is never stored: give the URL again with --to"),
+        text(&out.stderr).contains("which are never stored: give the URL again with --to"),
         "{}",
         text(&out.stderr)
     );

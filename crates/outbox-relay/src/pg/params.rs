@@ -1,8 +1,8 @@
 //! libpq's TLS parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`)
 //! taken out of a `postgres://` URL or a `key=value` string, before
 //! tokio-postgres (which rejects most of them) sees the rest; what they
-//! mean together ([`TlsParams::settings`]); and the URL with its password
-//! hidden, for messages. Owns the grammar, not the files: reading
+//! mean together ([`TlsParams::settings`]); and the URL with its passwords
+//! hidden, for messages (URLs through [`crate::redact`]). Owns the grammar, not the files: reading
 //! certificates is `tls`'s. The invariant: the rest reaches tokio-postgres
 //! with every other parameter unchanged.
 
@@ -206,45 +206,67 @@ fn quote(value: &str) -> String {
     out
 }
 
-/// A `DATABASE_URL` (URL or `key=value` string) without its password, for
-/// messages and `outbox config show`.
+/// libpq's connection parameters that hold no secret, whose values
+/// [`redact`] keeps visible in a URL; any other parameter's value
+/// (`password`, `sslpassword`, one libpq does not know) is hidden.
+const SETTINGS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "connect_timeout",
+    "client_encoding",
+    "options",
+    "application_name",
+    "fallback_application_name",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "replication",
+    "gssencmode",
+    "sslmode",
+    "sslcompression",
+    "sslcert",
+    "sslkey",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+    "requirepeer",
+    "require_auth",
+    "channel_binding",
+    "krbsrvname",
+    "gsslib",
+    "target_session_attrs",
+    "load_balance_hosts",
+];
+
+/// A `DATABASE_URL` (URL or `key=value` string) without its passwords, for
+/// messages and `outbox config show`: a URL through the one URL masking
+/// ([`crate::redact::url_keeping`]) with libpq's harmless settings kept,
+/// a `key=value` string with `password` and `sslpassword` hidden.
 pub fn redact(url: &str) -> String {
-    const HIDDEN: &str = "***";
-    if let Some(body) = ["postgres://", "postgresql://"]
+    use crate::redact::HIDDEN;
+    if ["postgres://", "postgresql://"]
         .iter()
-        .find_map(|prefix| url.strip_prefix(prefix))
+        .any(|prefix| url.starts_with(prefix))
     {
-        let prefix = &url[..url.len() - body.len()];
-        let (credentials, rest) = match body.split_once('@') {
-            Some((credentials, rest)) => match credentials.split_once(':') {
-                Some((user, _)) => (format!("{user}:{HIDDEN}@"), rest),
-                None => (format!("{credentials}@"), rest),
-            },
-            None => (String::new(), body),
-        };
-        let rest = match rest.split_once('?') {
-            Some((path, query)) => {
-                let query: Vec<String> = query
-                    .split('&')
-                    .map(|pair| match pair.split_once('=') {
-                        Some((key, _)) if decode(key).as_deref() == Ok("password") => {
-                            format!("{key}={HIDDEN}")
-                        }
-                        _ => pair.to_owned(),
-                    })
-                    .collect();
-                format!("{path}?{}", query.join("&"))
-            }
-            None => rest.to_owned(),
-        };
-        return format!("{prefix}{credentials}{rest}");
+        return crate::redact::url_keeping(url, SETTINGS);
     }
     match key_values(url) {
         Ok(pairs) => pairs
             .iter()
-            .map(|(key, value)| match key.as_str() {
-                "password" => format!("{key}={HIDDEN}"),
-                _ => format!("{key}={}", quote(value)),
+            .map(|(key, value)| {
+                if SETTINGS.contains(&key.as_str()) {
+                    format!("{key}={}", quote(value))
+                } else {
+                    format!("{key}={HIDDEN}")
+                }
             })
             .collect::<Vec<_>>()
             .join(" "),
@@ -306,8 +328,8 @@ mod tests {
     #[test]
     fn redact_hides_passwords_in_both_syntaxes() {
         assert_eq!(
-            redact("postgres://u:secret@h/db?x=1"),
-            "postgres://u:***@h/db?x=1"
+            redact("postgres://u:secret@h/db?sslmode=require&sslpassword=s&x=1"),
+            "postgres://u:***@h/db?sslmode=require&sslpassword=***&x=***"
         );
         assert_eq!(
             redact("postgres://u@h/db?password=secret"),
@@ -315,6 +337,7 @@ mod tests {
         );
         assert_eq!(redact("postgres://h1,h2/db"), "postgres://h1,h2/db");
         assert_eq!(redact("host=h password='se cret'"), "host='h' password=***");
+        assert_eq!(redact("host=h sslpassword=k"), "host='h' sslpassword=***");
         assert!(!redact("host=h password='secret").contains("secret"));
     }
 }

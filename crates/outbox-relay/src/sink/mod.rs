@@ -220,10 +220,11 @@ pub struct PerSinkOptions {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SinkError {
-    /// Not a URL at all.
-    #[error("invalid sink URL {url:?}: {reason}")]
+    /// Not a URL at all. Its message shows the URL masked
+    /// ([`crate::redact::url`]): it reaches logs and the terminal.
+    #[error("invalid sink URL {:?}: {reason}", crate::redact::url(.url))]
     InvalidUrl {
-        /// The refused value.
+        /// The refused value, as given.
         url: String,
         /// Why.
         reason: String,
@@ -237,11 +238,11 @@ pub enum SinkError {
         reason: String,
     },
     /// A scheme no compiled-in sink handles.
-    #[error("unknown sink scheme {scheme:?} in {url:?} (known: {known})")]
+    #[error("unknown sink scheme {scheme:?} in {:?} (known: {known})", crate::redact::url(.url))]
     UnknownScheme {
         /// The scheme.
         scheme: String,
-        /// The whole value.
+        /// The whole value, as given (masked in the message).
         url: String,
         /// The schemes this build knows.
         known: String,

@@ -477,9 +477,10 @@ pub struct ClaimedRows {
     /// The rows, in id order.
     pub rows: Vec<OutboxRow>,
     /// Rows whose payload or headers the relay cannot read (PostgreSQL
-    /// accepted a number serde_json cannot hold, say): their index in
-    /// `rows`, where that column is `null`, and why (naming the column).
-    /// The relay dead-letters them unsent.
+    /// accepted a number serde_json cannot hold, say; that column is then
+    /// `null`) or that break the table contract ([`crate::contract`]):
+    /// their index in `rows`, and why (naming the column). The relay
+    /// dead-letters them unsent.
     pub unreadable: Vec<(usize, String)>,
     /// The byte bound cut the batch short: more rows were locked than
     /// returned, and stay locked until the transaction ends, so nothing
@@ -712,7 +713,15 @@ async fn read_claim(stream: RowStream, p: &ClaimParams<'_>) -> Result<ReadClaim,
             Err(e) => unreadable.push((decoded.id, format!("payload: {}", why(e)))),
         }
         match row.try_get("headers") {
-            Ok(headers) => decoded.headers = headers,
+            Ok(headers) => {
+                decoded.headers = headers;
+                // A row the table's constraints would refuse now (written
+                // before migration 8, or with them dropped): a dead letter
+                // naming the column, never sent half.
+                if let Err(v) = crate::contract::check_row(&decoded) {
+                    unreadable.push((decoded.id, v.to_string()));
+                }
+            }
             Err(e) => unreadable.push((decoded.id, format!("headers: {}", why(e)))),
         }
         rows.push(decoded);

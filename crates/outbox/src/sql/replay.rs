@@ -160,8 +160,8 @@ pub struct PageParams<'a> {
 /// A new replay job.
 #[derive(Debug, Clone, Copy)]
 pub struct NewReplay<'a> {
-    /// Where it sends: a sink URL with its password redacted, or
-    /// `route:<name>`.
+    /// Where it sends: a sink URL with its password and every query value
+    /// masked (`outbox_relay::redact::url`), or `route:<name>`.
     pub target: &'a str,
     /// The envelope (`native`, `cloudevents`, `debezium`).
     pub format: &'a str,
@@ -244,7 +244,8 @@ pub struct Removed {
 pub struct ReplayJob {
     /// Its id (`--resume ID`).
     pub id: i64,
-    /// Its target: a sink URL, password redacted, or `route:<name>`.
+    /// Its target: a sink URL, password and query values masked, or
+    /// `route:<name>`.
     pub target: String,
     /// Its envelope.
     pub format: String,

@@ -5,5 +5,6 @@
 #![allow(unreachable_pub, missing_docs)]
 
 mod claim;
+mod contract;
 mod support;
 mod writer;

@@ -138,24 +138,27 @@ async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) 
         );
         return Ok(());
     }
+    // The job keeps its target masked (no password, no query value), so
+    // the operator gives the URL again and it must mask to the same text.
+    // A job stored before query values were masked holds them in clear:
+    // compared masked too, and usable as it is.
+    let shown = Target::shown(&job.target);
     let target = match args.to {
         Some(to) => {
             let given = Target::parse(&to);
-            if given.stored() != job.target {
+            if given.stored() != shown {
                 return Err(ConfigError(format!(
-                    "--to {} is not replay job {id}'s target {} (leave --to out, or give the job's own URL)",
+                    "--to {} is not replay job {id}'s target {shown} (leave --to out, or give the job's own URL)",
                     given.stored(),
-                    job.target
                 ))
                 .into());
             }
             given
         }
-        None if job.target.contains("***") => {
+        None if job.target.contains(outbox_relay::redact::HIDDEN) => {
             return Err(ConfigError(format!(
-                "replay job {id}'s target {} held a password, which is never stored: give the URL again with \
-                 --to (`outbox replay --resume {id} --to <URL>`)",
-                job.target
+                "replay job {id}'s target {shown} held a password or query values, which are never stored: give \
+                 the URL again with --to (`outbox replay --resume {id} --to <URL>`)"
             ))
             .into());
         }
@@ -173,12 +176,11 @@ async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) 
     }
     let rate = args.rate.unwrap_or(job.rate);
     println!(
-        "replay job {id}: resuming after id {} ({} of {} sent) up to {} to {} ({}, {})",
+        "replay job {id}: resuming after id {} ({} of {} sent) up to {} to {shown} ({}, {})",
         job.cursor_id,
         job.sent,
         job.matched,
         job.upto_id,
-        job.target,
         job.format,
         Rate(rate)
     );
@@ -292,7 +294,10 @@ async fn dry_run(
 
 /// `--list`: every job, newest first.
 async fn list(client: &Client, sql: &ReplaySql, json: bool) -> anyhow::Result<()> {
-    let jobs = sql.jobs(client).await.context("listing replay jobs")?;
+    let mut jobs = sql.jobs(client).await.context("listing replay jobs")?;
+    for job in &mut jobs {
+        job.target = Target::shown(&job.target);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&jobs)?);
         return Ok(());

@@ -27,12 +27,19 @@ impl Target {
         }
     }
 
-    /// As the job row keeps it: never a password.
+    /// As the job row keeps it: never a password nor a query value
+    /// (`outbox_relay::redact::url`), so a resume asks for those again.
     pub(super) fn stored(&self) -> String {
         match self {
-            Self::Url(url) => crate::commands::config::redact_url(url),
+            Self::Url(url) => outbox_relay::redact::url(url),
             Self::Route(name) => format!("route:{name}"),
         }
+    }
+
+    /// A job row's target as shown: masked again, for a job stored
+    /// before every query value was (issue 35).
+    pub(super) fn shown(stored: &str) -> String {
+        Self::parse(stored).stored()
     }
 
     /// The sink, built (no connection made). For a new job, `filter` is
@@ -145,10 +152,14 @@ mod tests {
     }
 
     #[test]
-    fn passwords_are_not_stored() {
+    fn passwords_and_query_values_are_not_stored() {
         assert_eq!(
             Target::parse("amqp://user:pw@rabbit:5672/%2f").stored(),
             "amqp://user:***@rabbit:5672/%2f"
+        );
+        assert_eq!(
+            Target::parse("https://example.com/hook?token=abc123&v=2").stored(),
+            "https://example.com/hook?token=***&v=***"
         );
         assert_eq!(Target::parse("route:orders").stored(), "route:orders");
     }

@@ -214,7 +214,10 @@ impl Backfill {
             self.ids.insert(row.id);
             self.rows += 1;
             let id = row.id;
-            window.push(row, Some(id), None, u64::try_from(size).unwrap_or(0));
+            // As the stream's decoder does: a row that breaks the table
+            // contract is a dead letter naming the column.
+            let unreadable = outbox::contract::check_row(&row).err().map(|v| v.to_string());
+            window.push(row, Some(id), unreadable, u64::try_from(size).unwrap_or(0));
         }
         // Position 0: confirming it moves nothing, and the window's order
         // keeps every later position behind this transaction.

@@ -31,8 +31,8 @@ pub(crate) struct Decoded {
     pub(crate) row: OutboxRow,
     /// The row's id in the table; `None` for an emitted event.
     pub(crate) table_id: Option<i64>,
-    /// Why its payload or headers could not be parsed (naming the column):
-    /// a dead letter, never sent.
+    /// Why its payload or headers could not be parsed, or which column
+    /// breaks the table contract: a dead letter, never sent.
     pub(crate) unreadable: Option<String>,
     /// The payload's size as text, for `--batch-max-bytes`.
     pub(crate) bytes: u64,
@@ -164,7 +164,7 @@ impl Decoder {
             return None;
         }
         Some(match serde_json::from_slice::<Emitted>(content) {
-            Ok(e) => Decoded {
+            Ok(e) => contract(Decoded {
                 row: OutboxRow {
                     id: 0,
                     event_id: e.event_id.unwrap_or_else(|| Uuid::from_u64_pair(lsn, 0)),
@@ -179,7 +179,7 @@ impl Decoder {
                 table_id: None,
                 unreadable: None,
                 bytes: content.len() as u64,
-            },
+            }),
             Err(error) => Decoded {
                 row: OutboxRow {
                     id: 0,
@@ -308,12 +308,22 @@ fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Option<Decoded>, Malfo
             None => 0,
         },
     };
-    Ok(Some(Decoded {
+    Ok(Some(contract(Decoded {
         row,
         table_id: Some(id),
         unreadable,
         bytes: payload_text.len() as u64,
-    }))
+    })))
+}
+
+/// A readable event that breaks the table contract becomes unreadable,
+/// naming the column: an emitted event never met the table's constraints,
+/// and a row may predate them (migration 8 does not validate old rows).
+fn contract(mut d: Decoded) -> Decoded {
+    if d.unreadable.is_none() {
+        d.unreadable = outbox::contract::check_row(&d.row).err().map(|v| v.to_string());
+    }
+    d
 }
 
 #[cfg(test)]
@@ -450,5 +460,40 @@ mod tests {
         let a = d.message("outbox:public.outbox", bare, 99).expect("an event");
         let b = d.message("outbox:public.outbox", bare, 99).expect("an event");
         assert_eq!(a.row.event_id, b.row.event_id);
+    }
+
+    /// No constraint sees an emitted event, nor a row older than
+    /// migration 8: what breaks the table contract is a dead letter
+    /// naming the column.
+    #[test]
+    fn events_that_break_the_table_contract_are_unreadable() {
+        let d = Decoder::new("public", "outbox", "outbox:public.outbox");
+        let unreadable = |content: &str| {
+            d.message("outbox:public.outbox", content.as_bytes(), 99)
+                .expect("an event")
+                .unreadable
+        };
+        let event = |aggregate_type: &str, headers: &str| {
+            format!(
+                r#"{{"aggregate_type":"{aggregate_type}","aggregate_id":"1","event_type":"E","payload":{{}},"headers":{headers}}}"#
+            )
+        };
+        assert_eq!(unreadable(&event("billing", r#"{"trace":"x"}"#)), None);
+        assert_eq!(
+            unreadable(&event("billing", r#"["trace"]"#)).as_deref(),
+            Some("headers: expected a JSON object of strings, got an array")
+        );
+        assert!(
+            unreadable(&event("billing / eu", "{}"))
+                .unwrap()
+                .starts_with("aggregate_type \"billing / eu\" is not a name"),
+        );
+
+        let mut d = Decoder::new("public", "outbox", "outbox:public.outbox");
+        d.data(&relation(7, "public", "outbox", COLS)).unwrap();
+        let mut row = values("{}", None);
+        row[2] = Some("");
+        let Decoded { unreadable, .. } = d.data(&insert_msg(7, &row)).unwrap().expect("an event");
+        assert_eq!(unreadable.as_deref(), Some("aggregate_type is empty"));
     }
 }
