@@ -55,6 +55,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "replays",
         template: include_str!("../migrations/outbox/0006_replays.sql"),
     },
+    Migration {
+        version: 7,
+        name: "attempt_history",
+        template: include_str!("../migrations/outbox/0007_attempt_history.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -70,6 +75,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[3],
     OUTBOX_MIGRATIONS[4],
     OUTBOX_MIGRATIONS[5],
+    OUTBOX_MIGRATIONS[6],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -79,7 +85,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 6;
+pub const OUTBOX_VERSION: i32 = 7;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 

@@ -265,7 +265,7 @@ async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
 #[tokio::test]
 async fn the_dead_at_migration_marks_old_dead_letters() {
     let mut db = Db::start().await;
-    // Back to version 3: what 0004, 0005 and 0006 added, undone.
+    // Back to version 3: what 0004 to 0007 added, undone.
     db.client
         .batch_execute(
             "DROP INDEX outbox_dead_idx; DROP INDEX outbox_unpublished_idx;
@@ -273,7 +273,8 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
              CREATE INDEX outbox_unpublished_idx ON outbox (id) WHERE published_at IS NULL;
              ALTER TABLE outbox DROP COLUMN claimed_until, DROP COLUMN claimed_by;
              DROP TABLE outbox_replays, outbox_removed;
-             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6);
+             ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
+             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 7);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts)
              SELECT 'orders', g::text, 'E', '{}', g FROM generate_series(0, 6) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, published_at)
@@ -285,7 +286,12 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
     let report = outbox::migrate(&mut db.client, &config).await.unwrap();
     assert_eq!(
         report.applied,
-        [(4, "dead_at"), (5, "lease_claims"), (6, "replays")]
+        [
+            (4, "dead_at"),
+            (5, "lease_claims"),
+            (6, "replays"),
+            (7, "attempt_history")
+        ]
     );
     let dead: Vec<i32> = db
         .column("SELECT attempts FROM outbox WHERE dead_at IS NOT NULL ORDER BY attempts")
