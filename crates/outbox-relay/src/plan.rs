@@ -512,7 +512,13 @@ pub(crate) mod tests {
                 limit: bytes - 1
             }
         );
-        let plan = plan(Backoff::default(), &Named::default(), &rows, outcomes, &Blocked::new());
+        let plan = plan(
+            Backoff::default(),
+            &Named::default(),
+            &rows,
+            outcomes,
+            &Blocked::new(),
+        );
         assert_eq!(plan.published, 2);
         assert_eq!(plan.failures.ids, [2]);
         assert_eq!(plan.failures.dead, 1);

@@ -113,7 +113,11 @@ fn show(e: &EventDetail) -> String {
     line("given_up_at", &when(e.given_up_at));
     line("published_at", &when(e.published_at));
     line("last_error", e.last_error.as_deref().unwrap_or("-"));
-    let _ = writeln!(out, "\nattempt history (last {}, oldest first):", outbox::sql::ATTEMPT_LOG_LEN);
+    let _ = writeln!(
+        out,
+        "\nattempt history (last {}, oldest first):",
+        outbox::sql::ATTEMPT_LOG_LEN
+    );
     if e.attempt_log.is_empty() {
         let _ = writeln!(out, "  none");
     }

@@ -75,7 +75,7 @@ impl RelayFile {
         let first_window = first_table.window(&name(&first_type))?;
         let mut router = Router::new(first_table.build(&name(&first_type), flags)?);
         if let Some(window) = first_window {
-            router = router.retry_for(None, window);
+            router = router.with_retry_for(None, window);
         }
         for (aggregate_type, table) in tables {
             router = table.route(router, aggregate_type, flags)?;
@@ -118,7 +118,7 @@ impl RelayFile {
         };
         let mut router = Router::new(default);
         if let Some(window) = default_window {
-            router = router.retry_for(None, window);
+            router = router.with_retry_for(None, window);
         }
         for (aggregate_type, table) in self.routes {
             router = table.route(router, aggregate_type, flags)?;
@@ -186,7 +186,8 @@ impl SinkTable {
         let Some(text) = &self.retry_for else {
             return Ok(None);
         };
-        let bad = |e: &dyn std::fmt::Display| ConfigError(format!("--config {name} retry_for = {text:?}: {e}"));
+        let bad =
+            |e: &dyn std::fmt::Display| ConfigError(format!("--config {name} retry_for = {text:?}: {e}"));
         let window = humantime::parse_duration(text).map_err(|e| bad(&e))?;
         if window == Duration::ZERO {
             return Err(bad(&"must be greater than zero"));
@@ -201,7 +202,7 @@ impl SinkTable {
         let sink = self.build(&name, flags)?;
         let router = router.route(aggregate_type.clone(), sink);
         Ok(match window {
-            Some(window) => router.retry_for(Some(&aggregate_type), window),
+            Some(window) => router.with_retry_for(Some(&aggregate_type), window),
             None => router,
         })
     }
@@ -435,8 +436,10 @@ mod tests {
         let file = parse("[default]\nsink = \"redis://x\"\nformat = \"avro\"\n").unwrap();
         let e = file.router(None, &flags).err().unwrap().to_string();
         assert!(e.contains("format") && e.contains("avro"), "{e}");
-        let file = parse("[default]\nsink = \"redis://x\"\n[routes.orders]\nsink = \"redis://y\"\nretry_for = \"soon\"\n")
-            .unwrap();
+        let file = parse(
+            "[default]\nsink = \"redis://x\"\n[routes.orders]\nsink = \"redis://y\"\nretry_for = \"soon\"\n",
+        )
+        .unwrap();
         let e = file.router(None, &flags).err().unwrap().to_string();
         assert!(e.contains("[routes.orders] retry_for = \"soon\""), "{e}");
     }

@@ -67,10 +67,16 @@ async fn a_503_for_20_seconds_spends_no_attempt_and_makes_no_dead_letter() {
             .push(payload["seq"].as_i64().unwrap());
     }
     assert_eq!(seqs.len(), 5);
-    assert!(seqs.values().all(|s| s == &[0, 1]), "in order per aggregate: {seqs:?}");
+    assert!(
+        seqs.values().all(|s| s == &[0, 1]),
+        "in order per aggregate: {seqs:?}"
+    );
     let refused_last = received.iter().rposition(|p| p.status == 503).unwrap();
     let delivered_first = received.iter().position(|p| p.status == 200).unwrap();
-    assert!(refused_last < delivered_first, "nothing delivered during the outage");
+    assert!(
+        refused_last < delivered_first,
+        "nothing delivered during the outage"
+    );
 }
 
 /// A receiver failing with 500 for ever, a 3 s window: the event is a dead
@@ -82,10 +88,19 @@ async fn a_500_for_ever_dies_when_its_window_ends_with_the_body_and_its_history(
     let receiver = Receiver::start(Respond::Status(500)).await.unwrap();
     receiver.set_body(Some("upstream exploded\nat line 3"));
     db.insert_events(1, 1).await;
-    let args = ["--retry-for", "3s", "--backoff-base", "10ms", "--backoff-max", "100ms"];
+    let args = [
+        "--retry-for",
+        "3s",
+        "--backoff-base",
+        "10ms",
+        "--backoff-max",
+        "100ms",
+    ];
     let relay = start_relay(&db.url, &receiver.url(), &args, &[]).await;
     wait_until("the event dead", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL").await == 1
+        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")
+            .await
+            == 1
     })
     .await;
     stop_relay(relay).await;
@@ -107,7 +122,10 @@ async fn a_500_for_ever_dies_when_its_window_ends_with_the_body_and_its_history(
         "every POST an attempt, none after the death"
     );
     assert!(attempts > 10, "{attempts} attempts: the history must be capped");
-    assert!(window >= 3.0, "dead {window} s after its first failure, before its window ended");
+    assert!(
+        window >= 3.0,
+        "dead {window} s after its first failure, before its window ended"
+    );
     assert_eq!(
         last_error, "HTTP 500 Internal Server Error: upstream exploded at line 3",
         "the body kept, its newline replaced"
@@ -172,26 +190,38 @@ async fn a_400_with_a_json_body_is_a_dead_letter_that_keeps_it() {
     let receiver = Receiver::start(Respond::Status(400)).await.unwrap();
     let body = r#"{"error":"bad request: schema v2 required"}"#;
     receiver.set_body(Some(body));
-    let event = Event::new("orders", "42", "OrderPlaced", json!({"order": 42, "schema": 1}))
-        .with_header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    let event = Event::new("orders", "42", "OrderPlaced", json!({"order": 42, "schema": 1})).with_header(
+        "traceparent",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
     Outbox::default().enqueue(&db.client, &event).await.unwrap();
     let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
     wait_until("the event dead", LONG, || async {
-        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL").await == 1
+        db.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")
+            .await
+            == 1
     })
     .await;
     stop_relay(relay).await;
     assert_eq!(receiver.count(), 1, "a 400 is not retried");
     let expected = format!("permanent: HTTP 400 Bad Request: {body}");
 
-    let id: i64 = db.client.query_one("SELECT id FROM outbox", &[]).await.unwrap().get(0);
+    let id: i64 = db
+        .client
+        .query_one("SELECT id FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
     let shown = cli_json(&db.url, &["dlq", "show", &id.to_string(), "--json"]).await;
     assert_eq!(shown["last_error"], expected.as_str(), "{shown}");
     assert_eq!(shown["event_id"], event.event_id.to_string().as_str());
     assert_eq!(shown["payload"], json!({"order": 42, "schema": 1}));
     assert_eq!(shown["headers"]["traceparent"], event.headers["traceparent"]);
     assert_eq!(shown["attempts"], 1);
-    assert!(shown["dead_at"].is_string() && shown["first_failed_at"].is_string(), "{shown}");
+    assert!(
+        shown["dead_at"].is_string() && shown["first_failed_at"].is_string(),
+        "{shown}"
+    );
     let log = shown["attempt_log"].as_array().unwrap();
     assert_eq!(log.len(), 1, "{shown}");
     assert_eq!(
@@ -201,7 +231,13 @@ async fn a_400_with_a_json_body_is_a_dead_letter_that_keeps_it() {
 
     let listed = cli_json(&db.url, &["dlq", "list", "--json"]).await;
     let listed = &listed.as_array().unwrap()[0];
-    for key in ["payload", "headers", "attempt_log", "last_error", "first_failed_at"] {
+    for key in [
+        "payload",
+        "headers",
+        "attempt_log",
+        "last_error",
+        "first_failed_at",
+    ] {
         assert_eq!(listed[key], shown[key], "{key}");
     }
 
@@ -210,8 +246,15 @@ async fn a_400_with_a_json_body_is_a_dead_letter_that_keeps_it() {
     let said = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(said.contains("dead letter") && said.contains(&expected), "{said}");
-    assert!(said.contains("\"schema\": 1") && said.contains("traceparent"), "{said}");
+    assert!(
+        said.contains("\"schema\": 1") && said.contains("traceparent"),
+        "{said}"
+    );
     let missing = run_cli(&["dlq", "show", "999"], &env).await;
     assert_eq!(missing.status.code(), Some(1));
-    assert!(text(&missing.stderr).contains("no event with id 999"), "{}", text(&missing.stderr));
+    assert!(
+        text(&missing.stderr).contains("no event with id 999"),
+        "{}",
+        text(&missing.stderr)
+    );
 }

@@ -452,7 +452,10 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0]["event_id"], poisoned_id.as_str(), "{dead:?}");
     assert_eq!(dead[0]["attempts"], 3, "{dead:?}");
-    assert_eq!(dead[0]["last_error"], "HTTP 500 Internal Server Error", "{dead:?}");
+    assert_eq!(
+        dead[0]["last_error"], "HTTP 500 Internal Server Error",
+        "{dead:?}"
+    );
     assert!(dead[0]["dead_at"].is_string(), "{dead:?}");
     // Its attempts, kept in memory by the source, written with its death.
     let outcomes: Vec<&str> = dead[0]["attempt_log"]
@@ -511,7 +514,11 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
         (Some(emitted_id.as_str()), Some(3)),
         "{dead:?}"
     );
-    assert_eq!(dead[0]["attempt_log"].as_array().map(Vec::len), Some(3), "{dead:?}");
+    assert_eq!(
+        dead[0]["attempt_log"].as_array().map(Vec::len),
+        Some(3),
+        "{dead:?}"
+    );
     let rows = db
         .client
         .query_one(

@@ -138,7 +138,7 @@ pub enum ReplayError {
     /// its first failed attempt in this run) ended.
     #[error(
         "the sink failed {event} {attempts} times over {} (--retry-for): {error}",
-        humantime::format_duration(*window)
+        humantime::format_duration(.window.to_owned())
     )]
     Expired {
         /// The event, as in [`ReplayError::Refused`].

@@ -278,7 +278,9 @@ async fn body_excerpt(mut response: reqwest::Response) -> Option<String> {
     // A char is at most 4 bytes: enough to finish the one at the cut.
     while bytes.len() < BODY_EXCERPT + 4 {
         match response.chunk().await {
-            Ok(Some(chunk)) => bytes.extend_from_slice(&chunk[..chunk.len().min(BODY_EXCERPT + 4 - bytes.len())]),
+            Ok(Some(chunk)) => {
+                bytes.extend_from_slice(&chunk[..chunk.len().min(BODY_EXCERPT + 4 - bytes.len())])
+            }
             Ok(None) | Err(_) => break,
         }
     }
@@ -288,7 +290,11 @@ async fn body_excerpt(mut response: reqwest::Response) -> Option<String> {
 /// See [`body_excerpt`].
 fn excerpt(bytes: &[u8]) -> Option<String> {
     let text = String::from_utf8_lossy(bytes);
-    let cut = text.floor_char_boundary(BODY_EXCERPT);
+    // `str::floor_char_boundary` is newer than the workspace's MSRV.
+    let mut cut = BODY_EXCERPT.min(text.len());
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
     let mut out: String = text[..cut]
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })

@@ -125,7 +125,7 @@ impl Router {
     /// Gives the route of `aggregate_type` (None: the default route) its
     /// own retry window, over the relay's `--retry-for`. Call it after the
     /// route is added.
-    pub fn retry_for(mut self, aggregate_type: Option<&str>, window: Duration) -> Self {
+    pub fn with_retry_for(mut self, aggregate_type: Option<&str>, window: Duration) -> Self {
         let at = aggregate_type
             .and_then(|t| self.routes.get(t).copied())
             .unwrap_or(self.default);

@@ -46,7 +46,9 @@ pub use replay::{
     NewReplay, PageParams, Removed, ReplayFilter, ReplayJob, ReplaySql, ReplayState, SaveReplay,
 };
 #[cfg(feature = "tokio-postgres")]
-pub use wal::{BackfillPage, DeadRows, EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
+pub use wal::{
+    BackfillPage, DeadRows, EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql,
+};
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
 const ROW_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, \

@@ -763,7 +763,12 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<Writes, 
             first_failed_at,
             attempt_logs,
         } = rows;
-        let each = ids.into_iter().zip(attempts).zip(errors).zip(first_failed_at).zip(attempt_logs);
+        let each = ids
+            .into_iter()
+            .zip(attempts)
+            .zip(errors)
+            .zip(first_failed_at)
+            .zip(attempt_logs);
         for ((((id, attempts), error), first_failed_at), history) in each {
             if !found.contains(&id) {
                 unfound.dead.push(Dead::Row {

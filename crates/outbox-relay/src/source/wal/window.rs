@@ -98,7 +98,11 @@ pub(crate) enum Dead {
         history: Value,
     },
     /// An emitted event, which becomes a row.
-    Emitted { row: OutboxRow, error: String, history: Value },
+    Emitted {
+        row: OutboxRow,
+        error: String,
+        history: Value,
+    },
 }
 
 /// What the table must learn before a position may be confirmed.
