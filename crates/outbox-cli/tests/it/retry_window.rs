@@ -21,15 +21,17 @@ async fn cli_json(url: &str, args: &[&str]) -> Value {
 }
 
 /// A load balancer answering 503 to everything (the probes too) for 20 s,
-/// then the receiver: no attempt spent, no dead letter, every event
-/// delivered once, in order per aggregate.
+/// from just before events arrive, then the receiver: no attempt spent, no
+/// dead letter, every event delivered once, in order per aggregate.
 #[tokio::test]
 async fn a_503_for_20_seconds_spends_no_attempt_and_makes_no_dead_letter() {
     let mut db = Db::start().await;
     let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    // Started first: its startup probe finds the receiver, so the outage
+    // meets POSTs, not only probes.
+    let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
     receiver.set_outage(503, Duration::from_secs(20));
     db.insert_events(10, 2).await;
-    let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
     relay
         .wait_for_notification("STATUS=sink http unavailable", LONG)
         .await
@@ -257,4 +259,37 @@ async fn a_400_with_a_json_body_is_a_dead_letter_that_keeps_it() {
         "{}",
         text(&missing.stderr)
     );
+}
+
+/// The same record on a daily-partitioned outbox (`migrate --partition-by
+/// day`): migration 0007 added the columns to the partitioned table, and
+/// the mark of a failed batch writes them on the day's partition.
+#[tokio::test]
+async fn a_partitioned_outbox_keeps_the_answer_and_the_history_too() {
+    let db = Db::start().await;
+    let url = db.pg.fresh_database().await.unwrap();
+    let env = [("DATABASE_URL", url.as_str())];
+    let out = run_cli(&["migrate", "--partition-by", "day"], &env).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let client = crate::support::connect(&url).await;
+    Outbox::default()
+        .enqueue(&client, &Event::new("orders", "1", "Placed", json!({"n": 1})))
+        .await
+        .unwrap();
+    let receiver = Receiver::start(Respond::Status(422)).await.unwrap();
+    receiver.set_body(Some("amount must be positive"));
+    let drain = run_cli(&["relay", "--sink", &receiver.url(), "--drain"], &env).await;
+    assert_eq!(drain.status.code(), Some(1), "a drain that made a dead letter");
+    let row = client
+        .query_one(
+            "SELECT last_error, jsonb_array_length(attempt_log), tableoid::regclass::text \
+             FROM outbox WHERE dead_at IS NOT NULL AND first_failed_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (error, entries, partition): (String, i32, String) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(error, "permanent: HTTP 422 Unprocessable Entity: amount must be positive");
+    assert_eq!(entries, 1);
+    assert!(partition.starts_with("outbox_p"), "on a day's partition: {partition}");
 }
