@@ -30,6 +30,7 @@ async fn a_503_for_20_seconds_spends_no_attempt_and_makes_no_dead_letter() {
     // Started first: its startup probe finds the receiver, so the outage
     // meets POSTs, not only probes.
     let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
+    wait_until("the startup probe", LONG, || async { receiver.probes().len() == 1 }).await;
     receiver.set_outage(503, Duration::from_secs(20));
     db.insert_events(10, 2).await;
     relay
