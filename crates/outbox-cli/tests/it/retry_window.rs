@@ -30,7 +30,10 @@ async fn a_503_for_20_seconds_spends_no_attempt_and_makes_no_dead_letter() {
     // Started first: its startup probe finds the receiver, so the outage
     // meets POSTs, not only probes.
     let relay = start_relay(&db.url, &receiver.url(), &[], &[]).await;
-    wait_until("the startup probe", LONG, || async { receiver.probes().len() == 1 }).await;
+    wait_until("the startup probe", LONG, || async {
+        receiver.probes().len() == 1
+    })
+    .await;
     receiver.set_outage(503, Duration::from_secs(20));
     db.insert_events(10, 2).await;
     relay
@@ -290,7 +293,13 @@ async fn a_partitioned_outbox_keeps_the_answer_and_the_history_too() {
         .await
         .unwrap();
     let (error, entries, partition): (String, i32, String) = (row.get(0), row.get(1), row.get(2));
-    assert_eq!(error, "permanent: HTTP 422 Unprocessable Entity: amount must be positive");
+    assert_eq!(
+        error,
+        "permanent: HTTP 422 Unprocessable Entity: amount must be positive"
+    );
     assert_eq!(entries, 1);
-    assert!(partition.starts_with("outbox_p"), "on a day's partition: {partition}");
+    assert!(
+        partition.starts_with("outbox_p"),
+        "on a day's partition: {partition}"
+    );
 }
