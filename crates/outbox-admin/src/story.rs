@@ -4,7 +4,8 @@
 //! owner (`OutboxSql::event_story`), in the order the relay's claim checks
 //! them: delivered; given up; dead; waiting for its retry; held behind an
 //! earlier event (strict order); in a partition no live relay holds; else
-//! due now.
+//! due now. Then its last failed attempts (`attempt_log`), each with what
+//! the sink answered.
 
 use axum::Extension;
 use axum::extract::{RawQuery, State};
@@ -184,12 +185,31 @@ fn render(s: &EventStory) -> Markup {
             dt { "event type" } dd { (e.event_type) }
             dt { "attempts" } dd { (e.attempts) }
             dt { "created" } dd { (view::when(e.created_at, now)) }
+            dt { "first failed" } dd { @if let Some(t) = e.first_failed_at { (view::when(t, now)) } @else { "–" } }
             dt { "next attempt" } dd { (view::when(e.next_attempt_at, now)) }
             dt { "published" } dd { @if let Some(t) = e.published_at { (view::when(t, now)) } @else { "–" } }
             dt { "dead since" } dd { @if let Some(t) = e.dead_at { (view::when(t, now)) } @else { "–" } }
             dt { "given up" } dd { @if let Some(t) = e.given_up_at { (view::when(t, now)) } @else { "–" } }
             dt { "partition" } dd {
                 @if let Some(p) = s.partition { (p) " of " (s.partitions) ", held by " (owner) } @else { "–" }
+            }
+        }
+        h2 { "Attempts" }
+        @if e.attempt_log.is_empty() {
+            p #attempts { "No failed attempt recorded." }
+        } @else {
+            table #attempts {
+                thead { tr { th { "at" } th { "attempt" } th { "outcome" } th { "error" } } }
+                tbody {
+                    @for a in &e.attempt_log {
+                        tr {
+                            td { (view::when(a.at, now)) }
+                            td { @if let Some(n) = a.attempt { (n) } @else { "–" } }
+                            td { @if a.outcome == "dead" { span.error { (a.outcome) } } @else { (a.outcome) } }
+                            td.mono { (a.error.as_deref().unwrap_or("")) }
+                        }
+                    }
+                }
             }
         }
         h2 { "Payload" }
@@ -222,6 +242,8 @@ mod tests {
                 published_at: None,
                 dead_at: None,
                 given_up_at: None,
+                first_failed_at: None,
+                attempt_log: Vec::new(),
             },
             now,
             held_behind: None,

@@ -46,12 +46,13 @@ pub(crate) struct Global {
     /// NOTIFY channel of the insert trigger.
     #[arg(long, env = "OUTBOX_CHANNEL", default_value = "outbox_new", global = true)]
     pub(crate) channel: String,
-    /// Failed attempts after which the relay makes a row a dead letter
-    /// (recorded in the row, `dead_at`: other commands need not agree on
-    /// it). `migrate` marks rows with this many attempts as dead letters
-    /// when it first records them in the row.
-    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = outbox_relay::defaults::MAX_ATTEMPTS,
-          value_parser = clap::value_parser!(i32).range(1..), global = true)]
+    /// Failed attempts after which the relay makes a row a dead letter even
+    /// within its --retry-for window (recorded in the row, `dead_at`: other
+    /// commands need not agree on it); `none`: no count, the window
+    /// decides. `migrate` marks rows with this many attempts as dead letters
+    /// when it first records them in the row (schema version 4).
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value = "none",
+          value_parser = max_attempts, global = true)]
     pub(crate) max_attempts: i32,
     /// How long to keep trying to reach PostgreSQL at startup.
     #[arg(long, env = "OUTBOX_CONNECT_TIMEOUT", default_value = "10s",
@@ -285,9 +286,15 @@ pub(crate) struct RelayArgs {
     /// Delay after the first failed attempt; doubles per attempt.
     #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
     pub(crate) backoff_base: Duration,
-    /// Cap on the retry delay.
+    /// Cap on the retry delay (and on the Retry-After a receiver asks for).
     #[arg(long, env = "OUTBOX_BACKOFF_MAX", default_value = "5m", value_parser = positive_duration)]
     pub(crate) backoff_max: Duration,
+    /// How long a failing event is retried, from its first failed attempt:
+    /// its first failure after that makes it a dead letter. An unavailable
+    /// sink (refused, 502, 503, 504, 429) spends no attempt and never ends
+    /// it. A route's `retry_for` in --config overrides it for that route.
+    #[arg(long, env = "OUTBOX_RETRY_FOR", default_value = "24h", value_parser = positive_duration)]
+    pub(crate) retry_for: Duration,
     /// Boxed: the largest part of the largest command.
     #[command(flatten)]
     pub(crate) sink_options: Box<SinkArgs>,
@@ -487,7 +494,16 @@ pub(crate) enum DlqCommand {
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
     },
-    /// Requeue dead letters: attempts = 0, due now.
+    /// One event (a dead letter or not) by its row id: every column, the
+    /// attempt history, payload and headers.
+    Show {
+        /// The outbox row id.
+        id: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Requeue dead letters: attempts = 0, a new retry window, due now.
     #[command(alias = "retry")]
     Requeue(RequeueArgs),
     /// Give up on dead letters: they stay for inspection but no longer hold
@@ -610,6 +626,18 @@ fn byte_size(s: &str) -> Result<u64, String> {
         Some(0) => Err("must be greater than zero".to_owned()),
         Some(bytes) => Ok(bytes),
         None => Err(format!("{s:?} is too large")),
+    }
+}
+
+/// `--max-attempts`: a count of at least 1, or `none`: `i32::MAX`, which
+/// no row's attempts reach (`outbox_relay::defaults::MAX_ATTEMPTS`).
+fn max_attempts(s: &str) -> Result<i32, String> {
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(outbox_relay::defaults::MAX_ATTEMPTS);
+    }
+    match s.parse::<i32>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a count of at least 1, nor `none`")),
     }
 }
 

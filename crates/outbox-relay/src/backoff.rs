@@ -6,9 +6,15 @@
 //! `base * 2^(n-1)`, capped at `max`, plus up to 10% jitter so relays
 //! retrying the same outage do not hit the sink in lockstep. Jitter only
 //! ever adds: a row is never retried before its nominal time, which is
-//! what the seed's log (200 ms, then 400 ms) shows. A row whose attempts
-//! reach `max_attempts` is a dead letter: the claim no longer sees it until
-//! an operator requeues it.
+//! what the seed's log (200 ms, then 400 ms) shows.
+//!
+//! A row is retried for a window of time (`retry_for`, a day by default),
+//! measured from its first failed attempt rather than from when it was
+//! written, so a row that waited behind a backlog or an outage does not die
+//! at its first failure. Its first failure after the window ended makes it a
+//! dead letter: the claim no longer sees it until an operator requeues it.
+//! `max_attempts`, if set, ends it sooner. Answers that spend no attempt (an
+//! unavailable sink) neither start the window nor end it.
 //!
 //! [`Doubling`] is a loop's wait (reconnecting to PostgreSQL, probing a
 //! sink that is down): `initial`, doubling to `max`, reset when the loop
@@ -44,7 +50,7 @@ fn doubled(base: Duration, max: Duration, n: i32) -> Duration {
     base.saturating_mul(1 << exponent).min(max)
 }
 
-/// Retry delays and the attempt limit.
+/// Retry delays, the retry window and the attempt limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {
     /// Delay after the first failure (default [`defaults::BACKOFF_BASE`]).
@@ -52,8 +58,12 @@ pub struct Backoff {
     /// Cap on any delay (default [`defaults::BACKOFF_MAX`]).
     pub max: Duration,
     /// Attempts after which a row is a dead letter (default
-    /// [`defaults::MAX_ATTEMPTS`]).
+    /// [`defaults::MAX_ATTEMPTS`]: no limit).
     pub max_attempts: i32,
+    /// How long after its first failed attempt a row is retried (default
+    /// [`defaults::RETRY_FOR`]); a route may have its own
+    /// ([`Sink::retry_for`](crate::Sink::retry_for)).
+    pub retry_for: Duration,
 }
 
 impl Default for Backoff {
@@ -62,6 +72,7 @@ impl Default for Backoff {
             base: defaults::BACKOFF_BASE,
             max: defaults::BACKOFF_MAX,
             max_attempts: defaults::MAX_ATTEMPTS,
+            retry_for: defaults::RETRY_FOR,
         }
     }
 }
@@ -84,9 +95,20 @@ impl Backoff {
         nominal.mul_f64(1.0 + rand::rng().random_range(0.0..0.1))
     }
 
-    /// Whether a row with this many attempts is a dead letter.
-    pub fn is_dead(&self, attempts: i32) -> bool {
-        attempts >= self.max_attempts
+    /// Whether a row that just failed its `attempts`-th attempt,
+    /// `failing_for` after its first failed attempt (zero for the first),
+    /// is a dead letter: its retry window ended, or it reached
+    /// `max_attempts`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = outbox_relay::Backoff { retry_for: Duration::from_secs(60), ..Default::default() };
+    /// assert!(!b.is_dead(1, Duration::ZERO));
+    /// assert!(!b.is_dead(500, Duration::from_secs(59)));
+    /// assert!(b.is_dead(9, Duration::from_secs(60)));
+    /// ```
+    pub fn is_dead(&self, attempts: i32, failing_for: Duration) -> bool {
+        attempts >= self.max_attempts || failing_for >= self.retry_for
     }
 }
 
@@ -146,12 +168,50 @@ mod tests {
             base: Duration::from_millis(200),
             max: Duration::from_secs(1),
             max_attempts: 5,
+            retry_for: Duration::from_secs(60),
         };
         let ms: Vec<u128> = (1..=5).map(|n| b.nominal(n).as_millis()).collect();
         assert_eq!(ms, [200, 400, 800, 1000, 1000]);
         assert_eq!(b.nominal(i32::MAX), Duration::from_secs(1));
         assert_eq!(b.nominal(0), Duration::from_millis(200), "never below base");
         assert_eq!(b.nominal(i32::MIN), Duration::from_millis(200));
+    }
+
+    /// What the defaults make of a day (docs/relay.md quotes it): the
+    /// attempts a row gets before its window ends, nominal (no jitter) and
+    /// with the most jitter (10% on every delay).
+    #[test]
+    fn the_default_window_is_about_290_attempts() {
+        let b = Backoff::default();
+        assert_eq!(b.max_attempts, i32::MAX, "no count limit by default");
+        let attempts = |stretch: f64| {
+            // The first attempt fails at 0; each later one after its delay.
+            let (mut n, mut at) = (1, Duration::ZERO);
+            while !b.is_dead(n, at) {
+                at += b.nominal(n).mul_f64(stretch);
+                n += 1;
+            }
+            n
+        };
+        assert_eq!((attempts(1.0), attempts(1.1)), (299, 273));
+        // 11 doublings from 200 ms reach the 5 min cap within 7 minutes.
+        let doubling: Duration = (1..=11).map(|n| b.nominal(n)).sum();
+        assert_eq!(b.nominal(12), Duration::from_secs(300));
+        assert!(doubling < Duration::from_secs(7 * 60), "{doubling:?}");
+    }
+
+    #[test]
+    fn the_window_counts_from_the_first_failure_and_max_attempts_ends_it_sooner() {
+        let b = Backoff {
+            retry_for: Duration::from_secs(10),
+            ..Backoff::default()
+        };
+        assert!(!b.is_dead(1, Duration::ZERO), "a first failure never ends it");
+        assert!(!b.is_dead(1000, Duration::from_secs(9)));
+        assert!(b.is_dead(2, Duration::from_secs(10)));
+        let b = Backoff { max_attempts: 3, ..b };
+        assert!(!b.is_dead(2, Duration::ZERO));
+        assert!(b.is_dead(3, Duration::ZERO));
     }
 
     #[test]

@@ -19,6 +19,11 @@
 //! its payload). That batch's answers then count as attempts, so such an
 //! event becomes a dead letter instead of being retried for ever.
 //!
+//! An unavailable answer or probe that carries a `Retry-After` (an HTTP
+//! 503 or 429) puts the next probe no earlier than it asks, up to
+//! [`MAX_RETRY_AFTER`]: a receiver that said when to come back is not
+//! probed every second meanwhile.
+//!
 //! Two users: the relay holds one for its sink and, while it is open,
 //! claims nothing (`relay.rs`); the [`Router`] holds one per route and,
 //! while a route's is open, answers its rows unavailable without calling
@@ -43,6 +48,11 @@ const FIRST_PROBE: Duration = Duration::from_millis(100);
 /// The longest probe interval: delivery resumes at most this long after
 /// the sink is back (plus the probe's own round trip).
 pub(crate) const MAX_PROBE: Duration = Duration::from_secs(1);
+
+/// The longest `Retry-After` a breaker waits for before its next probe, so
+/// a receiver answering `Retry-After: 86400` by mistake is still probed
+/// every five minutes (`--backoff-max`'s default, the longest a row waits).
+pub(crate) const MAX_RETRY_AFTER: Duration = crate::defaults::BACKOFF_MAX;
 
 /// Batches failed as unavailable right after a successful probe, in a row,
 /// before their answers count as attempts.
@@ -82,6 +92,8 @@ pub(crate) struct Breaker {
     down: Option<(Instant, String)>,
     /// The probe intervals.
     interval: Doubling,
+    /// No probe before this (the sink's last `Retry-After`).
+    not_before: Option<Instant>,
     /// Batches in a row found unavailable while half-open.
     strikes: u32,
     /// Whether strikes count (see [`Breaker::without_strikes`]).
@@ -99,8 +111,9 @@ pub(crate) enum Probed {
     Cancelled,
 }
 
-/// Whether every answer of a batch says the sink is unavailable, and why.
-fn unavailable(answers: &[Delivery]) -> Option<&str> {
+/// Whether every answer of a batch says the sink is unavailable: why, and
+/// the longest `Retry-After` among them.
+fn unavailable(answers: &[Delivery]) -> Option<(&str, Option<Duration>)> {
     // Rows the sink did not try (behind an unavailable one of their
     // aggregate) say nothing either way.
     let all = answers.iter().all(|a| {
@@ -112,8 +125,12 @@ fn unavailable(answers: &[Delivery]) -> Option<&str> {
     if !all {
         return None;
     }
+    let retry_after = answers
+        .iter()
+        .filter_map(|a| a.as_ref().err().and_then(DeliveryError::retry_after))
+        .max();
     answers.iter().find_map(|a| match a {
-        Err(DeliveryError::Unavailable { message }) => Some(message.as_str()),
+        Err(DeliveryError::Unavailable { message, .. }) => Some((message.as_str(), retry_after)),
         _ => None,
     })
 }
@@ -128,6 +145,7 @@ impl Breaker {
             state: CircuitState::Closed,
             down: None,
             interval: Doubling::new(FIRST_PROBE, MAX_PROBE),
+            not_before: None,
             strikes: 0,
             striking: true,
             reporter: None,
@@ -187,8 +205,8 @@ impl Breaker {
     /// unavailable, turns their unavailable answers into retryable failures
     /// (an attempt each).
     pub(crate) fn record(&mut self, answers: &mut [Delivery]) -> bool {
-        match unavailable(answers).map(str::to_owned) {
-            Some(cause) => {
+        match unavailable(answers).map(|(cause, after)| (cause.to_owned(), after)) {
+            Some((cause, retry_after)) => {
                 if self.striking && self.state == CircuitState::HalfOpen {
                     self.strikes += 1;
                 }
@@ -202,14 +220,18 @@ impl Breaker {
                     );
                     self.strikes = 0;
                     for answer in answers.iter_mut() {
-                        if let Err(DeliveryError::Unavailable { message }) = answer {
-                            *answer = Err(DeliveryError::retryable(format!(
-                                "{message} (the sink answers its probe but failed {STRIKES} batches in a row)"
-                            )));
+                        if let Err(DeliveryError::Unavailable { message, retry_after }) = answer {
+                            *answer = Err(DeliveryError::Retryable {
+                                message: format!(
+                                    "{message} (the sink answers its probe but failed {STRIKES} batches in a row)"
+                                ),
+                                retry_after: *retry_after,
+                            });
                         }
                     }
                 }
                 self.open(&cause);
+                self.wait_at_least(retry_after);
                 true
             }
             None => {
@@ -252,9 +274,29 @@ impl Breaker {
         }
     }
 
-    /// How long to wait before the next probe; backs off.
+    /// The sink failed its probe or a batch with this answer: open, and
+    /// no probe before its `Retry-After`.
+    pub(crate) fn open_after(&mut self, error: &DeliveryError) {
+        self.open(&error.to_string());
+        self.wait_at_least(error.retry_after());
+    }
+
+    /// No probe sooner than `retry_after` from now (at most
+    /// [`MAX_RETRY_AFTER`]).
+    fn wait_at_least(&mut self, retry_after: Option<Duration>) {
+        if let Some(after) = retry_after {
+            self.not_before = Some(Instant::now() + after.min(MAX_RETRY_AFTER));
+        }
+    }
+
+    /// How long to wait before the next probe; backs off, and waits out the
+    /// sink's last `Retry-After`.
     pub(crate) fn next_probe(&mut self) -> Duration {
-        self.interval.next_delay()
+        let wait = self.interval.next_delay();
+        match self.not_before.take() {
+            Some(at) => wait.max(at.saturating_duration_since(Instant::now())),
+            None => wait,
+        }
     }
 
     /// A probe succeeded: half-open.
@@ -275,6 +317,7 @@ impl Breaker {
         let was = self.state;
         self.state = CircuitState::Closed;
         self.strikes = 0;
+        self.not_before = None;
         let down = self.down.take();
         if was != CircuitState::Closed || down.is_some() {
             self.report();
@@ -305,7 +348,7 @@ impl Breaker {
             };
             match probe {
                 Ok(()) => self.half_open(),
-                Err(error) => self.open(&error.to_string()),
+                Err(error) => self.open_after(&error),
             }
         }
         Probed::Available
@@ -374,6 +417,31 @@ mod tests {
         b.record(&mut [Ok(())]);
         b.open("no responders");
         assert!(b.next_probe() <= FIRST_PROBE, "back to the first interval");
+    }
+
+    #[test]
+    fn retry_after_puts_off_the_next_probe_up_to_a_cap() {
+        let mut b = Breaker::new("http", None);
+        let mut answers = [Err(DeliveryError::Unavailable {
+            message: "HTTP 503 Service Unavailable".into(),
+            retry_after: Some(Duration::from_secs(30)),
+        })];
+        assert!(b.record(&mut answers));
+        let wait = b.next_probe();
+        assert!(
+            wait > Duration::from_secs(29) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+        assert!(b.next_probe() <= Duration::from_millis(200), "only the next one");
+        b.open_after(&DeliveryError::Unavailable {
+            message: "HTTP 429 Too Many Requests (probe)".into(),
+            retry_after: Some(Duration::from_secs(86_400)),
+        });
+        let wait = b.next_probe();
+        assert!(
+            wait <= MAX_RETRY_AFTER && wait > MAX_RETRY_AFTER - Duration::from_secs(1),
+            "capped: {wait:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

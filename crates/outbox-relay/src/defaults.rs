@@ -13,14 +13,24 @@ use std::time::Duration;
 pub const BATCH_SIZE: u32 = 100;
 
 /// `--max-attempts`: failed attempts after which a row is a dead letter.
-/// The schema's due-row function is rendered with it too, so it is the
-/// `outbox` crate's.
-pub const MAX_ATTEMPTS: i32 = outbox::DEFAULT_MAX_ATTEMPTS;
+/// None by default (`i32::MAX`, which no row reaches): the retry window
+/// ([`RETRY_FOR`]) decides. Not the `outbox` crate's
+/// `DEFAULT_MAX_ATTEMPTS` (5), which is the rule migration 0004 applied to
+/// rows failed before dead letters were recorded.
+pub const MAX_ATTEMPTS: i32 = i32::MAX;
+
+/// `--retry-for`: how long a row is retried after its first failed
+/// attempt; its first failure after that makes it a dead letter. A day,
+/// as webhook platforms retry (Standard Webhooks: about a day). With the
+/// default backoff that is 273 to 299 attempts (jitter decides): 11 in the
+/// first 7 minutes (200 ms doubling), then one every 5 to 5.5 minutes.
+pub const RETRY_FOR: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// `--backoff-base`: the delay after a row's first failed attempt.
 pub const BACKOFF_BASE: Duration = Duration::from_millis(200);
 
-/// `--backoff-max`: the cap on a row's retry delay.
+/// `--backoff-max`: the cap on a row's retry delay, and on the
+/// `Retry-After` a row or a breaker's probe waits for.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
 
 /// `--poll-interval` with NOTIFY: only a fallback.

@@ -1,6 +1,13 @@
 //! Turning a batch's sink outcomes into what the commit records: how many
 //! rows were delivered, and for every other row its new attempt count, error
-//! and retry delay.
+//! and retry delay, or that it is now a dead letter.
+//!
+//! A failed attempt makes a row a dead letter when the receiver refused it
+//! (permanent), or when its retry window (`--retry-for`, or its route's
+//! `retry_for`) ended: the window runs from the row's first failed attempt
+//! (`first_failed_at`), so a row that waited behind a backlog is not cut
+//! short, and only attempts spent count (an unavailable sink, an outage of
+//! any length, is neither). `--max-attempts`, if set, ends it sooner.
 //!
 //! Per-aggregate order is the rule the delays keep: within a batch, a failed
 //! row of an aggregate is never due before an earlier failed row of the same
@@ -16,11 +23,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use outbox::OutboxRow;
 
 use crate::backoff::Backoff;
 use crate::metric::{self, Tally};
-use crate::sink::{Delivery, DeliveryError};
+use crate::sink::{Delivery, DeliveryError, Sink};
 
 /// Aggregates (type, id) with a failed or held-back row.
 pub(crate) type Blocked = HashMap<(String, String), Block>;
@@ -54,6 +62,11 @@ pub(crate) struct Failures {
     pub(crate) delay_ms: Vec<f64>,
     /// Whether each row is now a dead letter.
     pub(crate) dead_letter: Vec<bool>,
+    /// Where each row's retry window starts: its first failed attempt, this
+    /// one's time if it was the first (None: no attempt spent yet). The
+    /// polling source's mark computes the same with the database's clock;
+    /// the WAL source keeps it in memory.
+    pub(crate) first_failed: Vec<Option<DateTime<Utc>>>,
     /// The shortest retry delay among rows that are not dead letters.
     pub(crate) soonest: Option<Duration>,
     /// Rows that failed (held-back rows not included).
@@ -72,13 +85,17 @@ impl Failures {
         self.soonest = Some(self.soonest.map_or(delay, |s| s.min(delay)));
     }
 
-    fn push(&mut self, at: (usize, i64), error: String, attempts: i32, delay: Duration, dead: bool) {
-        self.positions.push(at.0);
-        self.ids.push(at.1);
+    fn push(&mut self, at: (usize, &OutboxRow), error: String, attempts: i32, delay: Duration, dead: bool) {
+        let (i, row) = at;
+        self.positions.push(i);
+        self.ids.push(row.id);
         self.errors.push(error);
-        self.attempts.push(attempts);
         self.delay_ms.push(delay.as_secs_f64() * 1000.0);
         self.dead_letter.push(dead);
+        let spent = attempts > row.attempts;
+        self.first_failed
+            .push(row.first_failed_at.or_else(|| spent.then(Utc::now)));
+        self.attempts.push(attempts);
     }
 }
 
@@ -194,17 +211,19 @@ pub(crate) enum Outcome {
 }
 
 /// When a row whose sink was unavailable comes due again: the breaker's
-/// longest probe interval.
+/// longest probe interval, or later if the sink said so (`Retry-After`).
 const UNAVAILABLE_RETRY: Duration = crate::breaker::MAX_PROBE;
 
 /// The message recorded in `last_error` for a row the relay held back.
 const HELD_BACK: &str = "held back: an earlier event of this aggregate failed in the previous batch";
 
 /// Computes each row's outcome, and logs the rows that became dead
-/// letters. `carried` are the aggregates the previous batch blocked.
+/// letters. `carried` are the aggregates the previous batch blocked;
+/// `sink` names the failures and may give a route its own retry window
+/// ([`Sink::retry_for`]).
 pub(crate) fn plan(
     backoff: Backoff,
-    sink: &str,
+    sink: &dyn Sink,
     rows: &[OutboxRow],
     outcomes: Vec<Outcome>,
     carried: &Blocked,
@@ -228,18 +247,27 @@ pub(crate) fn plan(
 /// same way, but marks nothing, so makes no dead letter to log.
 pub(crate) fn decide(
     backoff: Backoff,
-    sink: &str,
+    sink: &dyn Sink,
     rows: &[OutboxRow],
     outcomes: Vec<Outcome>,
     carried: &Blocked,
 ) -> Plan {
+    let now = Utc::now();
+    // How long a row has been failing, this attempt included: zero at its
+    // first failed attempt.
+    let failing_for = |row: &OutboxRow| {
+        row.first_failed_at
+            .map_or(Duration::ZERO, |first| (now - first).to_std().unwrap_or_default())
+    };
+    // A `Retry-After` is honoured up to the cap on any delay.
+    let asked = |retry_after: Option<Duration>| retry_after.unwrap_or_default().min(backoff.max);
+    let name = sink.name();
     let mut plan = Plan::default();
     let failures = &mut plan.failures;
     // The delay given to the last failed row of each aggregate, which rows
     // held back behind it inherit so they come due together, in order.
     let mut blocked: HashMap<(&str, &str), Block> = HashMap::new();
     for (i, (row, outcome)) in rows.iter().zip(outcomes).enumerate() {
-        let at = (i, row.id);
         let k = (row.aggregate_type.as_str(), row.aggregate_id.as_str());
         // Rows come in id order, so a block started in this batch is
         // always behind an earlier row.
@@ -261,7 +289,7 @@ pub(crate) fn decide(
                 // aggregate, whatever the jitter drew.
                 let delay = backoff
                     .delay(attempts)
-                    .max(retry_after.unwrap_or_default())
+                    .max(asked(retry_after))
                     .max(behind.unwrap_or_default());
                 (message, attempts, delay, false)
             }
@@ -273,7 +301,7 @@ pub(crate) fn decide(
             ),
             Outcome::TooLarge { bytes, limit } => {
                 let message = format!(
-                    "permanent: {sink}: event too large: its payload is {bytes} bytes, over the limit of {limit} \
+                    "permanent: {name}: event too large: its payload is {bytes} bytes, over the limit of {limit} \
                      (--max-event-bytes, or the sink's max payload); it was not sent"
                 );
                 (message, row.attempts.saturating_add(1), Duration::ZERO, true)
@@ -287,12 +315,14 @@ pub(crate) fn decide(
             // down is not claimed in a loop while the others deliver (a
             // sink that is down as a whole stops the claim altogether, see
             // `breaker`).
-            Outcome::Sent(Err(DeliveryError::Unavailable { message })) => {
-                let delay = UNAVAILABLE_RETRY.max(behind.unwrap_or_default());
+            Outcome::Sent(Err(DeliveryError::Unavailable { message, retry_after })) => {
+                let delay = UNAVAILABLE_RETRY
+                    .max(asked(retry_after))
+                    .max(behind.unwrap_or_default());
                 failures.unavailable += 1;
                 failures.due_in(delay);
                 failures.push(
-                    at,
+                    (i, row),
                     format!("sink unavailable: {message}"),
                     row.attempts,
                     delay,
@@ -308,14 +338,18 @@ pub(crate) fn decide(
                     _ => HELD_BACK.to_owned(),
                 };
                 let delay = behind.unwrap_or_default();
-                failures.push(at, message, row.attempts, delay, false);
+                failures.push((i, row), message, row.attempts, delay, false);
                 block(&mut blocked, k, row.id, delay);
                 continue;
             }
         };
         block(&mut blocked, k, row.id, delay);
         failures.failed += 1;
-        let dead = permanent || backoff.is_dead(attempts);
+        let window = Backoff {
+            retry_for: sink.retry_for(&row.aggregate_type).unwrap_or(backoff.retry_for),
+            ..backoff
+        };
+        let dead = permanent || window.is_dead(attempts, failing_for(row));
         let tally = metric::tally(&mut plan.tallies, &row.aggregate_type);
         tally.failed += 1;
         if dead {
@@ -325,7 +359,7 @@ pub(crate) fn decide(
             failures.due_in(delay);
         }
         failures.first_error.get_or_insert_with(|| message.clone());
-        failures.push(at, message, attempts, delay, dead);
+        failures.push((i, row), message, attempts, delay, dead);
     }
     plan.blocked = blocked
         .into_iter()
@@ -372,10 +406,32 @@ pub(crate) mod tests {
             headers: json!({}),
             created_at: Utc::now(),
             attempts: 0,
+            first_failed_at: None,
         }
     }
 
     const NO_LIMIT: u64 = u64::MAX;
+
+    /// A sink that is only a name, "redis", and routes' retry windows.
+    #[derive(Default)]
+    struct Named {
+        windows: Vec<(&'static str, Duration)>,
+    }
+
+    impl Sink for Named {
+        fn name(&self) -> &'static str {
+            "redis"
+        }
+        fn deliver<'a>(&'a self, _: &'a [OutboxRow]) -> futures::future::BoxFuture<'a, Vec<Delivery>> {
+            unreachable!("plans only")
+        }
+        fn retry_for(&self, aggregate_type: &str) -> Option<Duration> {
+            self.windows
+                .iter()
+                .find(|(t, _)| *t == aggregate_type)
+                .map(|(_, w)| *w)
+        }
+    }
 
     fn failed() -> Outcome {
         Outcome::Sent(Err(DeliveryError::retryable("down")))
@@ -386,7 +442,7 @@ pub(crate) mod tests {
         let first = [row(1, "a"), row(2, "b")];
         let plan = plan(
             Backoff::default(),
-            "redis",
+            &Named::default(),
             &first,
             vec![failed(), Outcome::Sent(Ok(()))],
             &Blocked::new(),
@@ -407,7 +463,7 @@ pub(crate) mod tests {
         // batch before, still blocks the aggregate: 5 is earlier, so it goes.
         let held = plan(
             Backoff::default(),
-            "redis",
+            &Named::default(),
             &[row(6, "a")],
             vec![Outcome::HeldBack],
             &Blocked::new(),
@@ -427,7 +483,7 @@ pub(crate) mod tests {
         let rows = [row(1, "a"), row(2, "a")];
         let plan = plan(
             Backoff::default(),
-            "redis",
+            &Named::default(),
             &rows,
             vec![failed(), Outcome::HeldBack],
             &Blocked::new(),
@@ -456,7 +512,13 @@ pub(crate) mod tests {
                 limit: bytes - 1
             }
         );
-        let plan = plan(Backoff::default(), "redis", &rows, outcomes, &Blocked::new());
+        let plan = plan(
+            Backoff::default(),
+            &Named::default(),
+            &rows,
+            outcomes,
+            &Blocked::new(),
+        );
         assert_eq!(plan.published, 2);
         assert_eq!(plan.failures.ids, [2]);
         assert_eq!(plan.failures.dead, 1);
@@ -490,7 +552,7 @@ pub(crate) mod tests {
         let rows = [row(1, "a"), row(2, "a")];
         let plan = plan(
             Backoff::default(),
-            "redis",
+            &Named::default(),
             &rows,
             vec![
                 Outcome::Sent(Err(DeliveryError::unavailable("connection refused"))),
@@ -504,5 +566,114 @@ pub(crate) mod tests {
         assert_eq!(plan.failures.delay_ms, [1000.0, 1000.0]);
         assert_eq!(plan.failures.soonest, Some(UNAVAILABLE_RETRY));
         assert_eq!(plan.failures.errors[0], "sink unavailable: connection refused");
+    }
+
+    /// A row failing `failing_for` already, with `attempts` spent.
+    fn failing(id: i64, aggregate_type: &str, attempts: i32, failing_for: Duration) -> OutboxRow {
+        OutboxRow {
+            aggregate_type: aggregate_type.to_owned(),
+            attempts,
+            first_failed_at: (attempts > 0).then(|| Utc::now() - failing_for),
+            ..row(id, "a")
+        }
+    }
+
+    #[test]
+    fn a_row_dies_at_its_first_failure_after_its_window_from_its_first_failed_attempt() {
+        let hour = Duration::from_secs(3600);
+        let backoff = Backoff {
+            retry_for: hour,
+            ..Backoff::default()
+        };
+        // A row written long ago failing for the first time: its window
+        // starts now, however old it is.
+        let mut old = row(1, "a");
+        old.created_at = Utc::now() - chrono::Duration::days(3);
+        let rows = [
+            old,
+            failing(2, "orders", 40, hour - Duration::from_secs(60)),
+            failing(3, "orders", 41, hour + Duration::from_secs(1)),
+        ];
+        let plan = plan(
+            backoff,
+            &Named::default(),
+            &rows,
+            vec![failed(), failed(), failed()],
+            &Blocked::new(),
+        );
+        let f = &plan.failures;
+        assert_eq!(f.dead_letter, [false, false, true]);
+        assert_eq!(f.attempts, [1, 41, 42]);
+        assert_eq!(f.dead, 1);
+        assert!(f.first_failed[0].is_some(), "its first failure starts the window");
+        assert_eq!(f.first_failed[1], rows[1].first_failed_at, "kept");
+        assert_eq!(f.first_failed[2], rows[2].first_failed_at);
+        // The same rows answered unavailable: no attempt, no window, no death.
+        let plan = decide(
+            backoff,
+            &Named::default(),
+            &rows,
+            vec![
+                Outcome::Sent(Err(DeliveryError::unavailable("HTTP 503"))),
+                Outcome::Sent(Err(DeliveryError::unavailable("HTTP 503"))),
+                Outcome::Sent(Err(DeliveryError::unavailable("HTTP 503"))),
+            ],
+            &Blocked::new(),
+        );
+        assert_eq!(plan.failures.dead_letter, [false; 3]);
+        assert_eq!(plan.failures.attempts, [0, 40, 41]);
+        assert_eq!(plan.failures.first_failed[0], None, "no attempt spent: no window");
+    }
+
+    #[test]
+    fn max_attempts_set_ends_the_window_sooner_and_a_route_may_have_its_own_window() {
+        let minute = Duration::from_secs(60);
+        let rows = [
+            failing(1, "orders", 2, Duration::from_secs(1)),
+            failing(2, "payments", 1, 2 * minute),
+            failing(3, "invoices", 1, 2 * minute),
+        ];
+        let answers = || vec![failed(), failed(), failed()];
+        let backoff = Backoff {
+            max_attempts: 3,
+            ..Backoff::default()
+        };
+        let routes = Named {
+            windows: vec![("payments", minute)],
+        };
+        let plan = decide(backoff, &routes, &rows, answers(), &Blocked::new());
+        assert_eq!(
+            plan.failures.dead_letter,
+            [true, true, false],
+            "orders: its third attempt; payments: its route's minute is over; invoices: the day is not"
+        );
+    }
+
+    #[test]
+    fn retry_after_delays_a_failed_row_and_an_unavailable_one_up_to_the_cap() {
+        let rows = [row(1, "a"), row(2, "b"), row(3, "c")];
+        let after = |secs| Some(Duration::from_secs(secs));
+        let plan = decide(
+            Backoff::default(),
+            &Named::default(),
+            &rows,
+            vec![
+                Outcome::Sent(Err(DeliveryError::Retryable {
+                    message: "HTTP 500".into(),
+                    retry_after: after(30),
+                })),
+                Outcome::Sent(Err(DeliveryError::Unavailable {
+                    message: "HTTP 429".into(),
+                    retry_after: after(2),
+                })),
+                Outcome::Sent(Err(DeliveryError::Unavailable {
+                    message: "HTTP 503".into(),
+                    retry_after: after(86_400),
+                })),
+            ],
+            &Blocked::new(),
+        );
+        assert_eq!(plan.failures.delay_ms, [30_000.0, 2_000.0, 300_000.0]);
+        assert_eq!(plan.failures.attempts, [1, 0, 0]);
     }
 }

@@ -28,8 +28,10 @@
 //! each claim is restricted to the partitions this relay holds, which it
 //! locks `FOR SHARE` for the batch, so no other relay can take them over
 //! until the batch committed or rolled back. [`OrderMode::None`] skips the
-//! leases and just skips rows another relay holds. A row failing
-//! `max_attempts` times, or refused permanently, is a dead letter (its
+//! leases and just skips rows another relay holds. A row still failing
+//! when its retry window ends (`--retry-for`, from its first failed
+//! attempt; or at `--max-attempts` if set), or refused permanently, is a
+//! dead letter (its
 //! `dead_at` is set in the same commit): the claim no longer sees it until
 //! `outbox dlq requeue` requeues it.
 //!
@@ -521,7 +523,7 @@ impl Relay {
         // 3. Mark: what became of each row, and when failed rows come due.
         let mut plan = plan::plan(
             self.config.backoff,
-            self.sink.name(),
+            self.sink.as_ref(),
             &batch.rows,
             answers,
             blocked,

@@ -1,5 +1,7 @@
 //! A scripted HTTP endpoint: records every POST it gets and answers with the
-//! status the test chose, so delivery, retries and backoff can be observed.
+//! status (and body, and `Retry-After`) the test chose, so delivery, retries
+//! and backoff can be observed; an outage of a set length answers every
+//! method, as a load balancer in front of a receiver that is down does.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -83,7 +85,8 @@ impl Post {
 
 /// A real HTTP server (axum) on 127.0.0.1 and a free port that records every
 /// POST to any path and answers as scripted with [`Respond`]. Other methods
-/// get 405 and are not recorded.
+/// get 405 (or the outage's status, see [`Receiver::set_outage`]) and are
+/// recorded apart, as [`probes`](Receiver::probes).
 ///
 /// Dropping it stops accepting connections; [`shutdown`](Self::shutdown)
 /// also waits for open ones to finish.
@@ -111,6 +114,13 @@ struct Shared {
     /// How long each POST waits, once recorded, before its answer: a slow
     /// consumer.
     delay: Mutex<Option<Duration>>,
+    /// The body of every answer that is not a success.
+    body: Mutex<Option<String>>,
+    /// Until this instant every request, whatever its method, gets this
+    /// status, whatever the script says.
+    outage: Mutex<Option<(u16, Instant)>>,
+    /// Requests with another method than POST: when, and the status.
+    probes: Mutex<Vec<(Instant, u16)>>,
     /// How many requests are in `log`; waiters watch it.
     count: watch::Sender<usize>,
 }
@@ -139,6 +149,9 @@ impl Receiver {
             poison: Mutex::new(None),
             refuse: Mutex::new(None),
             delay: Mutex::new(None),
+            body: Mutex::new(None),
+            outage: Mutex::new(None),
+            probes: Mutex::new(Vec::new()),
             count: watch::Sender::new(0),
         });
         let mut receiver = Receiver {
@@ -237,6 +250,26 @@ impl Receiver {
         *lock(&self.state.delay) = delay;
     }
 
+    /// Answers every request that is not a success with this body from now
+    /// on (`None`: an empty one): a receiver saying why it refused.
+    pub fn set_body(&self, body: Option<&str>) {
+        *lock(&self.state.body) = body.map(str::to_owned);
+    }
+
+    /// Answers every request, POST or not (a `HEAD` probe too), with
+    /// `status` for `duration` from now, whatever the script says; then the
+    /// script again, which does not count the requests answered meanwhile.
+    /// A load balancer in front of a receiver that is down or rolling out.
+    pub fn set_outage(&self, status: u16, duration: Duration) {
+        *lock(&self.state.outage) = Some((status, Instant::now() + duration));
+    }
+
+    /// Requests with another method than POST (the HTTP sink's `HEAD`
+    /// probes) so far: when each arrived and the status it got.
+    pub fn probes(&self) -> Vec<(Instant, u16)> {
+        lock(&self.state.probes).clone()
+    }
+
     /// `http://127.0.0.1:<port>/events` (any path is accepted).
     pub fn url(&self) -> String {
         format!("http://{}/events", self.addr)
@@ -312,8 +345,15 @@ async fn record(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let outage = lock(&state.outage)
+        .filter(|(_, until)| Instant::now() < *until)
+        .map(|(status, _)| status);
     if method != Method::POST {
-        return StatusCode::METHOD_NOT_ALLOWED.into_response();
+        let status = outage
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .unwrap_or(StatusCode::METHOD_NOT_ALLOWED);
+        lock(&state.probes).push((Instant::now(), status.as_u16()));
+        return answer(&state, status);
     }
     let contains = |text: &str| body.windows(text.len().max(1)).any(|w| w == text.as_bytes());
     let poisoned = lock(&state.poison).as_deref().is_some_and(contains);
@@ -332,6 +372,8 @@ async fn record(
         413
     } else if let Some(status) = refused {
         status
+    } else if let Some(status) = outage {
+        status
     } else {
         let mut script = lock(&state.script);
         let wanted = script.respond.status_for(script.answered);
@@ -340,11 +382,6 @@ async fn record(
     };
     // An invalid scripted status cannot be sent; record what we did send.
     let status = StatusCode::from_u16(wanted).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let retry_after = if status.is_success() {
-        None
-    } else {
-        *lock(&state.retry_after)
-    };
     let received = Post {
         at,
         path: uri.path().to_owned(),
@@ -372,8 +409,18 @@ async fn record(
     if let Some(delay) = delay {
         tokio::time::sleep(delay).await;
     }
-    let mut response = status.into_response();
-    if let Some(secs) = retry_after {
+    answer(&state, status)
+}
+
+/// `status`, and unless it is a success the scripted body and
+/// `Retry-After`.
+fn answer(state: &Shared, status: StatusCode) -> Response {
+    if status.is_success() {
+        return status.into_response();
+    }
+    let body = lock(&state.body).clone().unwrap_or_default();
+    let mut response = (status, body).into_response();
+    if let Some(secs) = *lock(&state.retry_after) {
         response
             .headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(secs));

@@ -168,4 +168,8 @@ pub struct OutboxRow {
     pub created_at: DateTime<Utc>,
     /// Failed deliveries so far.
     pub attempts: i32,
+    /// When its first failed attempt was (None: none yet, or requeued
+    /// since): where its retry window (`outbox relay --retry-for`) starts.
+    #[serde(default)]
+    pub first_failed_at: Option<DateTime<Utc>>,
 }

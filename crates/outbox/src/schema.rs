@@ -55,16 +55,17 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "replays",
         template: include_str!("../migrations/outbox/0006_replays.sql"),
     },
-    TABLE_CONTRACT,
+    Migration {
+        version: 7,
+        name: "attempt_history",
+        template: include_str!("../migrations/outbox/0007_attempt_history.sql"),
+    },
+    Migration {
+        version: 8,
+        name: "table_contract",
+        template: include_str!("../migrations/outbox/0008_table_contract.sql"),
+    },
 ];
-
-/// The table contract's CHECK constraints; named so both layouts' lists
-/// take it by name, not by position.
-const TABLE_CONTRACT: Migration = Migration {
-    version: 8,
-    name: "table_contract",
-    template: include_str!("../migrations/outbox/0008_table_contract.sql"),
-};
 
 /// The daily-partitioned layout: its own first migration, then the same
 /// later ones, which work on either layout.
@@ -79,7 +80,8 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[3],
     OUTBOX_MIGRATIONS[4],
     OUTBOX_MIGRATIONS[5],
-    TABLE_CONTRACT,
+    OUTBOX_MIGRATIONS[6],
+    OUTBOX_MIGRATIONS[7],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {

@@ -1,9 +1,10 @@
-//! `outbox dlq`: list dead letters, requeue them once the cause is fixed, or
-//! give up on them so they stop blocking their aggregate. Dead letters never
-//! expire on their own.
+//! `outbox dlq`: list dead letters, show one with its attempt history,
+//! requeue them once the cause is fixed, or give up on them so they stop
+//! blocking their aggregate. Dead letters never expire on their own.
 
 use anyhow::Context;
-use outbox::sql::DeadFilter;
+use chrono::{DateTime, Utc};
+use outbox::sql::{DeadFilter, EventDetail};
 
 use crate::cli::{DlqCommand, Global, RequeueArgs};
 
@@ -45,6 +46,23 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                 }
             }
         }
+        DlqCommand::Show { id, json } => {
+            let story = sql
+                .event_story(&client, Some(id), None)
+                .await
+                .context("reading the event")?;
+            let Some(story) = story else {
+                anyhow::bail!(
+                    "no event with id {id} in {}: never written, or delivered and removed by `outbox cleanup`",
+                    config.display_name()
+                );
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&story.event)?);
+            } else {
+                print!("{}", show(&story.event));
+            }
+        }
         DlqCommand::Requeue(args) => requeue(&client, &sql, &config, args).await?,
         DlqCommand::GiveUp { id } => {
             let n = sql
@@ -65,6 +83,62 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `dlq show` as text: the columns, one per line, the attempt history,
+/// oldest first, then the payload and headers.
+fn show(e: &EventDetail) -> String {
+    use std::fmt::Write as _;
+    let when = |at: Option<DateTime<Utc>>| at.map_or_else(|| "-".to_owned(), |t| t.to_rfc3339());
+    let state = match (e.published_at, e.given_up_at, e.dead_at) {
+        (Some(_), ..) => "published",
+        (None, Some(_), _) => "dead letter, given up",
+        (None, None, Some(_)) => "dead letter",
+        (None, None, None) => "unpublished",
+    };
+    let mut out = String::new();
+    let mut line = |key: &str, value: &str| {
+        let _ = writeln!(out, "{key:<16} {value}");
+    };
+    line("id", &e.id.to_string());
+    line("event_id", &e.event_id.to_string());
+    line("aggregate", &format!("{}/{}", e.aggregate_type, e.aggregate_id));
+    line("event_type", &e.event_type);
+    line("state", state);
+    line("attempts", &e.attempts.to_string());
+    line("created_at", &when(Some(e.created_at)));
+    line("first_failed_at", &when(e.first_failed_at));
+    line("next_attempt_at", &when(Some(e.next_attempt_at)));
+    line("dead_at", &when(e.dead_at));
+    line("given_up_at", &when(e.given_up_at));
+    line("published_at", &when(e.published_at));
+    line("last_error", e.last_error.as_deref().unwrap_or("-"));
+    let _ = writeln!(
+        out,
+        "\nattempt history (last {}, oldest first):",
+        outbox::sql::ATTEMPT_LOG_LEN
+    );
+    if e.attempt_log.is_empty() {
+        let _ = writeln!(out, "  none");
+    }
+    for a in &e.attempt_log {
+        let attempt = a.attempt.map_or_else(|| "-".to_owned(), |n| n.to_string());
+        let _ = writeln!(
+            out,
+            "  {}  #{attempt:<4} {:<6} {}",
+            a.at.to_rfc3339(),
+            a.outcome,
+            a.error.as_deref().unwrap_or("")
+        );
+    }
+    let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string());
+    let _ = write!(
+        out,
+        "\npayload:\n{}\n\nheaders:\n{}\n",
+        pretty(&e.payload),
+        pretty(&e.headers)
+    );
+    out
 }
 
 async fn requeue(

@@ -162,6 +162,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
             base: args.backoff_base,
             max: args.backoff_max,
             max_attempts: g.max_attempts,
+            retry_for: args.retry_for,
         },
         poll_interval: args.poll_interval.unwrap_or(if polls {
             POLL_WITHOUT_NOTIFY

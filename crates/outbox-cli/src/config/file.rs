@@ -98,6 +98,8 @@ pub(super) struct SinkTable {
     /// How the route's batches are claimed (`lock` or `deadline`; `lease` is its old name), over
     /// `--claim`.
     pub(super) claim: Option<String>,
+    /// How long the route's events are retried, over `--retry-for`.
+    pub(super) retry_for: Option<String>,
     /// The [`PerSinkOptions`] keys the table sets.
     pub(super) per_sink: serde_json::Map<String, serde_json::Value>,
     /// Where each key the table sets stands in the file.
@@ -105,12 +107,13 @@ pub(super) struct SinkTable {
 }
 
 /// The keys of a sink table other than [`PerSinkOptions`]'s.
-const SHARED_KEYS: [&str; 6] = [
+const SHARED_KEYS: [&str; 7] = [
     "sink",
     "format",
     "cloudevents_mode",
     "cloudevents_source",
     "claim",
+    "retry_for",
     "http_timeout",
 ];
 
@@ -252,6 +255,7 @@ impl<'de> Visitor<'de> for TableVisitor {
             cloudevents_source: None,
             http_timeout: None,
             claim: None,
+            retry_for: None,
             per_sink: serde_json::Map::new(),
             spans: BTreeMap::new(),
         };
@@ -268,6 +272,7 @@ impl<'de> Visitor<'de> for TableVisitor {
                 "cloudevents_source" => table.cloudevents_source = string(&mut map)?,
                 "http_timeout" => table.http_timeout = string(&mut map)?,
                 "claim" => table.claim = string(&mut map)?,
+                "retry_for" => table.retry_for = string(&mut map)?,
                 own => {
                     let value = map.next_value_seed(Own(own))?;
                     table.spans.insert(own, value.span());
@@ -449,6 +454,7 @@ impl SinkTable {
             ("cloudevents_source", self.cloudevents_source.as_ref()),
             ("http_timeout", self.http_timeout.as_ref()),
             ("claim", self.claim.as_ref()),
+            ("retry_for", self.retry_for.as_ref()),
         ];
         table_keys()
             .iter()
@@ -490,12 +496,12 @@ mod tests {
         assert!(e.contains("subjekt"), "{e}");
         // The same message as a derived `deny_unknown_fields` table's, at the key.
         let known = if cfg!(feature = "kafka") {
-            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `stream_prefix`, `nats_subject`, \
-             `amqp_exchange`, `amqp_routing_key`, `kafka_topic`, `kafka_options`, `http_secret`, \
+            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `retry_for`, `stream_prefix`, \
+             `nats_subject`, `amqp_exchange`, `amqp_routing_key`, `kafka_topic`, `kafka_options`, `http_secret`, \
              `http_concurrency`, `http_timeout`"
         } else {
-            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `stream_prefix`, `nats_subject`, \
-             `amqp_exchange`, `amqp_routing_key`, `http_secret`, `http_concurrency`, `http_timeout`"
+            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `retry_for`, `stream_prefix`, \
+             `nats_subject`, `amqp_exchange`, `amqp_routing_key`, `http_secret`, `http_concurrency`, `http_timeout`"
         };
         assert_eq!(
             e,

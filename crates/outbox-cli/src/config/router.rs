@@ -72,10 +72,13 @@ impl RelayFile {
         // The lane claims only its own types, so its first route's sink can
         // stand as the router's default.
         let name = |t: &str| format!("[routes.{t}]");
+        let first_window = first_table.window(&name(&first_type))?;
         let mut router = Router::new(first_table.build(&name(&first_type), flags)?);
+        if let Some(window) = first_window {
+            router = router.with_retry_for(None, window);
+        }
         for (aggregate_type, table) in tables {
-            let sink = table.build(&name(&aggregate_type), flags)?;
-            router = router.route(aggregate_type, sink);
+            router = table.route(router, aggregate_type, flags)?;
         }
         let other_mode = match own {
             ClaimMode::Lock => ClaimMode::Deadline,
@@ -96,6 +99,10 @@ impl RelayFile {
     /// the default route when there is no `[default]`; `flags` are the
     /// options of keys a table leaves out.
     pub(crate) fn router(self, sink: Option<&str>, flags: &SinkOptions) -> anyhow::Result<Router> {
+        let default_window = match &self.default {
+            Some(table) => table.window("[default]")?,
+            None => None,
+        };
         let default = match (self.default, sink) {
             (Some(table), _) => table.build("[default]", flags)?,
             (None, Some(url)) => sink::from_url(url, flags)?,
@@ -110,9 +117,11 @@ impl RelayFile {
             }
         };
         let mut router = Router::new(default);
+        if let Some(window) = default_window {
+            router = router.with_retry_for(None, window);
+        }
         for (aggregate_type, table) in self.routes {
-            let sink = table.build(&format!("[routes.{aggregate_type}]"), flags)?;
-            router = router.route(aggregate_type, sink);
+            router = table.route(router, aggregate_type, flags)?;
         }
         Ok(router)
     }
@@ -168,6 +177,33 @@ impl SinkTable {
                     .unwrap_or_else(|| source.to_owned()),
             ),
             per_sink,
+        })
+    }
+
+    /// The route's own retry window (`retry_for`), checked as
+    /// `--retry-for` is.
+    fn window(&self, name: &str) -> Result<Option<Duration>, ConfigError> {
+        let Some(text) = &self.retry_for else {
+            return Ok(None);
+        };
+        let bad =
+            |e: &dyn std::fmt::Display| ConfigError(format!("--config {name} retry_for = {text:?}: {e}"));
+        let window = humantime::parse_duration(text).map_err(|e| bad(&e))?;
+        if window == Duration::ZERO {
+            return Err(bad(&"must be greater than zero"));
+        }
+        Ok(Some(window))
+    }
+
+    /// `router` with this table's route for `aggregate_type`.
+    fn route(self, router: Router, aggregate_type: String, flags: &SinkOptions) -> anyhow::Result<Router> {
+        let name = format!("[routes.{aggregate_type}]");
+        let window = self.window(&name)?;
+        let sink = self.build(&name, flags)?;
+        let router = router.route(aggregate_type.clone(), sink);
+        Ok(match window {
+            Some(window) => router.with_retry_for(Some(&aggregate_type), window),
+            None => router,
         })
     }
 
@@ -400,5 +436,27 @@ mod tests {
         let file = parse("[default]\nsink = \"redis://x\"\nformat = \"avro\"\n").unwrap();
         let e = file.router(None, &flags).err().unwrap().to_string();
         assert!(e.contains("format") && e.contains("avro"), "{e}");
+        let file = parse(
+            "[default]\nsink = \"redis://x\"\n[routes.orders]\nsink = \"redis://y\"\nretry_for = \"soon\"\n",
+        )
+        .unwrap();
+        let e = file.router(None, &flags).err().unwrap().to_string();
+        assert!(e.contains("[routes.orders] retry_for = \"soon\""), "{e}");
+    }
+
+    #[test]
+    fn a_route_s_retry_for_is_its_own_window() {
+        use outbox_relay::Sink as _;
+        let file = parse(
+            "[default]\nsink = \"redis://x\"\nretry_for = \"2h\"\n\
+             [routes.orders]\nsink = \"redis://y\"\nretry_for = \"10m\"\n\
+             [routes.payments]\nsink = \"redis://z\"\n",
+        )
+        .unwrap();
+        let router = file.router(None, &SinkOptions::default()).unwrap();
+        let minutes = |m: u64| Some(Duration::from_secs(m * 60));
+        assert_eq!(router.retry_for("orders"), minutes(10));
+        assert_eq!(router.retry_for("payments"), None, "the relay's --retry-for");
+        assert_eq!(router.retry_for("invoices"), minutes(120), "[default]'s");
     }
 }

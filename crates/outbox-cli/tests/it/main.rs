@@ -32,6 +32,7 @@ mod replay;
 mod replay_engine;
 mod retention;
 mod retry;
+mod retry_window;
 mod routing;
 mod scale;
 mod secrets;

@@ -148,6 +148,7 @@ fn settings(max_attempts: i32) -> Settings {
             base: Duration::from_millis(1),
             max: Duration::from_millis(10),
             max_attempts,
+            retry_for: outbox_relay::defaults::RETRY_FOR,
         },
         pause_after_id: None,
     }

@@ -69,12 +69,12 @@ async fn receiver_failing_three_times_is_retried_with_backoff() {
 }
 
 /// Dead letters are recorded in the row (`dead_at`): rows dead at 3
-/// attempts stay dead for a relay started with the default 5, and `dlq` and
+/// attempts stay dead for a relay started with no limit, and `dlq` and
 /// `stats` see them with no `--max-attempts` of their own.
 #[tokio::test]
 async fn dead_letters_stay_dead_whatever_the_next_relay_s_limit_and_requeue_delivers() {
     let mut db = Db::start().await;
-    let receiver = Receiver::start(Respond::Status(503)).await.unwrap();
+    let receiver = Receiver::start(Respond::Status(500)).await.unwrap();
     db.insert_events(3, 1).await;
     let relay = start_relay(
         &db.url,
@@ -92,7 +92,7 @@ async fn dead_letters_stay_dead_whatever_the_next_relay_s_limit_and_requeue_deli
     stop_relay(relay).await;
     assert_eq!(receiver.count(), 9, "3 attempts each, then no more");
 
-    // A relay with the default limit (5) finds nothing due: the rows are
+    // A relay with no attempt limit finds nothing due: the rows are
     // dead by their own record, not by its limit.
     receiver.set_respond(Respond::Ok);
     let url = db.url.clone();
@@ -108,7 +108,7 @@ async fn dead_letters_stay_dead_whatever_the_next_relay_s_limit_and_requeue_deli
     assert!(
         dead.iter().all(|d| d["attempts"] == 3
             && d["dead_at"].is_string()
-            && d["last_error"] == "HTTP 503 Service Unavailable"),
+            && d["last_error"] == "HTTP 500 Internal Server Error"),
         "{dead:?}"
     );
 

@@ -376,7 +376,7 @@ async fn requeue_one(url: &str) {
     );
 }
 
-/// A receiver that refuses one event (503, retryable) through the WAL
+/// A receiver that refuses one event (500, retryable) through the WAL
 /// source: it is retried in memory up to `--max-attempts`, its later
 /// siblings wait and then go in order once it is dead, other aggregates
 /// are delivered meanwhile; the dead letter is a row `outbox dlq` lists,
@@ -387,7 +387,7 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     let db = WalDb::start().await;
     let mut writer = crate::support::connect(&db.url).await;
     let receiver = Receiver::start(Respond::Ok).await.unwrap();
-    receiver.set_refuse(Some(("refuse-me", 503)));
+    receiver.set_refuse(Some(("refuse-me", 500)));
     let args = ["--source", "wal", "--max-attempts", "3", "--backoff-base", "50ms"];
     let relay = start_relay(&db.url, &receiver.url(), &args, &[]).await;
 
@@ -418,13 +418,13 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     let poisoned_id = poisoned.event_id.to_string();
     assert_eq!(
         statuses_of(&received, &poisoned_id),
-        [503, 503, 503],
+        [500, 500, 500],
         "--max-attempts 3"
     );
     let a = of_aggregate(&received, "a");
     let last_try = a
         .iter()
-        .filter(|(_, r)| r.status == 503)
+        .filter(|(_, r)| r.status == 500)
         .map(|(i, _)| *i)
         .max()
         .unwrap();
@@ -452,8 +452,20 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0]["event_id"], poisoned_id.as_str(), "{dead:?}");
     assert_eq!(dead[0]["attempts"], 3, "{dead:?}");
-    assert_eq!(dead[0]["last_error"], "HTTP 503 Service Unavailable", "{dead:?}");
+    assert_eq!(
+        dead[0]["last_error"], "HTTP 500 Internal Server Error",
+        "{dead:?}"
+    );
     assert!(dead[0]["dead_at"].is_string(), "{dead:?}");
+    // Its attempts, kept in memory by the source, written with its death.
+    let outcomes: Vec<&str> = dead[0]["attempt_log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(outcomes, ["retry", "retry", "dead"], "{dead:?}");
+    assert!(dead[0]["first_failed_at"].is_string(), "{dead:?}");
 
     receiver.set_refuse(None);
     requeue_one(&db.url).await;
@@ -463,11 +475,11 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     .await;
     assert_eq!(
         statuses_of(&receiver.received(), &poisoned_id),
-        [503, 503, 503, 200]
+        [500, 500, 500, 200]
     );
 
     // An emitted event: no row until it is dead.
-    receiver.set_refuse(Some(("refuse-me", 503)));
+    receiver.set_refuse(Some(("refuse-me", 500)));
     let emitted = Event::new("orders", "c", "Placed", json!({"note": "refuse-me"}));
     let sibling = Event::new("orders", "c", "Paid", json!({}));
     let tx = writer.transaction().await.unwrap();
@@ -488,7 +500,7 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     )
     .await;
     let received = receiver.received();
-    assert_eq!(statuses_of(&received, &emitted_id), [503, 503, 503]);
+    assert_eq!(statuses_of(&received, &emitted_id), [500, 500, 500]);
     let c = of_aggregate(&received, "c");
     assert_eq!(
         c.last().unwrap().1.body["event_id"],
@@ -500,6 +512,11 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     assert_eq!(
         (dead[0]["event_id"].as_str(), dead[0]["attempts"].as_i64()),
         (Some(emitted_id.as_str()), Some(3)),
+        "{dead:?}"
+    );
+    assert_eq!(
+        dead[0]["attempt_log"].as_array().map(Vec::len),
+        Some(3),
         "{dead:?}"
     );
     let rows = db
@@ -521,7 +538,7 @@ async fn dead_letters_of_rows_and_of_emitted_events_in_wal_mode_and_their_requeu
     .await;
     assert_eq!(
         statuses_of(&receiver.received(), &emitted_id),
-        [503, 503, 503, 200]
+        [500, 500, 500, 200]
     );
     assert_eq!(receiver.count(), 4 + 3 + 1 + 1 + 3 + 1, "nothing else sent");
     stop_relay(relay).await;

@@ -134,7 +134,27 @@ pub enum ReplayError {
         /// The last answer.
         error: DeliveryError,
     },
+    /// An event still failed when its retry window (`--retry-for`, from
+    /// its first failed attempt in this run) ended.
+    #[error(
+        "the sink failed {event} {attempts} times over {} (--retry-for): {error}",
+        humantime::format_duration(.window.to_owned())
+    )]
+    Expired {
+        /// The event, as in [`ReplayError::Refused`].
+        event: String,
+        /// Attempts made in this run.
+        attempts: i32,
+        /// The window that ended.
+        window: Duration,
+        /// The last answer.
+        error: DeliveryError,
+    },
 }
+
+/// The row failing in a run: its id, its attempts in this run, its first
+/// failed attempt.
+type Failing = (i64, i32, Option<chrono::DateTime<chrono::Utc>>);
 
 /// A failed statement, saying what it was doing.
 fn postgres(doing: &'static str) -> impl FnOnce(tokio_postgres::Error) -> ReplayError {
@@ -247,9 +267,10 @@ impl<'a> Replay<'a> {
         if self.sink.has_route_breakers() {
             breaker = breaker.without_strikes();
         }
-        // The failing row and its attempts in this run: replay marks
-        // nothing, so they live here, where the relay's live in the row.
-        let mut failing: (i64, i32) = (0, 0);
+        // The failing row, its attempts in this run and its first failed
+        // attempt: replay marks nothing, so they live here, where the
+        // relay's live in the row.
+        let mut failing: Failing = (0, 0, None);
         loop {
             if cancel.is_cancelled() {
                 return Ok(End::Stopped);
@@ -289,7 +310,11 @@ impl<'a> Replay<'a> {
             // A row's attempts are this run's, not the outbox's (those were
             // the live relay's, before it was published).
             for row in &mut rows {
-                row.attempts = if row.id == failing.0 { failing.1 } else { 0 };
+                (row.attempts, row.first_failed_at) = if row.id == failing.0 {
+                    (failing.1, failing.2)
+                } else {
+                    (0, None)
+                };
             }
             if !self.pace.admit(rows.len(), cancel).await {
                 return Ok(End::Stopped);
@@ -347,14 +372,14 @@ impl<'a> Replay<'a> {
         &self,
         row: &OutboxRow,
         answer: &Delivery,
-        failing: &mut (i64, i32),
+        failing: &mut Failing,
     ) -> Result<Duration, ReplayError> {
         let Err(error) = answer else {
             unreachable!("the first failed row failed")
         };
         let planned = plan::decide(
             self.backoff,
-            self.sink.name(),
+            self.sink.as_ref(),
             std::slice::from_ref(row),
             vec![Outcome::Sent(answer.clone())],
             &Blocked::new(),
@@ -373,16 +398,24 @@ impl<'a> Replay<'a> {
                 error: error.clone(),
             });
         }
-        if dead {
+        if dead && attempts >= self.backoff.max_attempts {
             return Err(ReplayError::Exhausted {
                 event: event(),
                 attempts,
                 error: error.clone(),
             });
         }
+        if dead {
+            return Err(ReplayError::Expired {
+                event: event(),
+                attempts,
+                window: self.backoff.retry_for,
+                error: error.clone(),
+            });
+        }
         // An unavailable answer spends no attempt.
         if attempts > row.attempts {
-            *failing = (row.id, attempts);
+            *failing = (row.id, attempts, f.first_failed[0]);
             tracing::warn!(event = %event(), attempt = attempts, %error, "delivery failed; retrying");
         }
         // A row the sink did not try (behind an unavailable one) has no

@@ -202,7 +202,8 @@ impl Formatter {
     /// # let row = outbox::OutboxRow { id: 1, event_id: uuid::Uuid::nil(),
     /// #   aggregate_type: "orders".into(), aggregate_id: "42".into(),
     /// #   event_type: "OrderPlaced".into(), payload: serde_json::json!({"n": 1}),
-    /// #   headers: serde_json::json!({}), created_at: chrono::Utc::now(), attempts: 0 };
+    /// #   headers: serde_json::json!({}), created_at: chrono::Utc::now(), attempts: 0,
+    /// #   first_failed_at: None };
     /// let f = Formatter::new(Format::Debezium, CloudEventsMode::Structured, "outbox");
     /// let m = f.message(&row, Protocol::Http);
     /// assert_eq!(m.body, br#"{"n":1}"#);
@@ -440,6 +441,7 @@ mod tests {
                 .unwrap()
                 .with_timezone(&Utc),
             attempts: 0,
+            first_failed_at: None,
         }
     }
 

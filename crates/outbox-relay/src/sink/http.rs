@@ -6,11 +6,27 @@
 //! is held back (not sent, not counted as an attempt) so nothing overtakes
 //! it. Different aggregates are sent concurrently, up to `--http-concurrency`.
 //!
-//! Status mapping: 2xx delivered; 408, 429, 5xx retryable (a `Retry-After`
-//! header sets the earliest next attempt); any other status permanent,
-//! because the receiver refused the event itself. No answer at all (refused,
-//! reset, DNS, TLS, a timeout) makes the sink unavailable: no attempt is
-//! spent, and the relay's breaker probes the receiver before sending again.
+//! Status mapping ([`Answer::of`]):
+//!
+//! - 2xx: delivered.
+//! - 502, 503, 504, 429: the receiver (or the proxy in front of it) is
+//!   unavailable, not the event failing: no attempt is spent, the relay's
+//!   breaker opens and probes the receiver before sending again, so an
+//!   outage or a rollout of any length makes no dead letter.
+//! - 408, 500 and the other 5xx: the event failed and is retried, an
+//!   attempt each, until the retry window ends (`--retry-for`).
+//! - Any other status (4xx, 3xx): permanent, the receiver refused the event
+//!   itself; a dead letter at once.
+//!
+//! A `Retry-After` header (seconds or an HTTP date) on a failed answer sets
+//! the earliest next attempt, and on an unavailable one the earliest next
+//! probe too. No answer at all (refused, reset, DNS, TLS, a timeout) is
+//! unavailable as well.
+//!
+//! The failure recorded (`last_error`) keeps the status and the first KiB
+//! of the answer's body, where receivers say why (`HTTP 400 Bad Request:
+//! {"error":"schema v2 required"}`). The body is untrusted: cut on a char
+//! boundary, control characters replaced, so it cannot forge log lines.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
@@ -158,15 +174,13 @@ impl HttpSink {
         if status.is_success() {
             return Ok(());
         }
-        let message = format!("HTTP {status}");
-        if is_retryable(status) {
-            Err(DeliveryError::Retryable {
-                message,
-                retry_after: retry_after(response.headers()),
-            })
-        } else {
-            Err(DeliveryError::permanent(message))
-        }
+        let answer = Answer::of(status);
+        let retry_after = retry_after(response.headers());
+        let message = match body_excerpt(response).await {
+            Some(body) => format!("HTTP {status}: {body}"),
+            None => format!("HTTP {status}"),
+        };
+        Err(answer.error(message, retry_after))
     }
 
     /// Sends one aggregate's rows in order; after a failure the rest are held back.
@@ -218,10 +232,82 @@ impl HttpSink {
     }
 }
 
-fn is_retryable(status: StatusCode) -> bool {
-    status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS
-        || status.is_server_error()
+/// What a status that is not a success says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// The receiver is not there to take events: no attempt spent.
+    Unavailable,
+    /// The event failed; worth an attempt later.
+    Retryable,
+    /// The receiver refused the event.
+    Permanent,
+}
+
+impl Answer {
+    fn of(status: StatusCode) -> Self {
+        match status {
+            StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+            | StatusCode::TOO_MANY_REQUESTS => Self::Unavailable,
+            StatusCode::REQUEST_TIMEOUT => Self::Retryable,
+            s if s.is_server_error() => Self::Retryable,
+            _ => Self::Permanent,
+        }
+    }
+
+    fn error(self, message: String, retry_after: Option<Duration>) -> DeliveryError {
+        match self {
+            Self::Unavailable => DeliveryError::Unavailable { message, retry_after },
+            Self::Retryable => DeliveryError::Retryable { message, retry_after },
+            Self::Permanent => DeliveryError::permanent(message),
+        }
+    }
+}
+
+/// How much of an answer's body the failure keeps.
+const BODY_EXCERPT: usize = 1024;
+
+/// The first [`BODY_EXCERPT`] bytes of a failed answer's body as text (cut
+/// on a char boundary, `…` if cut), control characters replaced by spaces;
+/// None if empty. Reads no more of the body than that, whatever the
+/// receiver sends, within the request's timeout; a body that breaks off
+/// keeps what arrived.
+async fn body_excerpt(mut response: reqwest::Response) -> Option<String> {
+    let mut bytes: Vec<u8> = Vec::new();
+    // A char is at most 4 bytes: enough to finish the one at the cut.
+    while bytes.len() < BODY_EXCERPT + 4 {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                bytes.extend_from_slice(&chunk[..chunk.len().min(BODY_EXCERPT + 4 - bytes.len())])
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    excerpt(&bytes)
+}
+
+/// See [`body_excerpt`].
+fn excerpt(bytes: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(bytes);
+    // `str::floor_char_boundary` is newer than the workspace's MSRV.
+    let mut cut = BODY_EXCERPT.min(text.len());
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut out: String = text[..cut]
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect::<String>()
+        .trim()
+        .to_owned();
+    if out.is_empty() {
+        return None;
+    }
+    if cut < text.len() {
+        out.push('…');
+    }
+    Some(out)
 }
 
 /// `Retry-After` as delta-seconds or an HTTP date.
@@ -243,11 +329,18 @@ impl Sink for HttpSink {
         self.deliver_batch(batch).boxed()
     }
 
-    /// A `HEAD` request to the URL: any answer, whatever its status, says
-    /// the receiver is there.
+    /// A `HEAD` request to the URL: an answer says the receiver is there
+    /// (a 404 or 405 too: many receivers take only `POST`), except an
+    /// unavailable one (502, 503, 504, 429), which a load balancer gives
+    /// for every method while the receiver is down or rolling out. Its
+    /// `Retry-After` sets the next probe.
     fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         async {
             match self.client.head(self.url.clone()).send().await {
+                Ok(r) if Answer::of(r.status()) == Answer::Unavailable => Err(DeliveryError::Unavailable {
+                    message: format!("HTTP {} (probe)", r.status()),
+                    retry_after: retry_after(r.headers()),
+                }),
                 Ok(_) => Ok(()),
                 Err(e) => Err(DeliveryError::unavailable(error_chain(&e))),
             }
@@ -262,12 +355,37 @@ mod tests {
 
     #[test]
     fn classifies_statuses() {
-        for s in [408, 429, 500, 502, 503] {
-            assert!(is_retryable(StatusCode::from_u16(s).unwrap()), "{s}");
+        let of = |s: u16| Answer::of(StatusCode::from_u16(s).unwrap());
+        for s in [502, 503, 504, 429] {
+            assert_eq!(of(s), Answer::Unavailable, "{s}");
         }
-        for s in [400, 401, 403, 404, 409, 410, 422] {
-            assert!(!is_retryable(StatusCode::from_u16(s).unwrap()), "{s}");
+        for s in [408, 500, 501, 505, 599] {
+            assert_eq!(of(s), Answer::Retryable, "{s}");
         }
+        for s in [301, 400, 401, 403, 404, 409, 410, 413, 422] {
+            assert_eq!(of(s), Answer::Permanent, "{s}");
+        }
+    }
+
+    #[test]
+    fn keeps_a_kib_of_the_body_on_a_char_boundary_without_control_characters() {
+        assert_eq!(
+            excerpt(br#"{"error":"bad request: schema v2 required"}"#).as_deref(),
+            Some(r#"{"error":"bad request: schema v2 required"}"#)
+        );
+        assert_eq!(excerpt(b""), None);
+        assert_eq!(excerpt(b" \r\n"), None);
+        assert_eq!(
+            excerpt(b"line 1\nWARN forged\x1b[31m").as_deref(),
+            Some("line 1 WARN forged [31m")
+        );
+        // 1023 ASCII bytes, then a 3-byte char across the cut: left out.
+        let mut long = vec![b'a'; BODY_EXCERPT - 1];
+        long.extend("€€".as_bytes());
+        let cut = excerpt(&long).unwrap();
+        assert_eq!(cut, format!("{}…", "a".repeat(BODY_EXCERPT - 1)));
+        // Invalid UTF-8 is replaced, not refused.
+        assert_eq!(excerpt(b"ok \xff").as_deref(), Some("ok \u{fffd}"));
     }
 
     #[test]

@@ -46,7 +46,8 @@ pub type Delivery = Result<(), DeliveryError>;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DeliveryError {
-    /// Worth retrying later: connection errors, timeouts, 408, 429, 5xx.
+    /// The event failed and is worth retrying later (an HTTP 408 or 500,
+    /// a broker's negative acknowledgement): costs an attempt.
     #[error("{message}")]
     Retryable {
         /// What went wrong, for `last_error`.
@@ -63,13 +64,17 @@ pub enum DeliveryError {
     },
     /// The sink as a whole is unavailable (connection refused or reset, DNS,
     /// TLS, a timeout, not connected, no responders, every broker down,
-    /// authentication refused): says nothing about this event, so it costs
-    /// no attempt. The relay opens the sink's circuit breaker: it claims
-    /// nothing more for the sink until [`Sink::probe`] succeeds.
+    /// authentication refused; an HTTP receiver answering 502, 503, 504 or
+    /// 429): says nothing about this event, so it costs no attempt. The
+    /// relay opens the sink's circuit breaker: it claims nothing more for
+    /// the sink until [`Sink::probe`] succeeds.
     #[error("{message}")]
     Unavailable {
         /// Why, for `last_error` and the breaker's log line.
         message: String,
+        /// How long the receiver asked to be left alone (`Retry-After`):
+        /// the earliest next probe and next attempt.
+        retry_after: Option<Duration>,
     },
     /// Not attempted in this call; costs no attempt. The HTTP sink answers
     /// it for the rows of an aggregate behind one that failed in the batch,
@@ -101,6 +106,16 @@ impl DeliveryError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::Unavailable {
             message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// How long the receiver asked to wait before the next attempt
+    /// (`Retry-After`), if it did.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Retryable { retry_after, .. } | Self::Unavailable { retry_after, .. } => *retry_after,
+            Self::Permanent { .. } | Self::NotSent { .. } => None,
         }
     }
 
@@ -140,6 +155,14 @@ pub trait Sink: Send + Sync {
     /// strikes (see `breaker`).
     fn has_route_breakers(&self) -> bool {
         false
+    }
+
+    /// The retry window of events of `aggregate_type` when it is not the
+    /// relay's `--retry-for`: a route's own `retry_for` (the router). None
+    /// by default.
+    fn retry_for(&self, aggregate_type: &str) -> Option<Duration> {
+        let _ = aggregate_type;
+        None
     }
 
     /// Called by the relay that runs this sink when it starts: a sink

@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -33,6 +34,9 @@ pub struct Router {
     /// Index of the default route's sink.
     default: usize,
     sinks: Vec<Arc<Route>>,
+    /// Index of a route's sink → the route's own retry window (its
+    /// table's `retry_for`), where it has one.
+    windows: HashMap<usize, Duration>,
 }
 
 /// One route's sink and breaker.
@@ -80,7 +84,7 @@ impl Route {
                         breaker.half_open();
                         return;
                     }
-                    Err(error) => breaker.open(&error.to_string()),
+                    Err(error) => breaker.open_after(&error),
                 }
             }
         });
@@ -114,7 +118,19 @@ impl Router {
             routes: HashMap::new(),
             default: 0,
             sinks: vec![Route::new(default, None)],
+            windows: HashMap::new(),
         }
+    }
+
+    /// Gives the route of `aggregate_type` (None: the default route) its
+    /// own retry window, over the relay's `--retry-for`. Call it after the
+    /// route is added.
+    pub fn with_retry_for(mut self, aggregate_type: Option<&str>, window: Duration) -> Self {
+        let at = aggregate_type
+            .and_then(|t| self.routes.get(t).copied())
+            .unwrap_or(self.default);
+        self.windows.insert(at, window);
+        self
     }
 
     /// Routes the events of `aggregate_type` to `sink`. A later route for the
@@ -177,7 +193,7 @@ impl Router {
                 Ok(()) => breaker.half_open(),
                 Err(error) => {
                     let opened = breaker.state() != CircuitState::Open;
-                    breaker.open(&error.to_string());
+                    breaker.open_after(error);
                     if opened {
                         route.spawn_prober();
                     }
@@ -213,6 +229,11 @@ impl Sink for Router {
 
     fn has_route_breakers(&self) -> bool {
         true
+    }
+
+    fn retry_for(&self, aggregate_type: &str) -> Option<Duration> {
+        let route = self.routes.get(aggregate_type).copied().unwrap_or(self.default);
+        self.windows.get(&route).copied()
     }
 
     fn bind(&self, ctx: &crate::RelayContext) {
@@ -286,6 +307,7 @@ mod tests {
             headers: json!({}),
             created_at: Utc::now(),
             attempts: 0,
+            first_failed_at: None,
         }
     }
 

@@ -104,6 +104,7 @@ pub(crate) mod tests {
             headers: json!({}),
             created_at: Utc::now(),
             attempts: 0,
+            first_failed_at: None,
         }
     }
 

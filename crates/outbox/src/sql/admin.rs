@@ -5,7 +5,7 @@
 //! use them. None of them is on the relay's path.
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio_postgres::{Error, GenericClient, Row};
 use uuid::Uuid;
 
@@ -53,6 +53,46 @@ pub struct DeadLetter {
     pub dead_at: Option<DateTime<Utc>>,
     /// Set by `dlq give-up`: kept for the record, no longer blocking.
     pub given_up_at: Option<DateTime<Utc>>,
+    /// The payload the writer stored.
+    pub payload: serde_json::Value,
+    /// The headers the writer stored.
+    pub headers: serde_json::Value,
+    /// When its first failed attempt was: where its retry window started.
+    pub first_failed_at: Option<DateTime<Utc>>,
+    /// Its last failed attempts, oldest first (see [`Attempt`]).
+    pub attempt_log: Vec<Attempt>,
+}
+
+/// One failed attempt in a row's history (`attempt_log`, migration 0007):
+/// the relay keeps the last [`ATTEMPT_LOG_LEN`](super::ATTEMPT_LOG_LEN) of
+/// them, attempts that the sink being unavailable did not spend left out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attempt {
+    /// When the relay recorded it (the database's clock).
+    pub at: DateTime<Utc>,
+    /// The row's attempt count after it.
+    #[serde(default)]
+    pub attempt: Option<i32>,
+    /// `retry` (the row waits for its next attempt) or `dead` (it made the
+    /// row a dead letter).
+    pub outcome: String,
+    /// What went wrong, cut at
+    /// [`ATTEMPT_LOG_ERROR`](super::ATTEMPT_LOG_ERROR) characters.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// A row's `attempt_log` as attempts. The relay alone writes it; an entry
+/// it cannot read (none should be) is left out rather than failing the
+/// whole listing.
+fn attempts(log: Option<serde_json::Value>) -> Vec<Attempt> {
+    match log {
+        Some(serde_json::Value::Array(entries)) => entries
+            .into_iter()
+            .filter_map(|e| serde_json::from_value(e).ok())
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// Which dead letters a requeue (or its dry run, or a page of the console)
@@ -117,6 +157,10 @@ pub struct EventDetail {
     pub dead_at: Option<DateTime<Utc>>,
     /// When someone gave up on it.
     pub given_up_at: Option<DateTime<Utc>>,
+    /// When its first failed attempt was: where its retry window started.
+    pub first_failed_at: Option<DateTime<Utc>>,
+    /// Its last failed attempts, oldest first.
+    pub attempt_log: Vec<Attempt>,
 }
 
 /// One page of dead letters, oldest first.
@@ -247,7 +291,8 @@ impl OutboxSql {
             .collect()
     }
 
-    /// Up to `limit` dead letters, oldest first.
+    /// Up to `limit` dead letters, oldest first, with payloads, headers
+    /// and attempt histories.
     pub async fn dead_letters(
         &self,
         client: &impl GenericClient,
@@ -370,13 +415,13 @@ impl OutboxSql {
         };
         Ok(Some(EventStory {
             event: event_detail(&r)?,
-            now: r.try_get(14)?,
-            held_behind: r.try_get(15)?,
-            partition: r.try_get(16)?,
-            partitions: r.try_get(17)?,
-            owner: r.try_get(18)?,
-            owner_name: r.try_get(19)?,
-            owner_silent_for: r.try_get(20)?,
+            now: r.try_get(16)?,
+            held_behind: r.try_get(17)?,
+            partition: r.try_get(18)?,
+            partitions: r.try_get(19)?,
+            owner: r.try_get(20)?,
+            owner_name: r.try_get(21)?,
+            owner_silent_for: r.try_get(22)?,
         }))
     }
 
@@ -433,6 +478,10 @@ fn dead_letter(r: &Row) -> Result<DeadLetter, Error> {
         created_at: r.try_get(7)?,
         dead_at: r.try_get(8)?,
         given_up_at: r.try_get(9)?,
+        payload: r.try_get(10)?,
+        headers: r.try_get(11)?,
+        first_failed_at: r.try_get(12)?,
+        attempt_log: attempts(r.try_get(13)?),
     })
 }
 
@@ -452,5 +501,7 @@ fn event_detail(r: &Row) -> Result<EventDetail, Error> {
         published_at: r.try_get(11)?,
         dead_at: r.try_get(12)?,
         given_up_at: r.try_get(13)?,
+        first_failed_at: r.try_get(14)?,
+        attempt_log: attempts(r.try_get(15)?),
     })
 }

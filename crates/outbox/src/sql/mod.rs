@@ -26,7 +26,7 @@ pub(crate) mod wal;
 
 #[cfg(feature = "tokio-postgres")]
 pub use admin::{
-    DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
+    Attempt, DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
     Throughput, TypeStats, partition_ranges,
 };
 #[cfg(feature = "tokio-postgres")]
@@ -46,18 +46,20 @@ pub use replay::{
     NewReplay, PageParams, Removed, ReplayFilter, ReplayJob, ReplaySql, ReplayState, SaveReplay,
 };
 #[cfg(feature = "tokio-postgres")]
-pub use wal::{BackfillPage, EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql};
+pub use wal::{
+    BackfillPage, DeadRows, EmittedDead, PartitionMark, Prerequisites, SlotState, TurnHolder, WalSql,
+};
 
 /// The columns the relay reads, in the order [`crate::OutboxRow`] expects.
-const ROW_COLUMNS: &str =
-    "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
+const ROW_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, \
+     first_failed_at";
 
 /// What a claim returns: the row, its payload's bytes (see `CUT`), and
 /// how many rows the claim locked. A payload over `LARGE_PAYLOAD` bytes
 /// comes back NULL and is read in pieces (`FETCH_PAYLOAD`).
 const CLAIMED_COLUMNS: &str = "o.id, o.event_id, o.aggregate_type, o.aggregate_id, o.event_type, \
      CASE WHEN claimed.bytes > {large} THEN NULL ELSE o.payload END AS payload, claimed.bytes, \
-     o.headers, o.created_at, o.attempts, claimed.locked_rows{claim_col}";
+     o.headers, o.created_at, o.attempts, o.first_failed_at, claimed.locked_rows{claim_col}";
 
 /// Payloads larger than this many bytes are not returned by the claim but
 /// read in pieces of this many bytes. A message is read whole into
@@ -349,8 +351,30 @@ const MARK_FAILED: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
 
 /// What every failed row's mark sets (`now.at`: the clock, read once), from
 /// the rows `FAILED_ROWS` binds: `MARK_FAILED`'s and `MARK_DEADLINE_CLAIM`'s.
+/// A row whose attempt was spent (`f.attempts` above the row's: not an
+/// unavailable sink, not held back) starts its retry window if it had
+/// none, and its history gains the attempt (`ATTEMPT_LOG`).
 const FAILED_SET: &str = "attempts = f.attempts, last_error = f.error, \
-     next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', dead_at = CASE WHEN f.dead THEN now.at END";
+     next_attempt_at = now.at + f.delay_ms * interval '1 millisecond', dead_at = CASE WHEN f.dead THEN now.at END, \
+     first_failed_at = CASE WHEN f.attempts > o.attempts THEN coalesce(o.first_failed_at, now.at) \
+                            ELSE o.first_failed_at END, \
+     attempt_log = CASE WHEN f.attempts > o.attempts THEN {attempt_log} ELSE o.attempt_log END";
+
+/// The row's history (`attempt_log`, migration 0007) with this attempt
+/// appended, keeping the last [`ATTEMPT_LOG_LEN`]: the oldest entry goes
+/// once it is full, so each mark costs one small jsonb, whatever the
+/// row's attempts. The error is cut at [`ATTEMPT_LOG_ERROR`] characters;
+/// `last_error` keeps all of the last one.
+const ATTEMPT_LOG: &str = "(CASE WHEN jsonb_array_length(o.attempt_log) >= {log_len} THEN o.attempt_log - 0 \
+          ELSE coalesce(o.attempt_log, '[]'::jsonb) END) \
+     || jsonb_build_array(jsonb_build_object('at', now.at, 'attempt', f.attempts, \
+          'outcome', CASE WHEN f.dead THEN 'dead' ELSE 'retry' END, 'error', left(f.error, {error_len})))";
+
+/// How many attempts a row's history keeps.
+pub const ATTEMPT_LOG_LEN: usize = 10;
+
+/// The characters of each attempt's error a row's history keeps.
+pub const ATTEMPT_LOG_ERROR: usize = 256;
 
 /// `$1..$5`, the failed rows as parallel arrays, as the relation `f`.
 const FAILED_ROWS: &str = "unnest($1::int8[], $2::text[], $3::int4[], $4::float8[], $5::bool[]) \
@@ -367,9 +391,10 @@ const STATS: &str = "SELECT aggregate_type, \
             min(created_at) FILTER (WHERE dead_at IS NULL) AS oldest_unpublished \
        FROM {t} WHERE published_at IS NULL GROUP BY aggregate_type ORDER BY aggregate_type";
 
-/// `$1` limit. Dead letters oldest first, through `<table>_dead_idx`.
+/// `$1` limit. Dead letters oldest first, with their payloads, headers and
+/// attempt history, through `<table>_dead_idx`.
 const LIST_DEAD: &str = "SELECT id, event_id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, \
-            dead_at, given_up_at \
+            dead_at, given_up_at, payload, headers, first_failed_at, attempt_log \
        FROM {t} WHERE published_at IS NULL AND dead_at IS NOT NULL ORDER BY id LIMIT $1";
 
 /// The dead-letter filter shared by requeue, its dry run and the admin
@@ -387,7 +412,7 @@ const DEAD_FILTER: &str = "published_at IS NULL AND dead_at IS NOT NULL \
 /// Every column an operator looks at, in the order `admin::EventDetail`
 /// reads them.
 const DETAIL_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, attempts, \
-     last_error, created_at, next_attempt_at, published_at, dead_at, given_up_at";
+     last_error, created_at, next_attempt_at, published_at, dead_at, given_up_at, first_failed_at, attempt_log";
 
 /// `$1..$6` the dead-letter filter, `$7` the last id of the previous page
 /// (0 for the first), `$8` page size. A page of dead letters with their
@@ -438,15 +463,16 @@ const EVENT_STORY: &str = "WITH n AS (SELECT count(*)::int8 AS n FROM {leases}),
        LEFT JOIN {relays} AS r ON r.relay_id = l.owner";
 
 /// Puts matching dead letters (given up on or not) back in line;
-/// `last_error` stays for the record. Deleted and inserted again (same id
+/// `last_error` and the attempt history stay for the record, the attempts
+/// and the retry window (`first_failed_at`) start again. Deleted and inserted again (same id
 /// and columns) rather than updated: the WAL source reads only inserts, so
 /// a requeued row must be one to reach it again; the polling relay sees a
 /// due row either way.
 const REQUEUE_DEAD: &str = "WITH gone AS (DELETE FROM {t} WHERE {dead} RETURNING *), \
      again AS (INSERT INTO {t} (id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
-            created_at, last_error) \
+            created_at, last_error, attempt_log) \
      SELECT g.id, g.event_id, g.aggregate_type, g.aggregate_id, g.event_type, g.payload, g.headers, \
-            g.created_at, g.last_error FROM gone AS g ORDER BY g.id RETURNING 1) \
+            g.created_at, g.last_error, g.attempt_log FROM gone AS g ORDER BY g.id RETURNING 1) \
      SELECT count(*) FROM again";
 
 /// What [`REQUEUE_DEAD`] would touch.
@@ -666,6 +692,9 @@ impl OutboxSql {
                 .replace("{removed}", &removed)
                 .replace("{dead}", DEAD_FILTER)
                 .replace("{failed_set}", FAILED_SET)
+                .replace("{attempt_log}", ATTEMPT_LOG)
+                .replace("{log_len}", &ATTEMPT_LOG_LEN.to_string())
+                .replace("{error_len}", &ATTEMPT_LOG_ERROR.to_string())
                 .replace("{failed_rows}", FAILED_ROWS)
                 .replace("{detail}", DETAIL_COLUMNS)
                 .replace("{cols}", ROW_COLUMNS)
@@ -768,6 +797,9 @@ mod tests {
             &sql.event_story,
             &sql.find_claim_floor,
             &sql.dead_tuples,
+            &sql.mark_failed,
+            &sql.mark_deadline_claim,
+            &sql.list_dead,
         ]) {
             assert!(s.contains("\"app\".\"events\""), "{s}");
             // `'{}'` is an empty array literal, not a placeholder.

@@ -825,5 +825,6 @@ fn decode(row: &Row, payload: serde_json::Value, headers: serde_json::Value) -> 
         headers,
         created_at: row.try_get("created_at")?,
         attempts: row.try_get("attempts")?,
+        first_failed_at: row.try_get("first_failed_at")?,
     })
 }

@@ -425,6 +425,7 @@ impl ReplaySql {
                     headers: r.try_get(6)?,
                     created_at: r.try_get(7)?,
                     attempts: r.try_get(8)?,
+                    first_failed_at: None,
                 })
             })
             .collect()

@@ -68,23 +68,26 @@ const EMIT_ALL: &str = "SELECT pg_logical_emit_message(true, $7::text, json_buil
             WITH ORDINALITY AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, ord) \
       ORDER BY e.ord";
 
-/// `$1` ids, `$2` attempts, `$3` errors. Rows the WAL source gave up on
+/// `$1` ids, `$2` attempts, `$3` errors, `$4` first failed attempts, `$5`
+/// attempt histories (see [`DeadRows`]). Rows the WAL source gave up on
 /// become dead letters: no UPDATE is published, so the source never sees
 /// this, and `outbox dlq` finds them as it finds the polling relay's.
 const DEAD_ROWS: &str = "UPDATE {t} AS o SET dead_at = clock_timestamp(), attempts = d.attempts, last_error = d.error, \
-            next_attempt_at = clock_timestamp() \
-       FROM unnest($1::int8[], $2::int4[], $3::text[]) AS d(id, attempts, error) WHERE o.id = d.id \
+            next_attempt_at = clock_timestamp(), first_failed_at = d.first_failed_at, attempt_log = d.attempt_log \
+       FROM unnest($1::int8[], $2::int4[], $3::text[], $4::timestamptz[], $5::jsonb[]) \
+            AS d(id, attempts, error, first_failed_at, attempt_log) WHERE o.id = d.id \
      RETURNING o.id";
 
-/// `$1..$9` arrays. Emitted events (no row) the WAL source gave up on are
+/// `$1..$11` arrays. Emitted events (no row) the WAL source gave up on are
 /// inserted as dead letters. The insert is published; the source skips
 /// rows that arrive with `dead_at` set.
 const DEAD_EMITTED: &str = "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
-            created_at, attempts, last_error, dead_at) \
+            created_at, attempts, last_error, first_failed_at, attempt_log, dead_at) \
      SELECT e.*, clock_timestamp() \
        FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], \
-                   $7::timestamptz[], $8::int4[], $9::text[]) \
-            AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, last_error)";
+                   $7::timestamptz[], $8::int4[], $9::text[], $10::timestamptz[], $11::jsonb[]) \
+            AS e(event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, \
+                 last_error, first_failed_at, attempt_log)";
 
 /// `$1` ids. Delivered rows go by primary key (`--wal-cleanup delete`):
 /// the table only ever holds what is in flight.
@@ -411,6 +414,25 @@ pub struct EmittedDead<'a> {
     pub attempts: &'a [i32],
     /// Each one's last error.
     pub errors: &'a [String],
+    /// Each one's first failed attempt.
+    pub first_failed_at: &'a [Option<DateTime<Utc>>],
+    /// Each one's attempt history (a JSON array, as `attempt_log`).
+    pub attempt_logs: &'a [Value],
+}
+
+/// Dead letters of rows, as parallel columns.
+#[derive(Debug, Clone, Default)]
+pub struct DeadRows {
+    /// The rows' ids.
+    pub ids: Vec<i64>,
+    /// Attempts spent on each.
+    pub attempts: Vec<i32>,
+    /// Each one's last error.
+    pub errors: Vec<String>,
+    /// Each one's first failed attempt.
+    pub first_failed_at: Vec<Option<DateTime<Utc>>>,
+    /// Each one's attempt history (a JSON array, as `attempt_log`).
+    pub attempt_logs: Vec<Value>,
 }
 
 impl WalSql {
@@ -508,20 +530,16 @@ impl WalSql {
 
     /// Records dead letters of rows; returns the ids it found (see
     /// `DELETE_DELIVERED` for why one may not be found yet).
-    pub async fn dead_rows(
-        &self,
-        client: &impl GenericClient,
-        ids: &[i64],
-        attempts: &[i32],
-        errors: &[String],
-    ) -> Result<Vec<i64>, Error> {
+    pub async fn dead_rows(&self, client: &impl GenericClient, d: &DeadRows) -> Result<Vec<i64>, Error> {
         let rows = client
             .query_typed(
                 &self.dead_rows,
                 &[
-                    (&ids, Type::INT8_ARRAY),
-                    (&attempts, Type::INT4_ARRAY),
-                    (&errors, Type::TEXT_ARRAY),
+                    (&d.ids, Type::INT8_ARRAY),
+                    (&d.attempts, Type::INT4_ARRAY),
+                    (&d.errors, Type::TEXT_ARRAY),
+                    (&d.first_failed_at, Type::TIMESTAMPTZ_ARRAY),
+                    (&d.attempt_logs, Type::JSONB_ARRAY),
                 ],
             )
             .await?;
@@ -543,6 +561,8 @@ impl WalSql {
                     (&d.created_at, Type::TIMESTAMPTZ_ARRAY),
                     (&d.attempts, Type::INT4_ARRAY),
                     (&d.errors, Type::TEXT_ARRAY),
+                    (&d.first_failed_at, Type::TIMESTAMPTZ_ARRAY),
+                    (&d.attempt_logs, Type::JSONB_ARRAY),
                 ],
             )
             .await

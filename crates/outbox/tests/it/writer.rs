@@ -265,7 +265,7 @@ async fn migrate_is_idempotent_and_refuses_a_newer_schema() {
 #[tokio::test]
 async fn the_dead_at_migration_marks_old_dead_letters() {
     let mut db = Db::start().await;
-    // Back to version 3: what 0004, 0005, 0006 and 0008 added, undone.
+    // Back to version 3: what 0004 to 0008 added, undone.
     db.client
         .batch_execute(
             "ALTER TABLE outbox DROP CONSTRAINT outbox_aggregate_type_is_a_name,
@@ -277,7 +277,8 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
              CREATE INDEX outbox_unpublished_idx ON outbox (id) WHERE published_at IS NULL;
              ALTER TABLE outbox DROP COLUMN claimed_until, DROP COLUMN claimed_by;
              DROP TABLE outbox_replays, outbox_removed;
-             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 8);
+             ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
+             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 7, 8);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts)
              SELECT 'orders', g::text, 'E', '{}', g FROM generate_series(0, 6) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, published_at)
@@ -293,6 +294,7 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
             (4, "dead_at"),
             (5, "lease_claims"),
             (6, "replays"),
+            (7, "attempt_history"),
             (8, "table_contract")
         ]
     );
@@ -303,6 +305,39 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
     let sql = outbox::sql::OutboxSql::new(&config);
     let stats = sql.stats(&db.client).await.unwrap();
     assert_eq!((stats[0].unpublished, stats[0].dead_letters), (4, 3));
+}
+
+/// Migration 0007 on an outbox of version 6 with rows, failed ones among
+/// them: it adds the retry window's start and the attempt history, empty
+/// (the relay's next mark of a failed row fills them).
+#[tokio::test]
+async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
+    let mut db = Db::start().await;
+    db.client
+        .batch_execute(
+            "ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
+             DELETE FROM outbox_migrations WHERE version = 7;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, last_error)
+             SELECT 'orders', g::text, 'E', '{}', g, 'HTTP 500' FROM generate_series(0, 2) g;",
+        )
+        .await
+        .unwrap();
+    let config = Config::default();
+    assert!(
+        outbox::check(&db.client, &config).await.is_err(),
+        "version 6 is too old"
+    );
+    let report = outbox::migrate(&mut db.client, &config).await.unwrap();
+    assert_eq!(report.applied, [(7, "attempt_history")]);
+    assert_eq!(report.version, 7);
+    let empty: Vec<i64> = db
+        .column(
+            "SELECT count(*) FROM outbox WHERE first_failed_at IS NULL AND attempt_log IS NULL \
+              AND attempts = ANY('{0,1,2}')",
+        )
+        .await;
+    assert_eq!(empty, [3], "old rows: no window started, no history");
+    outbox::check(&db.client, &config).await.unwrap();
 }
 
 #[tokio::test]

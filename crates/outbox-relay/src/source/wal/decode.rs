@@ -175,6 +175,7 @@ impl Decoder {
                     headers: e.headers.unwrap_or_else(|| Value::Object(Default::default())),
                     created_at: e.created_at.unwrap_or_else(Utc::now),
                     attempts: 0,
+                    first_failed_at: None,
                 },
                 table_id: None,
                 unreadable: None,
@@ -191,6 +192,7 @@ impl Decoder {
                     headers: Value::Object(Default::default()),
                     created_at: Utc::now(),
                     attempts: 0,
+                    first_failed_at: None,
                 },
                 table_id: None,
                 unreadable: Some(format!("emitted message: {error}")),
@@ -307,6 +309,9 @@ fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Option<Decoded>, Malfo
             Some(a) => i32::try_from(parse("attempts", a)?).unwrap_or(i32::MAX),
             None => 0,
         },
+        // The WAL source keeps a failing event's window in memory; a row
+        // read from the log (a requeued one too) starts afresh.
+        first_failed_at: None,
     };
     Ok(Some(contract(Decoded {
         row,

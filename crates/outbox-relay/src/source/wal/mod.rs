@@ -734,44 +734,65 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<Writes, 
             .filter(|id| !found.contains(id))
             .collect();
     }
-    let (mut ids, mut attempts, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    let mut rows = outbox::sql::DeadRows::default();
     let mut emitted = Vec::new();
     for dead in writes.dead {
         match dead {
             Dead::Row {
                 id,
-                attempts: a,
+                attempts,
                 error,
+                first_failed_at,
+                history,
             } => {
-                ids.push(id);
-                attempts.push(a);
-                errors.push(error);
+                rows.ids.push(id);
+                rows.attempts.push(attempts);
+                rows.errors.push(error);
+                rows.first_failed_at.push(first_failed_at);
+                rows.attempt_logs.push(history);
             }
-            Dead::Emitted { row, error } => emitted.push((row, error)),
+            Dead::Emitted { row, error, history } => emitted.push((row, error, history)),
         }
     }
-    if !ids.is_empty() {
-        let found: HashSet<i64> = sql
-            .dead_rows(client, &ids, &attempts, &errors)
-            .await?
+    if !rows.ids.is_empty() {
+        let found: HashSet<i64> = sql.dead_rows(client, &rows).await?.into_iter().collect();
+        let outbox::sql::DeadRows {
+            ids,
+            attempts,
+            errors,
+            first_failed_at,
+            attempt_logs,
+        } = rows;
+        let each = ids
             .into_iter()
-            .collect();
-        for ((id, attempts), error) in ids.into_iter().zip(attempts).zip(errors) {
+            .zip(attempts)
+            .zip(errors)
+            .zip(first_failed_at)
+            .zip(attempt_logs);
+        for ((((id, attempts), error), first_failed_at), history) in each {
             if !found.contains(&id) {
-                unfound.dead.push(Dead::Row { id, attempts, error });
+                unfound.dead.push(Dead::Row {
+                    id,
+                    attempts,
+                    error,
+                    first_failed_at,
+                    history,
+                });
             }
         }
     }
     if !emitted.is_empty() {
-        let event_ids: Vec<_> = emitted.iter().map(|(r, _)| r.event_id).collect();
-        let types: Vec<_> = emitted.iter().map(|(r, _)| r.aggregate_type.clone()).collect();
-        let aggregates: Vec<_> = emitted.iter().map(|(r, _)| r.aggregate_id.clone()).collect();
-        let event_types: Vec<_> = emitted.iter().map(|(r, _)| r.event_type.clone()).collect();
-        let payloads: Vec<_> = emitted.iter().map(|(r, _)| r.payload.clone()).collect();
-        let headers: Vec<_> = emitted.iter().map(|(r, _)| r.headers.clone()).collect();
-        let created_at: Vec<_> = emitted.iter().map(|(r, _)| r.created_at).collect();
-        let attempts: Vec<_> = emitted.iter().map(|(r, _)| r.attempts).collect();
-        let errors: Vec<_> = emitted.iter().map(|(_, e)| e.clone()).collect();
+        let event_ids: Vec<_> = emitted.iter().map(|(r, ..)| r.event_id).collect();
+        let types: Vec<_> = emitted.iter().map(|(r, ..)| r.aggregate_type.clone()).collect();
+        let aggregates: Vec<_> = emitted.iter().map(|(r, ..)| r.aggregate_id.clone()).collect();
+        let event_types: Vec<_> = emitted.iter().map(|(r, ..)| r.event_type.clone()).collect();
+        let payloads: Vec<_> = emitted.iter().map(|(r, ..)| r.payload.clone()).collect();
+        let headers: Vec<_> = emitted.iter().map(|(r, ..)| r.headers.clone()).collect();
+        let created_at: Vec<_> = emitted.iter().map(|(r, ..)| r.created_at).collect();
+        let attempts: Vec<_> = emitted.iter().map(|(r, ..)| r.attempts).collect();
+        let errors: Vec<_> = emitted.iter().map(|(_, e, _)| e.clone()).collect();
+        let first_failed_at: Vec<_> = emitted.iter().map(|(r, ..)| r.first_failed_at).collect();
+        let attempt_logs: Vec<_> = emitted.iter().map(|(.., h)| h.clone()).collect();
         sql.dead_emitted(
             client,
             &outbox::sql::EmittedDead {
@@ -784,6 +805,8 @@ async fn write(sql: &WalSql, client: &Client, writes: Writes) -> Result<Writes, 
                 created_at: &created_at,
                 attempts: &attempts,
                 errors: &errors,
+                first_failed_at: &first_failed_at,
+                attempt_logs: &attempt_logs,
             },
         )
         .await?;

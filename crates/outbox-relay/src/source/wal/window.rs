@@ -27,7 +27,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use outbox::OutboxRow;
+use outbox::sql::{ATTEMPT_LOG_ERROR, ATTEMPT_LOG_LEN};
+use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::plan::Failures;
@@ -47,6 +50,9 @@ pub(crate) struct Event {
     pub(crate) unreadable: Option<String>,
     /// Its payload's size as text, for `--batch-max-bytes`.
     pub(crate) bytes: u64,
+    /// Its failed attempts so far, as the table's `attempt_log` keeps them:
+    /// written with its dead letter.
+    history: Vec<Value>,
 }
 
 /// The bookkeeping of an event at the sink (its row went with the batch).
@@ -55,6 +61,7 @@ struct Out {
     txn: u64,
     table_id: Option<i64>,
     bytes: u64,
+    history: Vec<Value>,
 }
 
 /// A transaction's unfinished events.
@@ -78,13 +85,24 @@ struct Parked {
     out: bool,
 }
 
-/// A dead letter to record: the row's id, or the whole emitted event.
+/// A dead letter to record: the row's id, or the whole emitted event,
+/// with its attempt history (a JSON array).
 #[derive(Debug)]
 pub(crate) enum Dead {
     /// A row of the table.
-    Row { id: i64, attempts: i32, error: String },
+    Row {
+        id: i64,
+        attempts: i32,
+        error: String,
+        first_failed_at: Option<DateTime<Utc>>,
+        history: Value,
+    },
     /// An emitted event, which becomes a row.
-    Emitted { row: OutboxRow, error: String },
+    Emitted {
+        row: OutboxRow,
+        error: String,
+        history: Value,
+    },
 }
 
 /// What the table must learn before a position may be confirmed.
@@ -127,9 +145,26 @@ impl Building {
             txn: e.txn,
             table_id: e.table_id,
             bytes: e.bytes,
+            history: e.history,
         });
         self.rows.push(e.row);
     }
+}
+
+/// Appends a failed attempt to an event's history as the polling relay's
+/// mark does (`ATTEMPT_LOG` in `outbox::sql`): the last
+/// [`ATTEMPT_LOG_LEN`], the error cut at [`ATTEMPT_LOG_ERROR`] characters.
+fn record(history: &mut Vec<Value>, attempt: i32, dead: bool, error: &str) {
+    if history.len() >= ATTEMPT_LOG_LEN {
+        history.remove(0);
+    }
+    let error: String = error.chars().take(ATTEMPT_LOG_ERROR).collect();
+    history.push(serde_json::json!({
+        "at": Utc::now(),
+        "attempt": attempt,
+        "outcome": if dead { "dead" } else { "retry" },
+        "error": error,
+    }));
 }
 
 /// The events between the stream and the confirmed position.
@@ -262,6 +297,7 @@ impl Window {
             table_id,
             unreadable,
             bytes,
+            history: Vec::new(),
         });
     }
 
@@ -363,25 +399,34 @@ impl Window {
         // Per aggregate, this batch's events that wait again, in order, and
         // the delay of the first.
         let mut waiting: HashMap<Key, (Duration, Vec<Event>)> = HashMap::new();
-        for (i, (o, row)) in out.into_iter().zip(rows).enumerate() {
+        for (i, (mut o, row)) in out.into_iter().zip(rows).enumerate() {
             let Some((k, _)) = failed.next_if(|(_, at)| **at == i) else {
                 self.finish(&o, o.table_id.filter(|_| self.delete_delivered).map(Ok));
                 continue;
             };
             let error = failures.errors[k].clone();
-            if failures.dead_letter[k] {
+            let (attempts, dead) = (failures.attempts[k], failures.dead_letter[k]);
+            if attempts > row.attempts {
+                record(&mut o.history, attempts, dead, &error);
+            }
+            if dead {
+                let history = Value::Array(std::mem::take(&mut o.history));
                 let dead = match o.table_id {
                     Some(id) => Dead::Row {
                         id,
-                        attempts: failures.attempts[k],
+                        attempts,
                         error,
+                        first_failed_at: failures.first_failed[k],
+                        history,
                     },
                     None => Dead::Emitted {
                         row: OutboxRow {
-                            attempts: failures.attempts[k],
+                            attempts,
+                            first_failed_at: failures.first_failed[k],
                             ..row.clone()
                         },
                         error,
+                        history,
                     },
                 };
                 self.finish(&o, Some(Err(dead)));
@@ -393,12 +438,14 @@ impl Window {
             entry.1.push(Event {
                 txn: o.txn,
                 row: OutboxRow {
-                    attempts: failures.attempts[k],
+                    attempts,
+                    first_failed_at: failures.first_failed[k],
                     ..row.clone()
                 },
                 table_id: o.table_id,
                 unreadable: None,
                 bytes: o.bytes,
+                history: o.history,
             });
         }
         for (key, (delay, events)) in waiting {
@@ -499,6 +546,7 @@ mod tests {
             f.ids.push(0);
             f.errors.push("down".to_owned());
             f.attempts.push(1);
+            f.first_failed.push(Some(chrono::Utc::now()));
             f.delay_ms.push(delay_ms);
             f.dead_letter.push(dead);
         }

@@ -1,0 +1,20 @@
+-- Retries measured in time, and what each attempt was told (issue 35).
+--
+-- `first_failed_at`: when the row's first failed attempt was. The relay's
+-- retry window (`relay --retry-for`, a day by default) runs from there,
+-- not from `created_at`, so a row that waited behind a backlog or an
+-- outage does not die at its first failure. Answers that spend no attempt
+-- (an unavailable sink, a row held back) leave it as it is. `dlq requeue`
+-- clears it: a requeued row gets a new window.
+--
+-- `attempt_log`: the row's last 10 failed attempts, oldest first, each
+-- `{"at", "attempt", "outcome": "retry" | "dead", "error"}` with the error
+-- cut at 256 characters (`last_error` keeps all of the last one). Bounded,
+-- so a row retried for a day stays small. Appended by the mark of a failed
+-- batch (`MARK_FAILED`), written whole by the WAL source's dead letters,
+-- kept by a requeue for the record; NULL until a first failed attempt.
+--
+-- Both columns are nullable without a default: adding them rewrites no
+-- row, on a plain or a daily-partitioned outbox alike (the partitions take
+-- the parent's new columns).
+ALTER TABLE {table} ADD COLUMN first_failed_at timestamptz, ADD COLUMN attempt_log jsonb;
