@@ -104,7 +104,7 @@ async fn schema_not_migrated_or_too_new_exits_2() {
 /// SQLSTATE, not tokio-postgres's bare `db error`.
 #[tokio::test]
 async fn a_refused_statement_is_reported_in_the_servers_words() {
-    let mut db = Db::start().await;
+    let db = Db::start().await;
     let fresh = db.pg.fresh_database().await.unwrap();
     let name = fresh
         .rsplit('/')

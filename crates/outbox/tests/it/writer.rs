@@ -315,8 +315,12 @@ async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
     let mut db = Db::start().await;
     db.client
         .batch_execute(
-            "ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
-             DELETE FROM outbox_migrations WHERE version = 7;
+            "ALTER TABLE outbox DROP CONSTRAINT outbox_aggregate_type_is_a_name,
+                                DROP CONSTRAINT outbox_event_type_is_a_name,
+                                DROP CONSTRAINT outbox_headers_are_string_tokens;
+             DROP FUNCTION outbox_is_name(text), outbox_headers_ok(jsonb);
+             ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
+             DELETE FROM outbox_migrations WHERE version IN (7, 8);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, last_error)
              SELECT 'orders', g::text, 'E', '{}', g, 'HTTP 500' FROM generate_series(0, 2) g;",
         )
@@ -328,8 +332,8 @@ async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
         "version 6 is too old"
     );
     let report = outbox::migrate(&mut db.client, &config).await.unwrap();
-    assert_eq!(report.applied, [(7, "attempt_history")]);
-    assert_eq!(report.version, 7);
+    assert_eq!(report.applied, [(7, "attempt_history"), (8, "table_contract")]);
+    assert_eq!(report.version, 8);
     let empty: Vec<i64> = db
         .column(
             "SELECT count(*) FROM outbox WHERE first_failed_at IS NULL AND attempt_log IS NULL \
