@@ -87,7 +87,7 @@ pub(crate) async fn run(pg: &PgConfig, prepared: Prepared) -> anyhow::Result<()>
             report.problems
         ),
         Outcome::Config => Err(ConfigError(format!(
-            "relay --check: {} check(s) failed, of the configuration",
+            "relay --check: {} check(s) failed: the configuration",
             report.problems
         ))
         .into()),
@@ -137,13 +137,13 @@ async fn postgres(pg: &PgConfig, prepared: &Prepared, report: &mut Report) {
             &format!("{table} at version {}", outbox::OUTBOX_VERSION),
         ),
         Err(e) => {
+            let fix = if e.is_permission_denied() {
+                "grant the privileges above (docs/privileges.md)"
+            } else {
+                "run `outbox migrate` as the table's owner"
+            };
             let e = anyhow::Error::new(e);
-            report.fail(
-                "schema",
-                Report::outcome(&e),
-                &chain(&e),
-                "run `outbox migrate` as the table's owner",
-            );
+            report.fail("schema", Report::outcome(&e), &chain(&e), fix);
         }
     }
     if config.source == SourceKind::Wal {
