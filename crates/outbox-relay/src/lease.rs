@@ -503,9 +503,13 @@ impl Ticker {
                 .lease_tick(until, next.claimable.len(), next.count);
         }
         self.view.send_replace(Arc::new(next));
-        // The first tick always wakes the relay: a `--drain` relay that got
-        // no partition learns that it has nothing to do.
-        if due || gained || previous.count == 0 {
+        // A tick with the partition count still unknown wakes the relay: a
+        // `--drain` relay that got no partition learns that it has nothing
+        // to do. Not the first success: the relay starts claiming only
+        // after it (`first_tick`), with this view already in hand, and a
+        // wake-up now would cost one more empty claim.
+        let first = previous.valid_until.is_none();
+        if !first && (due || gained || previous.count == 0) {
             for lane in self.lanes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                 lane.wake.notify_one();
             }
