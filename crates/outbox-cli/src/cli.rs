@@ -20,8 +20,9 @@ use crate::logging::LogFormat;
 /// met an unavailable sink; a `dlq` selector matched nothing; a replay's sink
 /// refused an event); 2 usage or
 /// configuration error (bad flag, URL, identifier or duration; schema not
-/// migrated or too new; a transaction-mode pooler in front of a relay not
-/// run with --pooler transaction).
+/// migrated or too new; a privilege the role lacks, see `migrate --grant`;
+/// a transaction-mode pooler in front of a relay not run with --pooler
+/// transaction).
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, max_term_width = 100)]
 pub(crate) struct Cli {
