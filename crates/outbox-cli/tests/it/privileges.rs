@@ -543,3 +543,57 @@ async fn relay_check_tells_configuration_from_an_unreachable_sink() {
         "claimed nothing"
     );
 }
+
+/// Partition maintenance is DDL: the role gets membership in the table
+/// owner's role, and CREATE on the schema, and then creates days ahead.
+#[tokio::test]
+async fn partition_maintenance_runs_with_its_grants() {
+    let setup = Setup::start().await;
+    let daily = [
+        ("DATABASE_URL", setup.url.as_str()),
+        ("OUTBOX_SCHEMA", SCHEMA),
+        ("OUTBOX_TABLE", "daily"),
+    ];
+    let out = run_cli(
+        &["migrate", "--partition-by", "day", "--channel", "daily_new"],
+        &daily,
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let as_role = [
+        ("DATABASE_URL", setup.role_url.as_str()),
+        ("OUTBOX_SCHEMA", SCHEMA),
+        ("OUTBOX_TABLE", "daily"),
+    ];
+    let maintain = ["partitions", "maintain", "--premake", "5"];
+    let refused = run_cli(&maintain, &as_role).await;
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    let stderr = text(&refused.stderr);
+    assert!(stderr.contains("lacks USAGE, CREATE on schema app\n"), "{stderr}");
+    // With the schema open, the ownership is what is missing.
+    setup
+        .sql(&format!("GRANT USAGE, CREATE ON SCHEMA app TO {}", setup.role))
+        .await;
+    let refused = run_cli(&maintain, &as_role).await;
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("; ownership of table app.daily (membership in its owner's role);"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "--grant {} --as partitions --schema app --table daily",
+            setup.role
+        )),
+        "{stderr}"
+    );
+    let grant = run_cli(&["migrate", "--grant", &setup.role, "--as", "partitions"], &daily).await;
+    assert_eq!(grant.status.code(), Some(0), "{}", text(&grant.stderr));
+    assert!(text(&grant.stdout).contains(&format!("GRANT postgres TO \"{}\";", setup.role)));
+    let partitions = "SELECT count(*) FROM pg_inherits WHERE inhparent = 'app.daily'::regclass";
+    let before = setup.count(partitions).await;
+    let out = run_cli(&maintain, &as_role).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(setup.count(partitions).await, before + 2, "days 4 and 5 ahead");
+}
