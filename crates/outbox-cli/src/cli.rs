@@ -20,8 +20,9 @@ use crate::logging::LogFormat;
 /// met an unavailable sink; a `dlq` selector matched nothing; a replay's sink
 /// refused an event); 2 usage or
 /// configuration error (bad flag, URL, identifier or duration; schema not
-/// migrated or too new; a transaction-mode pooler in front of a relay not
-/// run with --pooler transaction).
+/// migrated or too new; a privilege the role lacks, see `migrate --grant`;
+/// a transaction-mode pooler in front of a relay not run with --pooler
+/// transaction).
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, max_term_width = 100)]
 pub(crate) struct Cli {
@@ -160,6 +161,26 @@ pub(crate) struct MigrateArgs {
     /// instant (useful with --wal-cleanup none, which keeps delivered rows).
     #[arg(long, requires = "recover")]
     pub(crate) since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Instead of migrating: grant ROLE what the kinds of --as need on this
+    /// outbox (and, for consume and cleanup-inbox, the inbox of
+    /// --inbox-table), in least privilege; idempotent. Run as the tables'
+    /// owner (relay-wal: a superuser). See docs/privileges.md.
+    #[arg(long, value_name = "ROLE", requires = "grant_as", conflicts_with_all = ["wal", "partition_by"])]
+    pub(crate) grant: Option<String>,
+    /// With --grant, what the role does, comma-separated: writer, relay,
+    /// relay-wal, consume, stats, admin-read, admin, cleanup,
+    /// cleanup-inbox, partitions, replay, migrate.
+    #[arg(
+        long = "as",
+        id = "grant_as",
+        value_name = "KIND",
+        value_delimiter = ',',
+        requires = "grant"
+    )]
+    pub(crate) grant_as: Vec<outbox::privileges::Role>,
+    /// With --grant, print the statements and change nothing.
+    #[arg(long, requires = "grant")]
+    pub(crate) dry_run: bool,
 }
 
 #[derive(Debug, Args)]
@@ -193,6 +214,13 @@ pub(crate) struct RelayArgs {
     /// unavailable (for cron jobs and scripts).
     #[arg(long)]
     pub(crate) drain: bool,
+    /// Check the setup and exit, sending and claiming nothing: PostgreSQL
+    /// (schema version, this role's privileges for the source, claim mode
+    /// and retention; wal_level and the slot for --source wal) and every
+    /// route's sink, one line each with ok or FAIL and the fix. Exit 0 all
+    /// ok, 1 a service unreachable, 2 a configuration problem.
+    #[arg(long, conflicts_with = "drain")]
+    pub(crate) check: bool,
     /// The largest payload (as JSON text) sent to a sink; a larger event is
     /// a dead letter at once and never reaches the sink. Lowered to the
     /// sink's own limit where the sink reports one (NATS max_payload).

@@ -3,8 +3,8 @@
 //! | code | meaning |
 //! |---|---|
 //! | 0 | success, including a clean drain after SIGINT/SIGTERM |
-//! | 1 | runtime failure: PostgreSQL unreachable until `--connect-timeout`, a statement failed; `relay --drain` made a dead letter or stopped at an unavailable sink; a `dlq` selector matched nothing; a replay's sink refused an event, or its job runs elsewhere |
-//! | 2 | usage or configuration: bad flag, URL, TLS file, identifier, duration, schema not migrated or too new; PostgreSQL refused the login, the database or the certificate; log tailing not possible (`wal_level`, `REPLICATION`, no slot) or its slot invalidated; a transaction-mode pooler in front of a relay not run with `--pooler transaction`, or what that setting cannot do (`--source wal`, `--retention`) |
+//! | 1 | runtime failure: PostgreSQL unreachable until `--connect-timeout`, a statement failed; `relay --drain` made a dead letter, stopped at an unavailable sink, or was refused its lease tick or claim; `relay --check` found a service unreachable; a `dlq` selector matched nothing; a replay's sink refused an event, or its job runs elsewhere |
+//! | 2 | usage or configuration: bad flag, URL, TLS file, identifier, duration, schema not migrated or too new; the role lacks a privilege (named, with the `outbox migrate --grant` that fixes it; SQLSTATE 42501 at startup); `relay --check` found such a problem; PostgreSQL refused the login, the database or the certificate; log tailing not possible (`wal_level`, `REPLICATION`, no slot) or its slot invalidated; a transaction-mode pooler in front of a relay not run with `--pooler transaction`, or what that setting cannot do (`--source wal`, `--retention`) |
 //!
 //! Errors print as `error: …` followed by one `caused by: …` line per source,
 //! or with `--log-format json` as one JSON line shaped like the log lines:
@@ -29,6 +29,23 @@ fn is_config(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| cause.is::<ConfigError>()) || outbox_relay::exit::is_config(e.as_ref())
 }
 
+/// PostgreSQL refused a statement for a privilege (SQLSTATE 42501) that no
+/// startup check named (those print their own fix).
+fn denied_unnamed(e: &anyhow::Error) -> bool {
+    let named = e.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<outbox::Error>(),
+            Some(outbox::Error::MissingPrivileges { .. })
+        )
+    });
+    !named
+        && e.chain().any(|cause| {
+            cause
+                .downcast_ref::<outbox::Error>()
+                .is_some_and(outbox::Error::is_permission_denied)
+        })
+}
+
 /// Prints the error chain to stderr in the log format and picks the exit
 /// code.
 pub(crate) fn report(e: &anyhow::Error, format: LogFormat) -> ExitCode {
@@ -36,7 +53,17 @@ pub(crate) fn report(e: &anyhow::Error, format: LogFormat) -> ExitCode {
     let mut stderr = std::io::stderr().lock();
     // Nothing is left to tell if stderr itself is gone.
     let _ = match format {
-        LogFormat::Human => outbox_relay::exit::write_human(&mut stderr, e.as_ref()),
+        LogFormat::Human => outbox_relay::exit::write_human(&mut stderr, e.as_ref()).and_then(|()| {
+            if denied_unnamed(e) {
+                writeln!(
+                    stderr,
+                    "fix: grant the role what this command needs: outbox migrate --grant ROLE --as KIND, as \
+                     the table's owner (docs/privileges.md)"
+                )
+            } else {
+                Ok(())
+            }
+        }),
         LogFormat::Json => writeln!(
             stderr,
             "{}",

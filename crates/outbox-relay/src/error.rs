@@ -39,6 +39,14 @@ pub enum RelayError {
         /// What gave it away.
         sign: String,
     },
+    /// `--drain` cannot finish: PostgreSQL refuses the lease tick or the
+    /// claim for a reason no retry fixes (a missing privilege, a missing
+    /// function): the drain fails now rather than wait for an operator.
+    #[error("the drain cannot finish: {reason}")]
+    Drain {
+        /// What was refused, and the server's words.
+        reason: String,
+    },
 }
 
 impl RelayError {
@@ -50,6 +58,7 @@ impl RelayError {
                 true
             }
             RelayError::Connect(e) => e.is_permanent(),
+            RelayError::Drain { .. } => false,
         }
     }
 }
@@ -67,6 +76,19 @@ pub(crate) fn transaction_pooler(e: &tokio_postgres::Error) -> Option<RelayError
         return None;
     }
     Some(RelayError::TransactionPooler { sign: error_chain(e) })
+}
+
+/// Whether PostgreSQL refused `e` (or a source of it) for a reason only an
+/// operator fixes: class 42 (a missing privilege, 42501; a missing table
+/// or function, 42P01, 42883) or a missing schema (3F000). A retry meets
+/// the same refusal; a lost connection, a deadlock or a timeout are not
+/// among these.
+pub(crate) fn needs_operator(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(e), |e| e.source()).any(|e| {
+        e.downcast_ref::<DbError>().is_some_and(|db| {
+            db.code().code().starts_with("42") || *db.code() == SqlState::INVALID_SCHEMA_NAME
+        })
+    })
 }
 
 /// The error and its sources on one line, for logs and `last_error`.

@@ -8,6 +8,11 @@
 //! relay ([`Health`], in the relay's [`RelayContext`](crate::RelayContext));
 //! a process that runs several relays aggregates them in a [`Registry`].
 //! It holds no HTTP: the binary serves it.
+//!
+//! Leases: a relay is unready until its first tick succeeded, and again
+//! once its heartbeat ran out while ticks fail (the lease task reports
+//! both); the other relays may take its partitions then, so it claims
+//! nothing until a tick succeeds.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -185,6 +190,7 @@ impl Health {
             let check = match (l.valid_until, &l.error) {
                 (Some(until), _) if until > Instant::now() => ok(),
                 (None, None) => "waiting for the first lease tick".to_owned(),
+                (None, Some(error)) => format!("no lease tick has succeeded: {error}"),
                 (_, Some(error)) => format!("heartbeat expired: {error}"),
                 (Some(_), None) => "heartbeat expired".to_owned(),
             };

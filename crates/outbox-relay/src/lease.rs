@@ -23,6 +23,14 @@
 //! The tick also reports whether any held partition has a row due, which
 //! replaces the fallback poll: an idle relay commits one tick per interval
 //! and nothing else.
+//!
+//! A relay is not ready before its first tick succeeded ([`Leases::first_tick`]:
+//! no `READY=1` until then), since it may claim nothing without one. Ticks
+//! that fail are logged when the state changes (the first failure, a new
+//! error, the first success after), not every interval; one refused for a
+//! reason only an operator fixes (a privilege, a missing function:
+//! `error::needs_operator`) is kept in the view as its `fault`, which stops
+//! a `--drain` relay (exit 1) instead of leaving it waiting for ever.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -34,11 +42,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use uuid::Uuid;
 
 use crate::config::Pooler;
-use crate::error::{RelayError, error_chain, transaction_pooler};
+use crate::error::{RelayError, error_chain, needs_operator, transaction_pooler};
 use crate::wake;
 
 /// What the last successful tick said.
@@ -61,6 +69,9 @@ pub(crate) struct LeaseView {
     /// without `--pooler transaction` (`error::transaction_pooler`): what
     /// gave it away. The relay stops with it.
     pub(crate) pooler_sign: Option<String>,
+    /// The last tick was refused for a reason no retry fixes (see
+    /// `error::needs_operator`): why. Cleared by a tick that succeeds.
+    pub(crate) fault: Option<String>,
 }
 
 impl LeaseView {
@@ -232,6 +243,40 @@ impl Leases {
         }
     }
 
+    /// Resolves once a tick succeeded (at once if one did): the relay may
+    /// claim, and reports READY, only then. With `drain`, fails as soon as
+    /// a tick is refused for a reason no retry fixes (the view's `fault`):
+    /// a drain must end, not wait for an operator. Fails too on a
+    /// transaction-mode pooler found in front. Owned, so it can be awaited
+    /// after the leases went to the claim loops.
+    pub(crate) fn first_tick(
+        &self,
+        drain: bool,
+    ) -> impl Future<Output = Result<(), RelayError>> + Send + 'static {
+        let mut changes = self.view.clone();
+        async move {
+            loop {
+                {
+                    let view = changes.borrow_and_update();
+                    if view.valid_until.is_some() {
+                        return Ok(());
+                    }
+                    if let Some(sign) = &view.pooler_sign {
+                        return Err(RelayError::TransactionPooler { sign: sign.clone() });
+                    }
+                    if drain && let Some(fault) = &view.fault {
+                        return Err(RelayError::Drain {
+                            reason: format!("the lease tick failed: {fault}"),
+                        });
+                    }
+                }
+                if changes.changed().await.is_err() {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
     /// Resolves when a tick found a due row or gained partitions.
     pub(crate) async fn woken(&self) {
         self.wake.notified().await;
@@ -270,18 +315,22 @@ impl Ticker {
         // the promotion, or the relay, reconnected, may not claim.
         let mut reconnect =
             crate::backoff::Doubling::new(crate::backoff::RECONNECT_FIRST, crate::backoff::RECONNECT_MAX);
+        // What the last failure said, so a failure is logged once per
+        // change of state, not once per interval.
+        let mut failing: Option<String> = None;
         loop {
             if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
                 client = match self.connect().await {
                     Ok(c) => Some(c),
                     Err(error) => {
                         self.pooler_sign(&error);
-                        let error = error_chain(&error);
-                        self.settings
-                            .ctx
-                            .health()
-                            .lease_failed(format!("connecting: {error}"));
-                        warn!(%error, "lease connection failed; retrying");
+                        self.fault(&error);
+                        let error = format!("connecting: {}", error_chain(&error));
+                        self.settings.ctx.health().lease_failed(error.clone());
+                        if failing.as_ref() != Some(&error) {
+                            warn!(%error, "lease connection failed; retrying");
+                            failing = Some(error);
+                        }
                         None
                     }
                 };
@@ -289,12 +338,26 @@ impl Ticker {
             if let Some((c, tick)) = &client {
                 // A tick that hangs must not stop the heartbeat for good.
                 match tokio::time::timeout(self.settings.tick_timeout(), self.tick(c, tick)).await {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(())) => {
+                        if failing.take().is_some() {
+                            info!("lease tick succeeded again");
+                        }
+                    }
                     Ok(Err(error)) => {
                         self.pooler_sign(&error);
+                        self.fault(&error);
                         let error = error_chain(&error);
                         self.settings.ctx.health().lease_failed(error.clone());
-                        warn!(%error, "lease tick failed");
+                        if failing.as_ref() != Some(&error) {
+                            error!(
+                                %error,
+                                "lease tick failed: the relay claims nothing once its heartbeat runs out, \
+                                 and is unready until a tick succeeds"
+                            );
+                            failing = Some(error);
+                        } else {
+                            debug!(%error, "lease tick failed again");
+                        }
                     }
                     Err(_) => {
                         self.settings
@@ -339,6 +402,20 @@ impl Ticker {
         };
         self.view
             .send_modify(|view| Arc::make_mut(view).pooler_sign = Some(sign));
+        for lane in self.lanes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            lane.wake.notify_one();
+        }
+    }
+
+    /// Keeps a refusal no retry fixes in the view as its `fault`, and wakes
+    /// the lanes: a `--drain` relay stops with it.
+    fn fault(&self, error: &tokio_postgres::Error) {
+        if !needs_operator(error) {
+            return;
+        }
+        let fault = error_chain(error);
+        self.view
+            .send_modify(|view| Arc::make_mut(view).fault = Some(fault));
         for lane in self.lanes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             lane.wake.notify_one();
         }
@@ -426,9 +503,13 @@ impl Ticker {
                 .lease_tick(until, next.claimable.len(), next.count);
         }
         self.view.send_replace(Arc::new(next));
-        // The first tick always wakes the relay: a `--drain` relay that got
-        // no partition learns that it has nothing to do.
-        if due || gained || previous.count == 0 {
+        // A tick with the partition count still unknown wakes the relay: a
+        // `--drain` relay that got no partition learns that it has nothing
+        // to do. Not the first success: the relay starts claiming only
+        // after it (`first_tick`), with this view already in hand, and a
+        // wake-up now would cost one more empty claim.
+        let first = previous.valid_until.is_none();
+        if !first && (due || gained || previous.count == 0) {
             for lane in self.lanes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                 lane.wake.notify_one();
             }

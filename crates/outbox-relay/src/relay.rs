@@ -313,11 +313,28 @@ impl Relay {
             }
         }
         let first = &opened[0].0;
+        let mut first_tick = None;
         if let Some(leases) = poll::start_leases(&first.config, &first.pg, &first.ctx, owner) {
+            first_tick = Some(leases.first_tick(first.config.drain));
             let mut handles: Vec<_> = (1..opened.len()).map(|_| leases.lane()).collect();
             handles.insert(0, leases);
             for ((_, source, _), handle) in opened.iter_mut().zip(handles) {
                 source.attach_leases(handle);
+            }
+        }
+        // Not ready before the first tick: until then nothing is claimed.
+        // Shutdown meanwhile goes on to the loops, which stop at once.
+        if let Some(tick) = first_tick {
+            // Both branches are cancel-safe.
+            let ticked = tokio::select! {
+                ticked = tick => ticked,
+                () = cancel.cancelled() => Ok(()),
+            };
+            if let Err(error) = ticked {
+                for (_, source, _) in &mut opened {
+                    source.finish().await;
+                }
+                return Err(error);
             }
         }
         opened[0].0.started();

@@ -125,6 +125,23 @@ pub enum Error {
         /// The slot's name.
         slot: String,
     },
+    /// The connected role lacks privileges a command needs
+    /// ([`crate::privileges::check`]).
+    #[error("role {role} lacks {missing}\nfix: {fix}")]
+    MissingPrivileges {
+        /// The role connected as.
+        role: String,
+        /// What it lacks, grouped by object.
+        missing: String,
+        /// The command that grants it.
+        fix: String,
+    },
+    /// `outbox migrate --grant` found no object to grant on.
+    #[error("{what} does not exist; run `outbox migrate` (as the owner) before granting on it")]
+    NothingToGrantOn {
+        /// The object, as people read it.
+        what: String,
+    },
     /// A statement failed in tokio-postgres.
     #[cfg(feature = "tokio-postgres")]
     #[error("{doing}")]
@@ -221,7 +238,19 @@ impl Error {
                 | Error::SlotInvalidated { .. }
                 | Error::SlotMissing { .. }
                 | Error::BackfillOwed { .. }
-        )
+                | Error::MissingPrivileges { .. }
+                | Error::NothingToGrantOn { .. }
+        ) || self.is_permission_denied()
+    }
+
+    /// Whether PostgreSQL refused a statement for want of a privilege
+    /// (SQLSTATE 42501): a grant is missing, which no retry fixes.
+    pub fn is_permission_denied(&self) -> bool {
+        #[cfg(feature = "tokio-postgres")]
+        if let Error::Postgres { source, .. } = self {
+            return source.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE);
+        }
+        false
     }
 
     #[cfg(feature = "tokio-postgres")]

@@ -60,6 +60,8 @@ pub mod notify;
 #[cfg(feature = "tokio-postgres")]
 pub mod partitions;
 #[cfg(feature = "tokio-postgres")]
+pub mod privileges;
+#[cfg(feature = "tokio-postgres")]
 pub mod retention;
 mod schema;
 pub mod sql;

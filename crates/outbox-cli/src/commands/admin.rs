@@ -28,6 +28,13 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
     let pg = super::pg_config(g)?;
     let client = super::connect(&pg).await?;
+    // Without a token the console only reads.
+    let role = if token.is_some() {
+        outbox::privileges::Role::Admin
+    } else {
+        outbox::privileges::Role::AdminRead
+    };
+    super::require(&client, &config, &[role]).await?;
     outbox::check(&client, &config).await?;
     drop(client);
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -19,6 +19,7 @@ pub(crate) async fn run(g: &Global, args: CleanupArgs) -> anyhow::Result<()> {
     let show = |n: u64| progress.set_message(format!("{n} rows deleted"));
     let (table, done) = if args.inbox {
         let config = args.inbox_table.config()?;
+        super::require_inbox(&client, &config, &[outbox::privileges::Role::CleanupInbox]).await?;
         outbox::check_inbox(&client, &config).await?;
         let done =
             outbox::retention::delete_processed(&client, &config, args.older_than, args.batch_size, show)
@@ -27,6 +28,7 @@ pub(crate) async fn run(g: &Global, args: CleanupArgs) -> anyhow::Result<()> {
         (config.display_name(), done)
     } else {
         let config = super::outbox_config(g)?;
+        super::require(&client, &config, &[outbox::privileges::Role::Cleanup]).await?;
         outbox::check(&client, &config).await?;
         let done =
             outbox::retention::delete_published(&client, &config, args.older_than, args.batch_size, show)

@@ -58,6 +58,7 @@ pub(crate) async fn run(g: &Global, args: ConsumeArgs) -> anyhow::Result<()> {
     // broker delivers that message again and the inbox decides.
     loop {
         let mut db = super::connect(&pg).await?;
+        super::require_inbox(&db, inbox.config(), &[outbox::privileges::Role::Consume]).await?;
         outbox::check_inbox(&db, inbox.config()).await?;
         // Typed, so `$4->>'field'` needs no casts; unused parameters are fine.
         const APPLY_TYPES: [Type; 5] = [Type::UUID, Type::TEXT, Type::TEXT, Type::JSONB, Type::JSONB];

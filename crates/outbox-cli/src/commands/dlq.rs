@@ -11,6 +11,7 @@ use crate::cli::{DlqCommand, Global, RequeueArgs};
 pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
     let client = super::connect(&super::pg_config(g)?).await?;
+    super::require(&client, &config, &[super::dlq_role(&command)]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     match command {

@@ -1,4 +1,6 @@
-//! `outbox migrate`: create or upgrade the outbox table, or the inbox with `--inbox`.
+//! `outbox migrate`: create or upgrade the outbox table, or the inbox with
+//! `--inbox`; or, with `--grant ROLE --as KIND`, grant a role what it
+//! needs (`outbox::privileges`), `--dry-run` printing the statements only.
 
 use anyhow::Context;
 
@@ -42,7 +44,47 @@ async fn wal(
     Ok(())
 }
 
+/// `--grant ROLE --as KINDS`: the tables must exist (their schema version
+/// checked) for what GRANT names; then every statement in one
+/// transaction, or printed with `--dry-run`.
+async fn grant(g: &Global, args: &MigrateArgs, role: &str) -> anyhow::Result<()> {
+    use outbox::privileges::Role;
+    let grantee = outbox::Ident::new("--grant", role)?;
+    let outbox = super::outbox_config(g)?;
+    let inbox = args.inbox_table.config()?;
+    let mut client = super::connect(&super::pg_config(g)?).await?;
+    // `migrate` may be granted before the outbox exists: its owner is
+    // then whoever creates it.
+    if args.grant_as.iter().any(|r| !r.on_inbox() && *r != Role::Migrate) {
+        outbox::check(&client, &outbox).await?;
+    }
+    if args.grant_as.iter().any(|r| r.on_inbox()) {
+        outbox::check_inbox(&client, &inbox).await?;
+    }
+    let tables = outbox::privileges::Tables::new(outbox, inbox);
+    let statements = outbox::privileges::grants(&client, &tables, &args.grant_as, &grantee).await?;
+    if args.dry_run {
+        println!("-- outbox migrate --grant {grantee} --dry-run: nothing was changed");
+        for statement in &statements {
+            println!("{statement};");
+        }
+        return Ok(());
+    }
+    outbox::privileges::apply(&mut client, &statements)
+        .await
+        .with_context(|| format!("granting {grantee} what it needs"))?;
+    for statement in &statements {
+        println!("{statement};");
+    }
+    let kinds: Vec<&str> = args.grant_as.iter().map(|r| r.name()).collect();
+    println!("granted {grantee} what {} need(s)", kinds.join(", "));
+    Ok(())
+}
+
 pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
+    if let Some(role) = args.grant.clone() {
+        return grant(g, &args, &role).await;
+    }
     let pg = super::pg_config(g)?;
     let report = if args.inbox {
         let config = args.inbox_table.config()?;

@@ -2,6 +2,7 @@
 //! flags into validated configs and a PostgreSQL connection.
 
 mod admin;
+mod check;
 mod cleanup;
 mod config;
 mod consume;
@@ -14,6 +15,7 @@ mod replay;
 mod stats;
 
 use anyhow::Context;
+use outbox::privileges::{Needs, Role};
 use outbox_relay::pg::PgConfig;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -74,6 +76,33 @@ pub(crate) fn parse_pg_url(url: &str, g: &Global) -> anyhow::Result<PgConfig> {
 /// (a permanent failure, exit code 2, at once); its driver runs in a task.
 pub(crate) async fn connect(config: &PgConfig) -> anyhow::Result<Client> {
     Ok(outbox_relay::pg::connect(config).await?)
+}
+
+/// Fails with exit code 2, naming what is missing and the `outbox migrate
+/// --grant` that fixes it, unless the connected role may do the work of
+/// `roles` on the outbox `config`: run at startup, before the schema
+/// check, so a missing grant is not a `permission denied` later.
+pub(crate) async fn require(client: &Client, config: &outbox::Config, roles: &[Role]) -> anyhow::Result<()> {
+    let tables = outbox::privileges::Tables::outbox(config.clone());
+    Ok(outbox::privileges::check(client, &tables, &Needs::of(roles)).await?)
+}
+
+/// [`require`] for the inbox `inbox`.
+pub(crate) async fn require_inbox(
+    client: &Client,
+    inbox: &outbox::InboxConfig,
+    roles: &[Role],
+) -> anyhow::Result<()> {
+    let tables = outbox::privileges::Tables::new(outbox::Config::default(), inbox.clone());
+    Ok(outbox::privileges::check(client, &tables, &Needs::of(roles)).await?)
+}
+
+/// What a `dlq` subcommand does: `list` reads, the others write.
+pub(crate) fn dlq_role(command: &crate::cli::DlqCommand) -> Role {
+    match command {
+        crate::cli::DlqCommand::List { .. } => Role::Stats,
+        _ => Role::Admin,
+    }
 }
 
 /// A token cancelled by the first SIGINT or SIGTERM.

@@ -10,6 +10,7 @@ pub(crate) async fn run(g: &Global, command: PartitionsCommand) -> anyhow::Resul
     let PartitionsCommand::Maintain { keep, premake } = command;
     let config = super::outbox_config(g)?;
     let mut client = super::connect(&super::pg_config(g)?).await?;
+    super::require(&client, &config, &[outbox::privileges::Role::Partitions]).await?;
     outbox::check(&client, &config).await?;
     if outbox::existing_layout(&client, &config).await? != Some(outbox::Layout::Daily) {
         return Err(ConfigError(format!(

@@ -1,5 +1,8 @@
 //! `outbox relay`: deliver until SIGINT/SIGTERM (or, with `--drain`, until
-//! nothing is due), then finish the batch in flight.
+//! nothing is due), then finish the batch in flight. First, the role's
+//! privileges for the source, claim mode and retention (`outbox::privileges`:
+//! exit 2 naming what is missing). `--check` checks the setup and exits
+//! (`check.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -10,6 +13,8 @@ use outbox_relay::health::Registry;
 use outbox_relay::{
     Backlog, Backoff, ClaimMode, Counters, Failpoint, Pooler, Relay, RelayConfig, SourceKind, WalSettings,
 };
+
+use outbox::privileges::{Needs, Role};
 
 use crate::cli::{Global, RelayArgs};
 use crate::config::{ConfigFile, Layered, OtherLane};
@@ -29,12 +34,56 @@ pub(crate) struct Prepared {
     /// Routes claimed the other way (`claim` in their table).
     lane: Option<OtherLane>,
     retention: Option<outbox_relay::Retention>,
+    /// With `--check`: each sink alone, with its table's name and URL.
+    pub(crate) probes: Vec<crate::config::NamedSink>,
+}
+
+impl Prepared {
+    /// What the relay runs with.
+    pub(crate) fn config(&self) -> &RelayConfig {
+        &self.config
+    }
+
+    /// Whether it runs retention.
+    pub(crate) fn retains(&self) -> bool {
+        self.retention.is_some()
+    }
+}
+
+/// What the relay's work needs of its role: its source's, the partition
+/// leases' unless `--ordering none`, and with `--retention` cleanup's (a
+/// plain outbox) or partition maintenance's (a daily partitioned one).
+pub(crate) async fn needs(
+    client: &tokio_postgres::Client,
+    config: &RelayConfig,
+    retention: bool,
+) -> anyhow::Result<(Vec<Role>, Needs)> {
+    let mut roles = vec![match config.source {
+        SourceKind::Poll => Role::Relay,
+        SourceKind::Wal => Role::RelayWal,
+    }];
+    if retention {
+        roles.push(match outbox::existing_layout(client, &config.outbox).await? {
+            Some(outbox::Layout::Daily) => Role::Partitions,
+            _ => Role::Cleanup,
+        });
+    }
+    let needs = Needs::of(&roles);
+    let needs = if config.ordering == outbox_relay::OrderMode::None {
+        needs.without_leases()
+    } else {
+        needs
+    };
+    Ok((roles, needs))
 }
 
 /// Runs the relay with the settings of flags, environment and `--config`.
 pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let (g, args, file) = layered.into_relay();
     let pg = super::pg_config(&g)?;
+    if args.check {
+        return super::check::run(&pg, prepare(&g, args, file)?).await;
+    }
     // Before the sinks and the relay are built: their metric handles are
     // looked up once, from the recorder installed by then.
     let endpoint = match args.http {
@@ -46,6 +95,7 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         sink,
         lane,
         retention,
+        probes: _,
     } = prepare(&g, args, file)?;
     let sink = sink.ok_or_else(|| {
         ConfigError(
@@ -54,6 +104,15 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
                 .to_owned(),
         )
     })?;
+    {
+        // Before READY and before the schema check: a missing grant is a
+        // configuration error naming itself, not `permission denied` in a
+        // loop.
+        let client = super::connect(&pg).await?;
+        let (_, needs) = needs(&client, &config, retention.is_some()).await?;
+        let tables = outbox::privileges::Tables::outbox(config.outbox.clone());
+        outbox::privileges::check(&client, &tables, &needs).await?;
+    }
     let cancel = super::shutdown_token()?;
     let retention = retention
         .map(|schedule| tokio::spawn(schedule.run(pg.clone(), config.outbox.clone(), cancel.clone())));
@@ -111,6 +170,16 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         ordering_for.retain(|(t, _)| *t != aggregate_type);
         ordering_for.push((aggregate_type, mode));
     }
+    let probes = match &args.sink {
+        _ if !args.check => Vec::new(),
+        _ if file.routes() => file.sinks(args.sink.as_deref(), &options)?,
+        Some(url) => vec![(
+            "--sink".to_owned(),
+            url.clone(),
+            outbox_relay::sink::from_url(url, &options)?,
+        )],
+        None => Vec::new(),
+    };
     let mut claim = args.claim;
     let mut lane = None;
     let sink: Option<Box<dyn outbox_relay::Sink>> = match &args.sink {
@@ -208,6 +277,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         sink,
         lane,
         retention,
+        probes,
     })
 }
 

@@ -37,6 +37,7 @@ struct Relays {
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
     let client = super::connect(&super::pg_config(g)?).await?;
+    super::require(&client, &config, &[outbox::privileges::Role::AdminRead]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     let by_partition = sql

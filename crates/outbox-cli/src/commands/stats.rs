@@ -34,6 +34,7 @@ struct Stats {
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
     let config = super::outbox_config(g)?;
     let client = super::connect(&super::pg_config(g)?).await?;
+    super::require(&client, &config, &[outbox::privileges::Role::Stats]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     let by_type = sql.stats(&client).await.context("reading outbox statistics")?;

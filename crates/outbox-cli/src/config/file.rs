@@ -42,8 +42,8 @@ pub(crate) struct RelayFile {
 }
 
 /// Flags that are no keys: `config` names the file; logging starts before
-/// the file is read.
-const NOT_KEYS: [&str; 4] = ["config", "log_format", "help", "version"];
+/// the file is read; `check` is what to do, not how to run.
+const NOT_KEYS: [&str; 5] = ["config", "log_format", "help", "version", "check"];
 
 /// The tables of the file, beside the settings.
 const TABLES: [&str; 3] = ["default", "routes", "ordering"];

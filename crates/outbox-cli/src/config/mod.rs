@@ -48,4 +48,4 @@ mod router;
 
 pub(crate) use file::{ConfigFile, setting_keys, table_keys};
 pub(crate) use layered::{Layered, Origin};
-pub(crate) use router::OtherLane;
+pub(crate) use router::{NamedSink, OtherLane};

@@ -127,6 +127,38 @@ impl RelayFile {
     }
 }
 
+/// A sink built alone for `relay --check`: where it is configured
+/// (`--sink`, `[default]`, `[routes.<type>]`), its URL, the sink.
+pub(crate) type NamedSink = (String, String, Box<dyn Sink>);
+
+impl RelayFile {
+    /// Each sink the file describes, built alone, with its table's name and
+    /// URL: what `relay --check` probes one by one (a router answers for
+    /// all its routes at once). `sink` (the effective `--sink`) stands for
+    /// the default route when there is no `[default]`.
+    pub(crate) fn sinks(&self, sink: Option<&str>, flags: &SinkOptions) -> anyhow::Result<Vec<NamedSink>> {
+        let mut sinks = Vec::new();
+        match (&self.default, sink) {
+            (Some(table), _) => {
+                sinks.push((
+                    "[default]".to_owned(),
+                    table.sink.clone(),
+                    table.build("[default]", flags)?,
+                ));
+            }
+            (None, Some(url)) => {
+                sinks.push(("--sink".to_owned(), url.to_owned(), sink::from_url(url, flags)?))
+            }
+            (None, None) => {}
+        }
+        for (aggregate_type, table) in &self.routes {
+            let name = format!("[routes.{aggregate_type}]");
+            sinks.push((name.clone(), table.sink.clone(), table.build(&name, flags)?));
+        }
+        Ok(sinks)
+    }
+}
+
 impl SinkTable {
     /// The options this table's sink is built with: its keys over `flags`.
     fn options(&self, name: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
@@ -207,7 +239,7 @@ impl SinkTable {
         })
     }
 
-    fn build(self, name: &str, flags: &SinkOptions) -> anyhow::Result<Box<dyn Sink>> {
+    fn build(&self, name: &str, flags: &SinkOptions) -> anyhow::Result<Box<dyn Sink>> {
         let options = self.options(name, flags)?;
         // SinkError is a configuration error (exit 2) already; the context
         // says which table it came from.

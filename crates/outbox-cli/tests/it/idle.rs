@@ -28,10 +28,13 @@ use crate::support::{LONG, connect, start_relay, stop_relay, wait_until};
 ///   one, each prepare is a transaction of its own, 30 more in all (the
 ///   issue: 46–53 transactions in the first 10 s at `--poll-interval 1s`);
 /// - 1 read of the next retry on the listening session;
-/// - 1 or 2 empty claims: the first tick always wakes the relay, and the
-///   claim the relay tries as it starts runs only if that tick came first;
-/// - 1 tick prepared and 1 goodbye (the partitions handed back).
-const START_AND_STOP: i64 = 12;
+/// - 1 or 2 empty claims: the one the relay tries as it starts (after its
+///   first lease tick, which READY waits for), and one more if a later
+///   tick woke it (partitions gained);
+/// - 1 tick prepared and 1 goodbye (the partitions handed back);
+/// - the privilege check before anything else (issue 35): its own login
+///   and its one query.
+const START_AND_STOP: i64 = 14;
 
 const POLL: Duration = Duration::from_millis(200);
 

@@ -27,6 +27,7 @@ mod ordering;
 mod outage;
 mod partitions;
 mod pgbouncer;
+mod privileges;
 mod relay;
 mod replay;
 mod replay_engine;

@@ -16,6 +16,8 @@ mod floor;
 #[cfg(feature = "tokio-postgres")]
 mod horizon;
 #[cfg(feature = "tokio-postgres")]
+pub(crate) mod privileges;
+#[cfg(feature = "tokio-postgres")]
 mod relay;
 #[cfg(feature = "tokio-postgres")]
 mod replay;

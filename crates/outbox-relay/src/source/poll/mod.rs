@@ -66,7 +66,7 @@ use self::floor::{Asked, Floor};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{OrderMode, Pooler, RelayConfig};
 use crate::context::RelayContext;
-use crate::error::{RelayError, error_chain, transaction_pooler};
+use crate::error::{RelayError, error_chain, needs_operator, transaction_pooler};
 use crate::lease::{LeaseSettings, Leases};
 use crate::metric::{WakeCause, WakeMetrics};
 use crate::pg::{PgConfig, Startup};
@@ -255,8 +255,9 @@ pub(crate) struct PollSource {
     /// Batches failing in a row with one error (see [`Streak`]).
     streak: Streak,
     /// A batch failed on a sign of a transaction-mode pooler in front of a
-    /// relay run without `--pooler transaction`: the next claim stops the
-    /// relay with it.
+    /// relay run without `--pooler transaction`, or a `--drain` relay's
+    /// batch was refused for a reason no retry fixes: the next claim stops
+    /// the relay with it.
     pooler: Option<RelayError>,
 }
 
@@ -434,11 +435,20 @@ impl PollSource {
     }
 
     /// Stops the relay if the lease task found a transaction-mode pooler in
-    /// front (see `error::transaction_pooler`).
+    /// front (see `error::transaction_pooler`), and a `--drain` relay whose
+    /// lease tick is refused for a reason no retry fixes (its `fault`).
     fn check_lease_pooler(&self) -> Result<(), SourceError> {
-        match self.leases.as_ref().and_then(|l| l.view().pooler_sign.clone()) {
-            Some(sign) => Err(self.pooler_found(RelayError::TransactionPooler { sign })),
-            None => Ok(()),
+        let Some(view) = self.leases.as_ref().map(Leases::view) else {
+            return Ok(());
+        };
+        if let Some(sign) = view.pooler_sign.clone() {
+            return Err(self.pooler_found(RelayError::TransactionPooler { sign }));
+        }
+        match view.fault.clone() {
+            Some(fault) if self.config.drain => Err(self.pooler_found(RelayError::Drain {
+                reason: format!("the lease tick failed: {fault}"),
+            })),
+            _ => Ok(()),
         }
     }
 
@@ -1094,6 +1104,12 @@ impl Source for PollSource {
             return !cancel.is_cancelled();
         }
         let chain = error_chain(&error);
+        if self.config.drain && needs_operator(&error) {
+            // A drain must end: the next claim stops the relay with this.
+            self.pooler = Some(RelayError::Drain {
+                reason: format!("a batch failed: {chain}"),
+            });
+        }
         if self.streak.failed(&chain) {
             // Retrying goes on (the cause may pass), but not in silence:
             // unready until a batch commits.
