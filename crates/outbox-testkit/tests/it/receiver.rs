@@ -141,3 +141,33 @@ async fn a_delayed_post_is_recorded_on_arrival_and_answered_after_the_delay() {
     assert_eq!(post(&client(), &url, 2).await.status().as_u16(), 200);
     assert_eq!(receiver.count(), 3);
 }
+
+#[tokio::test]
+async fn an_outage_answers_every_method_and_failures_carry_the_body() {
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    receiver.set_body(Some("{\"error\":\"down for a rollout\"}"));
+    receiver.set_outage(503, Duration::from_secs(3600));
+    let client = client();
+    let refused = post(&client, &receiver.url(), 0).await;
+    assert_eq!(refused.status().as_u16(), 503);
+    assert_eq!(
+        refused.text().await.unwrap(),
+        "{\"error\":\"down for a rollout\"}"
+    );
+    let probe = client.head(receiver.url()).send().await.unwrap();
+    assert_eq!(probe.status().as_u16(), 503, "a probe meets the outage too");
+
+    // An outage of no length is over: the script (200) and 405 again, and
+    // the script did not count the requests the outage answered.
+    receiver.set_outage(503, Duration::ZERO);
+    let ok = post(&client, &receiver.url(), 1).await;
+    assert_eq!(ok.status().as_u16(), 200);
+    assert_eq!(ok.text().await.unwrap(), "", "a success carries no scripted body");
+    let probe = client.head(receiver.url()).send().await.unwrap();
+    assert_eq!(probe.status().as_u16(), 405);
+
+    let statuses: Vec<u16> = receiver.received().iter().map(|p| p.status).collect();
+    assert_eq!(statuses, [503, 200]);
+    let probes: Vec<u16> = receiver.probes().iter().map(|(_, s)| *s).collect();
+    assert_eq!(probes, [503, 405]);
+}
