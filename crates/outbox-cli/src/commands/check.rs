@@ -173,7 +173,7 @@ async fn sinks(prepared: &Prepared, report: &mut Report) {
         );
     }
     for (name, url, sink) in &prepared.probes {
-        let what = format!("sink {name} {}", super::config::redact_url(url));
+        let what = format!("sink {name} {}", outbox_relay::redact::url(url));
         match tokio::time::timeout(PROBE_LIMIT, sink.probe()).await {
             Ok(Ok(())) => report.ok(&what, &format!("{} reachable", sink.name())),
             Ok(Err(e)) => report.fail(
