@@ -162,13 +162,15 @@ impl HttpSink {
         let response = match response {
             Ok(r) => r,
             Err(e) if e.is_builder() => {
-                return Err(DeliveryError::permanent(format!("building the request: {e}")));
+                return Err(DeliveryError::permanent(format!("building the request: {}", e.without_url())));
             }
             // No status at all (refused, reset, closed mid-request, DNS,
             // TLS, a timeout): the receiver, not this event, is the problem.
             // reqwest's top-level message is often just "error sending
-            // request"; the cause is what an operator needs.
-            Err(e) => return Err(DeliveryError::unavailable(error_chain(&e))),
+            // request"; the cause is what an operator needs. Without the
+            // URL: its query may hold a token, and this goes to
+            // `last_error` and the logs.
+            Err(e) => return Err(DeliveryError::unavailable(error_chain(&e.without_url()))),
         };
         let status = response.status();
         if status.is_success() {
@@ -342,7 +344,7 @@ impl Sink for HttpSink {
                     retry_after: retry_after(r.headers()),
                 }),
                 Ok(_) => Ok(()),
-                Err(e) => Err(DeliveryError::unavailable(error_chain(&e))),
+                Err(e) => Err(DeliveryError::unavailable(error_chain(&e.without_url()))),
             }
         }
         .boxed()
@@ -400,5 +402,22 @@ mod tests {
         assert_eq!(retry_after(&h), Some(Duration::ZERO));
         h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&h), None);
+    }
+
+    /// A refused connection is reported without the URL: its query may
+    /// carry the receiver's token, and the message goes to `last_error`
+    /// and the logs.
+    #[tokio::test]
+    async fn a_failure_does_not_repeat_the_urls_token() {
+        // A port nothing listens on: bind one, then let it go.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let url = Url::parse(&format!("http://127.0.0.1:{port}/hook?token=s3cr3t")).unwrap();
+        let sink = HttpSink::new(url, &SinkOptions::default()).unwrap();
+        let row = crate::plan::tests::row(1, "1");
+        let answers = sink.deliver(std::slice::from_ref(&row)).await;
+        let message = answers[0].clone().unwrap_err().to_string();
+        assert!(!message.contains("s3cr3t"), "{message}");
+        let probe = sink.probe().await.unwrap_err().to_string();
+        assert!(!probe.contains("s3cr3t"), "{probe}");
     }
 }
