@@ -245,7 +245,7 @@ impl<'a> Replay<'a> {
     ) -> Result<End, ReplayError> {
         let mut breaker = Breaker::new(self.sink.name(), None);
         if self.sink.has_route_breakers() {
-            breaker = breaker.without_strikes();
+            breaker = breaker.over_routes();
         }
         // The failing row and its attempts in this run: replay marks
         // nothing, so they live here, where the relay's live in the row.
