@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
 use outbox_relay::sink::router::Router;
-use outbox_relay::sink::{self, Sink};
+use outbox_relay::sink::{self, DEFAULT_ROUTE, Sink};
 use outbox_relay::{ClaimMode, PerSinkOptions, SinkOptions};
 use serde::Deserialize;
 
@@ -72,10 +72,12 @@ impl RelayFile {
         // The lane claims only its own types, so its first route's sink can
         // stand as the router's default.
         let name = |t: &str| format!("[routes.{t}]");
-        let mut router = Router::new(first_table.build(&name(&first_type), flags)?);
+        let first_name = first_table.route_name(&first_type);
+        let mut router = Router::named(first_name, first_table.build(&name(&first_type), flags)?);
         for (aggregate_type, table) in tables {
+            let route = table.route_name(&aggregate_type);
             let sink = table.build(&name(&aggregate_type), flags)?;
-            router = router.route(aggregate_type, sink);
+            router = router.route_named(aggregate_type, route, sink);
         }
         let other_mode = match own {
             ClaimMode::Lock => ClaimMode::Deadline,
@@ -97,8 +99,11 @@ impl RelayFile {
     /// options of keys a table leaves out.
     pub(crate) fn router(self, sink: Option<&str>, flags: &SinkOptions) -> anyhow::Result<Router> {
         let default = match (self.default, sink) {
-            (Some(table), _) => table.build("[default]", flags)?,
-            (None, Some(url)) => sink::from_url(url, flags)?,
+            (Some(table), _) => {
+                let name = table.route_name(DEFAULT_ROUTE);
+                (name, table.build("[default]", flags)?)
+            }
+            (None, Some(url)) => (DEFAULT_ROUTE.to_owned(), sink::from_url(url, flags)?),
             (None, None) => {
                 return Err(ConfigError(
                     "--config: no [default] table and no sink: events of an aggregate type no route \
@@ -109,16 +114,23 @@ impl RelayFile {
                 .into());
             }
         };
-        let mut router = Router::new(default);
+        let mut router = Router::named(default.0, default.1);
         for (aggregate_type, table) in self.routes {
+            let route = table.route_name(&aggregate_type);
             let sink = table.build(&format!("[routes.{aggregate_type}]"), flags)?;
-            router = router.route(aggregate_type, sink);
+            router = router.route_named(aggregate_type, route, sink);
         }
         Ok(router)
     }
 }
 
 impl SinkTable {
+    /// The route's name: its `name`, else `fallback` (its aggregate type,
+    /// or `default`); `ConfigFile::read` checked they differ.
+    fn route_name(&self, fallback: &str) -> String {
+        self.name.clone().unwrap_or_else(|| fallback.to_owned())
+    }
+
     /// The options this table's sink is built with: its keys over `flags`.
     fn options(&self, name: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
         let bad = |key: &str, e: &dyn std::fmt::Display| ConfigError(format!("--config {name} {key}: {e}"));
