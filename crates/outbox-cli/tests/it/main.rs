@@ -32,6 +32,7 @@ mod replay;
 mod replay_engine;
 mod retention;
 mod retry;
+mod routed_metrics;
 mod routing;
 mod scale;
 mod support;
