@@ -4,7 +4,11 @@
 //!
 //! The relay library records through the `metrics` facade and reports
 //! readiness to `outbox_relay::health`; this module installs the exporter,
-//! binds the port and serves both. It owns no fact of its own.
+//! binds the port and serves both. Its own facts are the process's: the
+//! usual `process_*` metrics (CPU, memory, file descriptors, threads, start
+//! time; `metrics-process`, read at each scrape so they cost nothing
+//! between scrapes) and `outbox_build_info` with the version and the git
+//! commit (`build.rs`).
 //!
 //! Why `metrics` + `metrics-exporter-prometheus` rather than
 //! `prometheus-client`: the facade keeps the library free of any exporter
@@ -49,6 +53,7 @@ const ROWS: [f64; 12] = [
 pub(crate) struct Endpoint {
     listener: TcpListener,
     handle: PrometheusHandle,
+    process: metrics_process::Collector,
 }
 
 impl Endpoint {
@@ -72,8 +77,19 @@ impl Endpoint {
         }
         let handle = builder.install_recorder()?;
         metric::describe();
-        metrics::gauge!(metric::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-        Ok(Self { listener, handle })
+        metrics::gauge!(
+            metric::BUILD_INFO,
+            "version" => env!("CARGO_PKG_VERSION"),
+            "commit" => env!("OUTBOX_COMMIT"),
+        )
+        .set(1.0);
+        let process = metrics_process::Collector::default();
+        process.describe();
+        Ok(Self {
+            listener,
+            handle,
+            process,
+        })
     }
 
     /// The bound address (the port, when `addr` asked for port 0).
@@ -83,7 +99,11 @@ impl Endpoint {
 
     /// Serves until `cancel` fires; `/readyz` asks `relays`.
     pub(crate) fn serve(self, relays: Arc<Registry>, cancel: CancellationToken) -> JoinHandle<()> {
-        let Self { listener, handle } = self;
+        let Self {
+            listener,
+            handle,
+            process,
+        } = self;
         let upkeep = handle.clone();
         let stop = cancel.clone();
         tokio::spawn(async move {
@@ -95,7 +115,7 @@ impl Endpoint {
             }
         });
         let app = Router::new()
-            .route("/metrics", get(move || render(handle.clone())))
+            .route("/metrics", get(move || render(handle.clone(), process.clone())))
             .route("/healthz", get(healthz))
             .route("/readyz", get(move || readyz(Arc::clone(&relays))));
         tokio::spawn(async move {
@@ -109,7 +129,10 @@ impl Endpoint {
     }
 }
 
-async fn render(handle: PrometheusHandle) -> impl IntoResponse {
+/// The process's metrics read now, then everything rendered.
+async fn render(handle: PrometheusHandle, process: metrics_process::Collector) -> impl IntoResponse {
+    // A handful of small reads of /proc/self: no need for a blocking thread.
+    process.collect();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         handle.render(),

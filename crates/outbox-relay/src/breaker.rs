@@ -8,10 +8,17 @@
 //! interval of the sink's return. A
 //! probe that succeeds half-opens it: the next batch decides, closing it if
 //! anything was delivered and opening it again (the backoff carried on) if
-//! the sink is still unavailable. Each change of state is logged once, with
-//! the cause; a probe failing for the same cause as the last one is not.
-//! Each change also sets the sink's gauges (`outbox_sink_up`,
-//! `outbox_sink_circuit_state`) and its readiness check (`crate::health`).
+//! the sink is still unavailable.
+//!
+//! The log says what an operator acts on: one warning when the breaker
+//! opens (with the cause) and one line when it closes after delivering
+//! again (`sink available again`, with how long it was down), once per
+//! outage whatever happens in between. Probes, half-opening, a half-open
+//! batch failing again, and a new cause while open are debug lines: while a
+//! sink stays down they would repeat at every probe interval. The gauges
+//! (`outbox_sink_up`, `outbox_sink_circuit_state`, labelled with the real
+//! sink and its `route`) and the readiness check (`crate::health`, with
+//! the current cause) follow every change.
 //!
 //! A sink that answers its probe and then fails every batch as unavailable,
 //! [`STRIKES`] times in a row, is not simply down: most likely one event at
@@ -27,7 +34,9 @@
 //! Two users: the relay holds one for its sink and, while it is open,
 //! claims nothing (`relay.rs`); the [`Router`] holds one per route and,
 //! while a route's is open, answers its rows unavailable without calling
-//! its sink, so only that route waits.
+//! its sink, so only that route waits. The relay's breaker over a router
+//! ([`Breaker::over_routes`]) only decides when to stop claiming: it logs
+//! and reports nothing, since the routes' breakers speak for their sinks.
 //!
 //! [`Router`]: crate::sink::router::Router
 
@@ -35,12 +44,12 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::backoff::Doubling;
 use crate::context::RelayContext;
 use crate::metric::BreakerGauges;
-use crate::sink::{Delivery, DeliveryError, Sink};
+use crate::sink::{DEFAULT_ROUTE, Delivery, DeliveryError, Sink};
 
 /// The first probe interval after the breaker opens.
 const FIRST_PROBE: Duration = Duration::from_millis(100);
@@ -82,9 +91,10 @@ impl fmt::Display for CircuitState {
 /// One sink's breaker.
 #[derive(Debug)]
 pub(crate) struct Breaker {
-    /// The sink, for logs.
+    /// The sink, for logs and labels.
     sink: &'static str,
-    /// The aggregate type of a route, for logs; None for the relay's sink.
+    /// A router's route name, for logs and labels; None for a sink alone
+    /// (its metrics' route is [`DEFAULT_ROUTE`]).
     route: Option<String>,
     state: CircuitState,
     /// Since when and why the sink has been unavailable (set while open or
@@ -98,6 +108,8 @@ pub(crate) struct Breaker {
     strikes: u32,
     /// Whether strikes count (see [`Breaker::without_strikes`]).
     striking: bool,
+    /// Whether it logs (see [`Breaker::over_routes`]).
+    speaks: bool,
     /// Where its state is reported, once bound to a relay
     /// ([`Breaker::bind`]); unbound, it only logs.
     reporter: Option<(RelayContext, BreakerGauges)>,
@@ -136,8 +148,8 @@ fn unavailable(answers: &[Delivery]) -> Option<(&str, Option<Duration>)> {
 }
 
 impl Breaker {
-    /// A closed breaker for `sink` (and, in a router, the route of
-    /// aggregate type `route`).
+    /// A closed breaker for `sink` (and, in a router, its route named
+    /// `route`).
     pub(crate) fn new(sink: &'static str, route: Option<String>) -> Self {
         Self {
             sink,
@@ -148,6 +160,7 @@ impl Breaker {
             not_before: None,
             strikes: 0,
             striking: true,
+            speaks: true,
             reporter: None,
         }
     }
@@ -156,7 +169,8 @@ impl Breaker {
     /// its `outbox` label) and its signals. A router's breakers are built
     /// with the router, before any relay, and bound when the relay starts.
     pub(crate) fn bind(&mut self, ctx: &RelayContext) {
-        let gauges = BreakerGauges::new(ctx, self.sink, self.route.as_deref());
+        let route = self.route.as_deref().unwrap_or(DEFAULT_ROUTE);
+        let gauges = BreakerGauges::new(ctx, self.sink, route);
         self.reporter = Some((ctx.clone(), gauges));
         self.report();
     }
@@ -189,6 +203,17 @@ impl Breaker {
     pub(crate) fn without_strikes(mut self) -> Self {
         self.striking = false;
         self
+    }
+
+    /// The breaker of a sink made of routes (the [`Router`]), each with a
+    /// breaker of its own: without strikes, and silent. Its sink is no
+    /// sink an operator knows; the routes' breakers log, signal and report
+    /// (leave it unbound).
+    pub(crate) fn over_routes(self) -> Self {
+        Self {
+            speaks: false,
+            ..self.without_strikes()
+        }
     }
 
     pub(crate) fn state(&self) -> CircuitState {
@@ -243,24 +268,30 @@ impl Breaker {
         }
     }
 
-    /// The sink failed its probe or a batch: open, logging a new cause.
+    /// The sink failed its probe or a batch: open. Logged when it was
+    /// closed; a new cause while down is a debug line (and the readiness
+    /// check's new text).
     pub(crate) fn open(&mut self, cause: &str) {
         match (&mut self.down, self.state) {
             (Some((_, last)), CircuitState::Open | CircuitState::HalfOpen) => {
                 if last != cause {
-                    warn!(sink = self.sink, route = self.route.as_deref(), error = %cause, "sink still unavailable");
+                    if self.speaks {
+                        debug!(sink = self.sink, route = self.route.as_deref(), error = %cause, "sink still unavailable");
+                    }
                     cause.clone_into(last);
                     self.state = CircuitState::Open;
                     self.report();
                 }
             }
             _ => {
-                warn!(
-                    sink = self.sink,
-                    route = self.route.as_deref(),
-                    error = %cause,
-                    "sink unavailable; sending it nothing until a probe succeeds (no attempts are spent)"
-                );
+                if self.speaks {
+                    warn!(
+                        sink = self.sink,
+                        route = self.route.as_deref(),
+                        error = %cause,
+                        "sink unavailable; sending it nothing until a probe succeeds (no attempts are spent)"
+                    );
+                }
                 self.signal(&format!("STATUS=sink {} unavailable", self.label()));
                 self.down = Some((Instant::now(), cause.to_owned()));
                 self.interval.reset();
@@ -299,14 +330,18 @@ impl Breaker {
         }
     }
 
-    /// A probe succeeded: half-open.
+    /// A probe succeeded: half-open. Not worth a line: while the sink
+    /// answers probes and fails batches this would repeat at every probe
+    /// interval; closing is.
     pub(crate) fn half_open(&mut self) {
         if self.state == CircuitState::Open {
-            info!(
-                sink = self.sink,
-                route = self.route.as_deref(),
-                "sink answered its probe; delivering again"
-            );
+            if self.speaks {
+                debug!(
+                    sink = self.sink,
+                    route = self.route.as_deref(),
+                    "sink answered its probe; trying a batch"
+                );
+            }
             self.state = CircuitState::HalfOpen;
             self.report();
         }
@@ -322,7 +357,9 @@ impl Breaker {
         if was != CircuitState::Closed || down.is_some() {
             self.report();
         }
-        if let Some((since, _)) = down {
+        if let Some((since, _)) = down
+            && self.speaks
+        {
             info!(
                 sink = self.sink,
                 route = self.route.as_deref(),
@@ -537,5 +574,81 @@ mod tests {
             assert!(b.record(&mut answers));
             assert!(answers[0].as_ref().is_err_and(DeliveryError::is_unavailable));
         }
+    }
+
+    /// The lines at info level and above that `f` logs, as text.
+    fn logged(f: impl FnOnce()) -> Vec<String> {
+        use std::sync::{Arc, Mutex};
+
+        #[derive(Clone, Default)]
+        struct Lines(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .without_time()
+            .with_max_level(tracing::Level::INFO)
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        text.lines().map(str::to_owned).collect()
+    }
+
+    /// A route's sink down for a while: probes failing (for one cause,
+    /// then another), probes answering and batches failing again, then a
+    /// delivery. One line when it opened, one when it closed, nothing in
+    /// between.
+    #[test]
+    fn an_outage_logs_one_line_when_it_opens_and_one_when_it_closes() {
+        let outage = |b: &mut Breaker| {
+            assert!(b.record(&mut [down()]));
+            for _ in 0..10 {
+                b.open("connection refused");
+            }
+            b.open("connection reset by peer");
+            for _ in 0..STRIKES - 1 {
+                b.half_open();
+                assert!(b.record(&mut [down()]), "half-open, unavailable again: open");
+            }
+            b.half_open();
+            assert!(!b.record(&mut [Ok(())]));
+            assert_eq!(b.state(), CircuitState::Closed);
+        };
+        let lines = logged(|| outage(&mut Breaker::new("redis", Some("orders".to_owned()))));
+        assert_eq!(lines.len(), 2, "{lines:#?}");
+        assert!(
+            lines[0].contains("WARN")
+                && lines[0].contains("sink unavailable")
+                && lines[0].contains("error=connection refused"),
+            "{lines:#?}"
+        );
+        assert!(
+            lines[0].contains("sink=\"redis\"") && lines[0].contains("route=\"orders\""),
+            "{lines:#?}"
+        );
+        assert!(
+            lines[1].contains("INFO") && lines[1].contains("sink available again"),
+            "{lines:#?}"
+        );
+        // A second outage is a second pair.
+        let lines = logged(|| {
+            let mut b = Breaker::new("redis", None);
+            outage(&mut b);
+            outage(&mut b);
+        });
+        assert_eq!(lines.len(), 4, "{lines:#?}");
+        // The breaker over a router's routes says nothing: they do.
+        let lines = logged(|| outage(&mut Breaker::new("router", None).over_routes()));
+        assert!(lines.is_empty(), "{lines:#?}");
     }
 }

@@ -14,20 +14,29 @@
 //! so two relays in one process report separately; `outbox_build_info` is
 //! the process's.
 //!
+//! What is about a sink carries the real sink (`redis`, `http`, …) and the
+//! route that used it (`route`: a routes file's route name, `default` for a
+//! sink alone, see [`DEFAULT_ROUTE`]); a router is never a `sink` itself. An
+//! aggregate type has one route, so the event counters' handles are looked
+//! up once per type ([`Sink::route_of`]) and a route adds no series to them.
+//!
 //! The full list, with types, labels and meaning, is in `docs/operations.md`
 //! ("Metrics"); [`describe`] gives each its `# HELP` text.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use metrics::{Counter, Gauge, Histogram, Unit};
+use outbox::OutboxRow;
 
 use crate::context::RelayContext;
+use crate::sink::{DEFAULT_ROUTE, Delivery, Sink};
 
-/// Events marked published (per `aggregate_type`, `sink`).
+/// Events marked published (per `aggregate_type`, `sink`, `route`).
 pub const EVENTS_DELIVERED: &str = "outbox_events_delivered_total";
-/// Failed delivery attempts (per `aggregate_type`, `sink`).
+/// Failed delivery attempts (per `aggregate_type`, `sink`, `route`).
 pub const EVENTS_FAILED: &str = "outbox_events_failed_total";
-/// Events that became dead letters (per `aggregate_type`, `sink`).
+/// Events that became dead letters (per `aggregate_type`, `sink`, `route`).
 pub const EVENTS_DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
 /// Batches committed.
 pub const BATCHES: &str = "outbox_batches_total";
@@ -37,9 +46,10 @@ pub const WAKEUPS: &str = "outbox_wakeups_total";
 pub const BATCH_SIZE: &str = "outbox_batch_size";
 /// Claim to commit of one batch.
 pub const BATCH_DURATION: &str = "outbox_batch_duration_seconds";
-/// One call of the sink for a batch (per `sink`).
+/// One call of a sink for a batch, or for a route's part of one (per
+/// `sink`, `route`).
 pub const SINK_REQUEST_DURATION: &str = "outbox_sink_request_duration_seconds";
-/// A row's `created_at` to the sink's acknowledgement.
+/// A row's `created_at` to the sink's acknowledgement (per `aggregate_type`).
 pub const DELIVERY_LAG: &str = "outbox_delivery_lag_seconds";
 /// Rows waiting for delivery (per `aggregate_type`).
 pub const BACKLOG: &str = "outbox_backlog_events";
@@ -78,7 +88,7 @@ pub const CLAIM_FLOOR: &str = "outbox_claim_floor";
 pub const XMIN_HORIZON_AGE: &str = "outbox_xmin_horizon_age_seconds";
 /// Dead tuples of the outbox table, its partitions summed.
 pub const DEAD_TUPLES: &str = "outbox_dead_tuples";
-/// Always 1, labelled with the `version`.
+/// Always 1, labelled with the `version` and the git `commit`.
 pub const BUILD_INFO: &str = "outbox_build_info";
 
 /// The histograms with their units, for the exporter's bucket settings.
@@ -94,13 +104,16 @@ pub fn describe() {
     );
     describe_counter!(
         EVENTS_DELIVERED,
-        "Events marked published, per aggregate type and sink."
+        "Events marked published, per aggregate type, sink and route."
     );
     describe_counter!(
         EVENTS_FAILED,
-        "Failed delivery attempts (held-back rows not included)."
+        "Failed delivery attempts (held-back rows not included), per aggregate type, sink and route."
     );
-    describe_counter!(EVENTS_DEAD_LETTERED, "Events that became dead letters.");
+    describe_counter!(
+        EVENTS_DEAD_LETTERED,
+        "Events that became dead letters, per aggregate type, sink and route."
+    );
     describe_counter!(BATCHES, "Batches committed.");
     describe_counter!(
         WAKEUPS,
@@ -115,12 +128,12 @@ pub fn describe() {
     describe_histogram!(
         SINK_REQUEST_DURATION,
         Unit::Seconds,
-        "One call of the sink for a batch."
+        "One call of a sink for a batch (a route's part of it, with a routes file)."
     );
     describe_histogram!(
         DELIVERY_LAG,
         Unit::Seconds,
-        "From an event's created_at to the sink's acknowledgement."
+        "From an event's created_at to the sink's acknowledgement, per aggregate type."
     );
     describe_gauge!(
         BACKLOG,
@@ -180,7 +193,10 @@ pub fn describe() {
         DEAD_TUPLES,
         "Dead tuples of the outbox table (pg_stat_user_tables.n_dead_tup, partitions summed)."
     );
-    describe_gauge!(BUILD_INFO, "Always 1; the version is a label.");
+    describe_gauge!(
+        BUILD_INFO,
+        "Always 1; the version and the git commit it was built from are labels."
+    );
 }
 
 /// One aggregate type's outcomes in one batch, tallied by the plan.
@@ -233,7 +249,8 @@ pub(crate) enum WakeCause {
 
 /// The handles of the batch side (receipts and wake-ups).
 pub(crate) struct BatchMetrics {
-    sink: &'static str,
+    /// Which route (and so which sink) takes each aggregate type.
+    sink: Arc<dyn Sink>,
     outbox: String,
     /// Looked up by `&str`, so a known type costs no allocation.
     by_type: HashMap<String, TypeCounters>,
@@ -243,7 +260,7 @@ pub(crate) struct BatchMetrics {
 }
 
 impl BatchMetrics {
-    pub(crate) fn new(ctx: &RelayContext, sink: &'static str) -> Self {
+    pub(crate) fn new(ctx: &RelayContext, sink: Arc<dyn Sink>) -> Self {
         let outbox = ctx.outbox().to_owned();
         let label = [ctx.label()];
         Self {
@@ -267,10 +284,13 @@ impl BatchMetrics {
             let counters = match self.by_type.get(t.aggregate_type.as_str()) {
                 Some(c) => c,
                 None => {
+                    // A type's route is fixed for the sink's life: asked once.
+                    let (route, sink) = self.sink.route_of(&t.aggregate_type);
                     let labels = [
                         ("outbox", self.outbox.clone()),
                         ("aggregate_type", t.aggregate_type.clone()),
-                        ("sink", self.sink.to_owned()),
+                        ("sink", sink.to_owned()),
+                        ("route", route.to_owned()),
                     ];
                     let c = TypeCounters {
                         delivered: metrics::counter!(EVENTS_DELIVERED, &labels),
@@ -313,18 +333,90 @@ impl WakeMetrics {
 
 /// The handles of the delivery side (the relay's cycle).
 pub(crate) struct DeliveryMetrics {
-    pub(crate) sink_request: Histogram,
-    pub(crate) lag: Histogram,
+    /// One call of the sink, unless the sink times its routes' calls
+    /// itself ([`Sink::has_route_breakers`]).
+    pub(crate) sink_request: Option<Histogram>,
+    pub(crate) lag: Lag,
     pub(crate) relay_up: Gauge,
 }
 
 impl DeliveryMetrics {
-    pub(crate) fn new(ctx: &RelayContext, sink: &'static str) -> Self {
+    pub(crate) fn new(ctx: &RelayContext, sink: &dyn Sink) -> Self {
         let label = [ctx.label()];
         Self {
-            sink_request: metrics::histogram!(SINK_REQUEST_DURATION, "outbox" => ctx.outbox().to_owned(), "sink" => sink),
-            lag: metrics::histogram!(DELIVERY_LAG, &label),
+            sink_request: (!sink.has_route_breakers()).then(|| sink_request(ctx, sink.name(), DEFAULT_ROUTE)),
+            lag: Lag::new(ctx),
             relay_up: metrics::gauge!(RELAY_UP, &label),
+        }
+    }
+}
+
+/// The request histogram of `sink` on `route`.
+pub(crate) fn sink_request(ctx: &RelayContext, sink: &'static str, route: &str) -> Histogram {
+    let labels = [
+        ctx.label(),
+        ("sink", sink.to_owned()),
+        ("route", route.to_owned()),
+    ];
+    metrics::histogram!(SINK_REQUEST_DURATION, &labels)
+}
+
+/// The delivery lag histograms, one per aggregate type, each looked up
+/// once.
+pub(crate) struct Lag {
+    outbox: String,
+    /// A std mutex, taken once per batch and never across an await.
+    by_type: Mutex<HashMap<String, Histogram>>,
+}
+
+impl Lag {
+    fn new(ctx: &RelayContext) -> Self {
+        Self {
+            outbox: ctx.outbox().to_owned(),
+            by_type: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Each acknowledged row's lag, from its `created_at` to `acked`: one
+    /// sample per row. The batch's few types are kept beside it, found by
+    /// a linear search (as [`tally`] does); the map is asked once per type
+    /// and batch, and only a new type builds labels.
+    pub(crate) fn record(
+        &self,
+        rows: &[OutboxRow],
+        answers: &[Delivery],
+        acked: chrono::DateTime<chrono::Utc>,
+    ) {
+        let mut by_type = self.by_type.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut seen: Vec<(&str, Histogram)> = Vec::new();
+        for (row, answer) in rows.iter().zip(answers) {
+            if answer.is_err() {
+                continue;
+            }
+            let at = match seen.iter().position(|(t, _)| *t == row.aggregate_type) {
+                Some(at) => at,
+                None => {
+                    // Looked up by `&str`: a known type allocates nothing.
+                    let h = match by_type.get(row.aggregate_type.as_str()) {
+                        Some(h) => h.clone(),
+                        None => {
+                            let labels = [
+                                ("outbox", self.outbox.clone()),
+                                ("aggregate_type", row.aggregate_type.clone()),
+                            ];
+                            let h = metrics::histogram!(DELIVERY_LAG, &labels);
+                            by_type.insert(row.aggregate_type.clone(), h.clone());
+                            h
+                        }
+                    };
+                    seen.push((row.aggregate_type.as_str(), h));
+                    seen.len() - 1
+                }
+            };
+            let lag = (acked - row.created_at).num_microseconds().unwrap_or(i64::MAX);
+            // Microseconds of lag: far inside f64's exact integers.
+            #[allow(clippy::cast_precision_loss)]
+            seen[at].1.record(lag.max(0) as f64 / 1e6);
         }
     }
 }
@@ -337,11 +429,11 @@ pub(crate) struct BreakerGauges {
 }
 
 impl BreakerGauges {
-    pub(crate) fn new(ctx: &RelayContext, sink: &'static str, route: Option<&str>) -> Self {
+    pub(crate) fn new(ctx: &RelayContext, sink: &'static str, route: &str) -> Self {
         let labels = [
             ctx.label(),
             ("sink", sink.to_owned()),
-            ("route", route.unwrap_or_default().to_owned()),
+            ("route", route.to_owned()),
         ];
         let gauges = Self {
             up: metrics::gauge!(SINK_UP, &labels),
@@ -364,6 +456,69 @@ mod tests {
 
     use super::*;
 
+    /// A sink that takes everything, for its name.
+    struct Named(&'static str);
+
+    impl Sink for Named {
+        fn name(&self) -> &'static str {
+            self.0
+        }
+        fn deliver<'a>(&'a self, batch: &'a [OutboxRow]) -> futures::future::BoxFuture<'a, Vec<Delivery>> {
+            Box::pin(async move { batch.iter().map(|_| Ok(())).collect() })
+        }
+    }
+
+    fn rows(types: &[&str], n: usize) -> Vec<OutboxRow> {
+        (0..n)
+            .map(|i| OutboxRow {
+                id: i64::try_from(i).unwrap_or_default(),
+                event_id: uuid::Uuid::new_v4(),
+                aggregate_type: types[i % types.len()].to_owned(),
+                aggregate_id: "1".to_owned(),
+                event_type: "E".to_owned(),
+                payload: serde_json::json!({}),
+                headers: serde_json::json!({}),
+                created_at: chrono::Utc::now(),
+                attempts: 0,
+            })
+            .collect()
+    }
+
+    /// The counters of a type carry its route's sink and name; the lag
+    /// histogram carries the type; nothing carries a router.
+    #[test]
+    fn labels_are_the_real_sink_its_route_and_the_type() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let ctx = RelayContext::new(None, "public.outbox".to_owned(), crate::Signals::Process);
+            let router = crate::sink::router::Router::new(Box::new(Named("http")))
+                .route("orders", Box::new(Named("redis")));
+            let sink: Arc<dyn Sink> = Arc::new(router);
+            let mut batch = BatchMetrics::new(&ctx, Arc::clone(&sink));
+            let mut tallies = Vec::new();
+            tally(&mut tallies, "orders").delivered += 2;
+            tally(&mut tallies, "invoices").dead += 1;
+            batch.committed(3, 0.01, &tallies);
+            let delivery = DeliveryMetrics::new(&ctx, sink.as_ref());
+            assert!(delivery.sink_request.is_none(), "the router times its routes");
+            let rows = rows(&["orders", "orders", "invoices"], 3);
+            delivery
+                .lag
+                .record(&rows, &[Ok(()), Ok(()), Ok(())], chrono::Utc::now());
+        });
+        let text = handle.render();
+        for line in [
+            r#"outbox_events_delivered_total{outbox="public.outbox",aggregate_type="orders",sink="redis",route="orders"} 2"#,
+            r#"outbox_events_dead_lettered_total{outbox="public.outbox",aggregate_type="invoices",sink="http",route="default"} 1"#,
+            r#"outbox_delivery_lag_seconds_count{outbox="public.outbox",aggregate_type="orders"} 2"#,
+            r#"outbox_delivery_lag_seconds_count{outbox="public.outbox",aggregate_type="invoices"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        assert!(!text.contains("router"), "{text}");
+    }
+
     /// What one batch of 100 rows costs to record, with the Prometheus
     /// recorder and without any: the tally of 100 rows of two types, the
     /// batch's counters and histograms, 100 lag samples. A measurement:
@@ -372,18 +527,19 @@ mod tests {
     #[ignore = "a measurement; prints timings"]
     fn measure_recording_one_batch() {
         const BATCHES: u32 = 20_000;
-        let types = ["orders".to_owned(), "payments".to_owned()];
+        let rows = rows(&["orders", "payments"], 100);
+        let answers: Vec<Delivery> = rows.iter().map(|_| Ok(())).collect();
         let run = || {
             let ctx = RelayContext::new(None, "public.outbox".to_owned(), crate::Signals::Process);
-            let mut batch = BatchMetrics::new(&ctx, "redis");
-            let lag = metrics::histogram!(DELIVERY_LAG);
+            let mut batch = BatchMetrics::new(&ctx, Arc::new(Named("redis")));
+            let delivery = DeliveryMetrics::new(&ctx, &Named("redis"));
             let started = Instant::now();
             for _ in 0..BATCHES {
                 let mut tallies = Vec::new();
-                for i in 0..100 {
-                    tally(&mut tallies, &types[i % 2]).delivered += 1;
-                    lag.record(0.01 * f64::from(u32::try_from(i).unwrap_or(0)));
+                for row in &rows {
+                    tally(&mut tallies, &row.aggregate_type).delivered += 1;
                 }
+                delivery.lag.record(&rows, &answers, chrono::Utc::now());
                 batch.committed(100, 0.01, &tallies);
             }
             started.elapsed() / BATCHES

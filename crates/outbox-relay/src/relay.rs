@@ -64,7 +64,7 @@ pub use crate::counters::Counters;
 pub use crate::error::RelayError;
 use crate::metric::{BatchMetrics, DeliveryMetrics};
 use crate::pg::PgConfig;
-use crate::plan::{self, Blocked, Plan};
+use crate::plan::{self, Blocked, Failures};
 use crate::sink::{Delivery, DeliveryError, Sink};
 use crate::source::poll::{self, Lane, PollSource};
 use crate::source::wal::WalSource;
@@ -95,9 +95,11 @@ pub struct Relay {
     lanes: Vec<ExtraLane>,
 }
 
-/// Turns a source's receipts into the relay's counters, metrics, debug
-/// line and first-batch signal: the one place a batch's bookkeeping is
-/// written, whichever source it came from.
+/// Turns a source's receipts into the relay's counters, metrics, log lines
+/// and first-batch signal: the one place a batch's bookkeeping is written,
+/// whichever source it came from. A batch some of whose rows failed is one
+/// warning, written once its outcomes are durable, in the words of what
+/// happens next (see [`failed_line`]).
 struct Books {
     ctx: RelayContext,
     metrics: BatchMetrics,
@@ -108,7 +110,7 @@ struct Books {
 }
 
 impl Books {
-    fn new(ctx: &RelayContext, sink: &'static str) -> Self {
+    fn new(ctx: &RelayContext, sink: Arc<dyn Sink>) -> Self {
         Self {
             ctx: ctx.clone(),
             metrics: BatchMetrics::new(ctx, sink),
@@ -138,11 +140,56 @@ impl Book for Books {
             seconds,
             "batch committed"
         );
+        if let Some(line) = failed_line(r.published, &r.failures, chrono::Utc::now()) {
+            warn!(
+                batch = r.batch,
+                error = r.failures.first_error.as_deref().unwrap_or_default(),
+                "{line}"
+            );
+        }
         if !self.signalled {
             self.signalled = true;
             self.ctx.signal("OUTBOX_BATCH=committed");
         }
     }
+}
+
+/// The line of a durable batch in which rows failed (an attempt spent):
+/// `8 delivered, 1 will be retried at <time>, 1 dead-lettered`. Every row
+/// not delivered is either given back (retried, at its own time: the
+/// earliest is named, `from` when they differ) or a dead letter; clauses of
+/// no row are left out. None when no row failed: rows that only wait for an
+/// unavailable sink are its breaker's to report.
+fn failed_line(published: usize, failures: &Failures, now: chrono::DateTime<chrono::Utc>) -> Option<String> {
+    if failures.failed == 0 {
+        return None;
+    }
+    let mut line = format!("{published} delivered");
+    let retried: Vec<f64> = failures
+        .delay_ms
+        .iter()
+        .zip(&failures.dead_letter)
+        .filter(|(_, dead)| !**dead)
+        .map(|(ms, _)| *ms)
+        .collect();
+    if let (Some(first), Some(last)) = (
+        retried.iter().copied().reduce(f64::min),
+        retried.iter().copied().reduce(f64::max),
+    ) {
+        // A delay in milliseconds, at most days: exact in an i64.
+        #[allow(clippy::cast_possible_truncation)]
+        let at = now + chrono::Duration::milliseconds(first.round() as i64);
+        let when = if first == last { "at" } else { "from" };
+        line.push_str(&format!(
+            ", {} will be retried {when} {}",
+            retried.len(),
+            at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+        ));
+    }
+    if failures.dead > 0 {
+        line.push_str(&format!(", {} dead-lettered", failures.dead));
+    }
+    Some(line)
 }
 
 /// Every loop of the relay ended.
@@ -180,7 +227,7 @@ impl Relay {
         );
         Self {
             pg,
-            metrics: DeliveryMetrics::new(&ctx, sink.name()),
+            metrics: DeliveryMetrics::new(&ctx, sink.as_ref()),
             ctx,
             sink,
             config,
@@ -239,7 +286,7 @@ impl Relay {
                     self.config.clone(),
                     self.pg.clone(),
                     self.ctx.clone(),
-                    Receipts::new(Books::new(&self.ctx, self.sink.name())),
+                    Receipts::new(Books::new(&self.ctx, Arc::clone(&self.sink))),
                     &cancel,
                 );
                 let Some(source) = source.await? else {
@@ -247,7 +294,7 @@ impl Relay {
                 };
                 info!(
                     table = %self.config.outbox.display_name(),
-                    sink = self.sink.name(),
+                    sink = %self.sink.describe(),
                     source = "wal",
                     slot = source.slot(),
                     batch_size = self.config.batch_size,
@@ -277,7 +324,7 @@ impl Relay {
                     ..self.config.clone()
                 },
                 pg: self.pg.clone(),
-                metrics: DeliveryMetrics::new(&self.ctx, lane.sink.name()),
+                metrics: DeliveryMetrics::new(&self.ctx, lane.sink.as_ref()),
                 sink: lane.sink,
                 ctx: self.ctx.clone(),
                 lanes: Vec::new(),
@@ -374,7 +421,7 @@ impl Relay {
             self.config.clone(),
             self.pg.clone(),
             self.ctx.clone(),
-            Receipts::new(Books::new(&self.ctx, self.sink.name())),
+            Receipts::new(Books::new(&self.ctx, Arc::clone(&self.sink))),
             lane,
             cancel,
         )
@@ -392,7 +439,7 @@ impl Relay {
         }
         info!(
             table = %self.config.outbox.display_name(),
-            sink = self.sink.name(),
+            sink = %self.sink.describe(),
             batch_size = self.config.batch_size,
             notify = self.config.listens(),
             ordering = %self.config.ordering,
@@ -412,15 +459,19 @@ impl Relay {
         let started = Instant::now();
         let mut blocked = Blocked::default();
         let mut breaker = Breaker::new(self.sink.name(), None);
-        breaker.bind(&self.ctx);
         if self.sink.has_route_breakers() {
-            breaker = breaker.without_strikes();
+            // The routes' breakers report; this one only pauses the claim.
+            breaker = breaker.over_routes();
+        } else {
+            breaker.bind(&self.ctx);
         }
         // The relay starts whether or not the sink is up, and says which.
         match self.sink.probe().await {
-            Ok(()) => info!(sink = self.sink.name(), "sink reachable"),
+            Ok(()) => info!(sink = %self.sink.describe(), "sink reachable"),
             // A drain lets its first batch find out, and stops there.
-            Err(error) if self.config.drain => warn!(sink = self.sink.name(), %error, "sink not reachable"),
+            Err(error) if self.config.drain => {
+                warn!(sink = %self.sink.describe(), %error, "sink not reachable")
+            }
             Err(error) => breaker.open(&error.to_string()),
         }
         let mut fatal = None;
@@ -481,7 +532,7 @@ impl Relay {
         }
         let cause = breaker.cause().unwrap_or("a route's sink is unavailable");
         warn!(
-            sink = self.sink.name(),
+            sink = %self.sink.describe(),
             error = cause,
             "relay drain stopped: the sink is unavailable, due rows are left undelivered"
         );
@@ -489,7 +540,7 @@ impl Relay {
             .ctx
             .counters()
             .sink_unavailable
-            .set(format!("{}: {cause}", self.sink.name()));
+            .set(format!("{}: {cause}", self.sink.describe()));
         false
     }
 
@@ -545,7 +596,6 @@ impl Relay {
             answers,
             blocked,
         );
-        self.log_failures(&plan);
         *blocked = std::mem::take(&mut plan.blocked);
         // A drain stops at the first sink outage, even of one route: it
         // cannot wait for the route to come back, and must say so.
@@ -569,8 +619,10 @@ impl Relay {
         // is then given back unmarked: dropping it loses nothing.
         tokio::select! {
             answers = self.sink.deliver(rows) => {
-                self.metrics.sink_request.record(started.elapsed().as_secs_f64());
-                self.record_lag(rows, &answers);
+                if let Some(request) = &self.metrics.sink_request {
+                    request.record(started.elapsed().as_secs_f64());
+                }
+                self.metrics.lag.record(rows, &answers, chrono::Utc::now());
                 answers
             }
             () = lapse => {
@@ -589,40 +641,11 @@ impl Relay {
         }
     }
 
-    /// Each acknowledged row's lag, from its `created_at` to now: one clock
-    /// read per batch, one histogram sample per row (no allocation).
-    fn record_lag(&self, rows: &[OutboxRow], answers: &[Delivery]) {
-        let acked = chrono::Utc::now();
-        for (row, answer) in rows.iter().zip(answers) {
-            if answer.is_ok() {
-                let lag = (acked - row.created_at).num_microseconds().unwrap_or(i64::MAX);
-                // Microseconds of lag: far inside f64's exact integers.
-                #[allow(clippy::cast_precision_loss)]
-                self.metrics.lag.record(lag.max(0) as f64 / 1e6);
-            }
-        }
-    }
-
     /// The largest payload sent: `--max-event-bytes`, or the sink's own
     /// limit where it is lower and the sink knows it.
     fn max_event_bytes(&self) -> u64 {
         let own = self.sink.max_event_bytes().unwrap_or(u64::MAX);
         self.config.max_event_bytes.min(own)
-    }
-
-    /// Logs a planned batch's first failure (its counts are booked from
-    /// its receipt, once they are durable).
-    fn log_failures(&self, plan: &Plan) {
-        let Some(error) = &plan.failures.first_error else {
-            return;
-        };
-        warn!(
-            failed = plan.failures.ids.len(),
-            delivered = plan.published,
-            sink = self.sink.name(),
-            %error,
-            "delivery failed; rows will be retried"
-        );
     }
 }
 

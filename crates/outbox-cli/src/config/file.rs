@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use clap::CommandFactory;
+use outbox_relay::sink::DEFAULT_ROUTE;
 use outbox_relay::{OrderMode, PerSinkOptions};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -91,6 +92,9 @@ fn file_keys() -> &'static [&'static str] {
 #[derive(Debug)]
 pub(super) struct SinkTable {
     pub(super) sink: String,
+    /// The route's name in metrics, logs and readiness checks, over the
+    /// table's aggregate type (`default` for `[default]`).
+    pub(super) name: Option<String>,
     pub(super) format: Option<String>,
     pub(super) cloudevents_mode: Option<String>,
     pub(super) cloudevents_source: Option<String>,
@@ -106,7 +110,7 @@ pub(super) struct SinkTable {
     spans: BTreeMap<&'static str, Range<usize>>,
 }
 
-/// The keys of a sink table other than [`PerSinkOptions`]'s.
+/// The keys of a sink table other than [`PerSinkOptions`]'s and `name`.
 const SHARED_KEYS: [&str; 7] = [
     "sink",
     "format",
@@ -117,8 +121,9 @@ const SHARED_KEYS: [&str; 7] = [
     "http_timeout",
 ];
 
-/// Every key a sink table takes, in the order an unknown-key message lists
-/// them: `sink`, the envelope's, each sink's own, `http_timeout`.
+/// Every sink key a table takes, each also a relay setting, in the order
+/// `config show` lists them: `sink`, the envelope's, each sink's own,
+/// `http_timeout`.
 pub(crate) fn table_keys() -> &'static [&'static str] {
     static KEYS: OnceLock<&'static [&'static str]> = OnceLock::new();
     KEYS.get_or_init(|| {
@@ -127,6 +132,18 @@ pub(crate) fn table_keys() -> &'static [&'static str] {
             .into_iter()
             .map(|key| &*Box::leak(key.into_boxed_str()));
         let keys: Vec<&'static str> = first.iter().copied().chain(own).chain([*last]).collect();
+        Box::leak(keys.into_boxed_slice())
+    })
+}
+
+/// Every key a sink table takes, in the order an unknown-key message lists
+/// them: [`table_keys`] with the route's `name` after `sink` (a key of the
+/// table alone, no relay setting).
+fn read_keys() -> &'static [&'static str] {
+    static KEYS: OnceLock<&'static [&'static str]> = OnceLock::new();
+    KEYS.get_or_init(|| {
+        let (sink, rest) = table_keys().split_first().expect("not empty");
+        let keys: Vec<&'static str> = [*sink, "name"].into_iter().chain(rest.iter().copied()).collect();
         Box::leak(keys.into_boxed_slice())
     })
 }
@@ -233,7 +250,7 @@ impl<'de> Deserialize<'de> for Ordering {
 
 impl<'de> Deserialize<'de> for SinkTable {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_struct("SinkTable", table_keys(), TableVisitor)
+        d.deserialize_struct("SinkTable", read_keys(), TableVisitor)
     }
 }
 
@@ -250,6 +267,7 @@ impl<'de> Visitor<'de> for TableVisitor {
         let mut sink = None;
         let mut table = SinkTable {
             sink: String::new(),
+            name: None,
             format: None,
             cloudevents_mode: None,
             cloudevents_source: None,
@@ -259,7 +277,7 @@ impl<'de> Visitor<'de> for TableVisitor {
             per_sink: serde_json::Map::new(),
             spans: BTreeMap::new(),
         };
-        while let Some(key) = map.next_key_seed(Key(table_keys()))? {
+        while let Some(key) = map.next_key_seed(Key(read_keys()))? {
             let mut string = |map: &mut A| -> Result<Option<String>, A::Error> {
                 let value: Spanned<String> = map.next_value()?;
                 table.spans.insert(key, value.span());
@@ -267,6 +285,7 @@ impl<'de> Visitor<'de> for TableVisitor {
             };
             match key {
                 "sink" => sink = string(&mut map)?,
+                "name" => table.name = string(&mut map)?,
                 "format" => table.format = string(&mut map)?,
                 "cloudevents_mode" => table.cloudevents_mode = string(&mut map)?,
                 "cloudevents_source" => table.cloudevents_source = string(&mut map)?,
@@ -344,11 +363,48 @@ impl ConfigFile {
                 None => ConfigError(format!("--config {}: {message}", path.display())),
             }
         })?;
-        Ok(Self {
+        let file = Self {
             path: path.to_owned(),
             text,
             body,
-        })
+        };
+        file.check_route_names()?;
+        Ok(file)
+    }
+
+    /// Every route has a name of its own: they tell routes apart in
+    /// metrics, logs and readiness checks.
+    fn check_route_names(&self) -> Result<(), ConfigError> {
+        let mut seen: BTreeMap<String, String> = BTreeMap::new();
+        // The fallback route exists whether or not `[default]` is written.
+        let default = self.body.default.as_ref();
+        let tables = std::iter::once(("[default]".to_owned(), default, DEFAULT_ROUTE.to_owned())).chain(
+            self.body
+                .routes
+                .iter()
+                .map(|(ty, t)| (format!("[routes.{ty}]"), Some(t), ty.clone())),
+        );
+        for (header, table, fallback) in tables {
+            let name = table.and_then(|t| t.name.clone()).unwrap_or(fallback);
+            let at = || match table.and_then(|t| t.spans.get("name")) {
+                Some(span) => self.at(span),
+                None => self.path.display().to_string(),
+            };
+            if name.is_empty() {
+                return Err(ConfigError(format!(
+                    "--config {}: {header} name = \"\": a route's name cannot be empty",
+                    at()
+                )));
+            }
+            if let Some(other) = seen.insert(name.clone(), header.clone()) {
+                return Err(ConfigError(format!(
+                    "--config {}: {header} and {other} are both routes named {name:?}; give one of them \
+                     name = \"…\" (routes are told apart by name in metrics and logs)",
+                    at()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// `path:line` of a span in the file.
@@ -496,11 +552,11 @@ mod tests {
         assert!(e.contains("subjekt"), "{e}");
         // The same message as a derived `deny_unknown_fields` table's, at the key.
         let known = if cfg!(feature = "kafka") {
-            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `retry_for`, `stream_prefix`, \
+            "`sink`, `name`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `retry_for`, `stream_prefix`, \
              `nats_subject`, `amqp_exchange`, `amqp_routing_key`, `kafka_topic`, `kafka_options`, `http_secret`, \
              `http_concurrency`, `http_timeout`"
         } else {
-            "`sink`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `retry_for`, `stream_prefix`, \
+            "`sink`, `name`, `format`, `cloudevents_mode`, `cloudevents_source`, `claim`, `retry_for`, `stream_prefix`, \
              `nats_subject`, `amqp_exchange`, `amqp_routing_key`, `http_secret`, `http_concurrency`, `http_timeout`"
         };
         assert_eq!(
@@ -581,5 +637,47 @@ mod tests {
             "{e}"
         );
         assert_eq!(line_of("batch_size = 5\nbatchsize = 5\n", &e.span().unwrap()), 2);
+    }
+
+    /// A route is named after its table (`default` for the fallback)
+    /// unless it says otherwise, and no two routes share a name.
+    #[test]
+    fn each_route_has_a_name_of_its_own() {
+        let read = |text: &str| {
+            let path = std::env::temp_dir().join(format!("outbox-{}.toml", uuid::Uuid::new_v4().simple()));
+            std::fs::write(&path, text).unwrap();
+            let read = ConfigFile::read(&path);
+            let _ = std::fs::remove_file(&path);
+            read.map_err(|e| e.to_string())
+        };
+        let file = read(
+            "[default]\nsink = \"redis://x\"\nname = \"fallback\"\n[routes.orders]\nsink = \"redis://y\"\n",
+        )
+        .unwrap();
+        let body = file.body();
+        assert_eq!(body.default.as_ref().unwrap().name.as_deref(), Some("fallback"));
+        assert_eq!(body.routes["orders"].name, None, "named after its type");
+        assert!(read("sink = \"redis://x\"\n[routes.default]\nsink = \"redis://y\"\nname = \"d\"\n").is_ok());
+        // The fallback exists without a [default] table, named `default`.
+        let e = read("sink = \"redis://x\"\n[routes.default]\nsink = \"redis://y\"\n").unwrap_err();
+        assert!(
+            e.contains(
+                "[routes.default] and [default] are both routes named \"default\"; give one of them name = "
+            ),
+            "{e}"
+        );
+        let e = read(
+            "sink = \"redis://x\"\n[routes.a]\nsink = \"redis://y\"\nname = \"n\"\n\n[routes.b]\nsink = \"redis://z\"\nname = \"n\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.contains(".toml:8: [routes.b] and [routes.a] are both routes named \"n\""),
+            "{e}"
+        );
+        let e = read("[default]\nsink = \"redis://x\"\nname = \"\"\n").unwrap_err();
+        assert!(
+            e.contains(".toml:3: [default] name = \"\": a route's name cannot be empty"),
+            "{e}"
+        );
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
 use outbox_relay::sink::router::Router;
-use outbox_relay::sink::{self, Sink};
+use outbox_relay::sink::{self, DEFAULT_ROUTE, Sink};
 use outbox_relay::{ClaimMode, PerSinkOptions, SinkOptions};
 use serde::Deserialize;
 
@@ -73,7 +73,8 @@ impl RelayFile {
         // stand as the router's default.
         let name = |t: &str| format!("[routes.{t}]");
         let first_window = first_table.window(&name(&first_type))?;
-        let mut router = Router::new(first_table.build(&name(&first_type), flags)?);
+        let first_name = first_table.route_name(&first_type);
+        let mut router = Router::named(first_name, first_table.build(&name(&first_type), flags)?);
         if let Some(window) = first_window {
             router = router.with_retry_for(None, window);
         }
@@ -104,8 +105,11 @@ impl RelayFile {
             None => None,
         };
         let default = match (self.default, sink) {
-            (Some(table), _) => table.build("[default]", flags)?,
-            (None, Some(url)) => sink::from_url(url, flags)?,
+            (Some(table), _) => {
+                let name = table.route_name(DEFAULT_ROUTE);
+                (name, table.build("[default]", flags)?)
+            }
+            (None, Some(url)) => (DEFAULT_ROUTE.to_owned(), sink::from_url(url, flags)?),
             (None, None) => {
                 return Err(ConfigError(
                     "--config: no [default] table and no sink: events of an aggregate type no route \
@@ -116,7 +120,7 @@ impl RelayFile {
                 .into());
             }
         };
-        let mut router = Router::new(default);
+        let mut router = Router::named(default.0, default.1);
         if let Some(window) = default_window {
             router = router.with_retry_for(None, window);
         }
@@ -160,6 +164,12 @@ impl RelayFile {
 }
 
 impl SinkTable {
+    /// The route's name: its `name`, else `fallback` (its aggregate type,
+    /// or `default`); `ConfigFile::read` checked they differ.
+    fn route_name(&self, fallback: &str) -> String {
+        self.name.clone().unwrap_or_else(|| fallback.to_owned())
+    }
+
     /// The options this table's sink is built with: its keys over `flags`.
     fn options(&self, name: &str, flags: &SinkOptions) -> Result<SinkOptions, ConfigError> {
         let bad = |key: &str, e: &dyn std::fmt::Display| ConfigError(format!("--config {name} {key}: {e}"));
@@ -231,8 +241,9 @@ impl SinkTable {
     fn route(self, router: Router, aggregate_type: String, flags: &SinkOptions) -> anyhow::Result<Router> {
         let name = format!("[routes.{aggregate_type}]");
         let window = self.window(&name)?;
+        let route = self.route_name(&aggregate_type);
         let sink = self.build(&name, flags)?;
-        let router = router.route(aggregate_type.clone(), sink);
+        let router = router.route_named(aggregate_type.clone(), route, sink);
         Ok(match window {
             Some(window) => router.with_retry_for(Some(&aggregate_type), window),
             None => router,

@@ -34,6 +34,7 @@ mod replay_engine;
 mod retention;
 mod retry;
 mod retry_window;
+mod routed_metrics;
 mod routing;
 mod scale;
 mod secrets;

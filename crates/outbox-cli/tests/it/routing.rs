@@ -10,7 +10,7 @@ use crate::cli::expect_config_error;
 use crate::support::{Db, LONG, distinct_events, read_stream, start_relay, stop_relay, wait_until};
 
 /// Writes `text` to a fresh file and returns its path.
-fn config_file(text: &str) -> String {
+pub fn config_file(text: &str) -> String {
     let path = std::env::temp_dir().join(format!("outbox-{}.toml", uuid::Uuid::new_v4().simple()));
     std::fs::write(&path, text).unwrap();
     path.to_string_lossy().into_owned()

@@ -78,7 +78,7 @@ impl Harness {
             mut signals,
             ..
         } = self;
-        let receipts = Receipts::new(Books::new(&relay.ctx, relay.sink.name()));
+        let receipts = Receipts::new(Books::new(&relay.ctx, Arc::clone(&relay.sink)));
         let source = FakeSource::new(
             table,
             journal.clone(),
@@ -739,4 +739,74 @@ async fn shutdown_while_a_batch_is_at_the_sink_commits_it_before_drive_returns()
     let finished = position(&events, |e| *e == Event::Finished);
     assert!(committed < finished, "{events:#?}");
     assert_eq!((driven.delivered, driven.batches), (2, 1));
+}
+
+/// A batch's warning says what became of each row: delivered, retried (at
+/// the earliest retry, `from` when the rows' times differ), dead-lettered;
+/// never "retried" for a dead letter, and nothing for rows that only wait
+/// for an unavailable sink.
+#[test]
+fn the_line_of_a_batch_names_its_dead_letters_apart_from_its_retries() {
+    use crate::plan::{Blocked, Outcome, decide};
+
+    let now = chrono::DateTime::parse_from_rfc3339("2025-06-01T12:00:00Z")
+        .unwrap()
+        .to_utc();
+    let line = |rows: &[OutboxRow], outcomes: Vec<Outcome>| {
+        let plan = decide(Backoff::default(), "redis", rows, outcomes, &Blocked::new());
+        let retry_ms = plan
+            .failures
+            .delay_ms
+            .iter()
+            .zip(&plan.failures.dead_letter)
+            .find(|(_, dead)| !**dead)
+            .map(|(ms, _)| *ms);
+        (super::failed_line(plan.published, &plan.failures, now), retry_ms)
+    };
+    let sent = |d: Result<(), DeliveryError>| Outcome::Sent(d);
+    let (said, retry_ms) = line(
+        &rows(1..=4),
+        vec![
+            sent(Ok(())),
+            sent(Err(DeliveryError::retryable("down"))),
+            sent(Err(DeliveryError::permanent("refused"))),
+            sent(Ok(())),
+        ],
+    );
+    #[allow(clippy::cast_possible_truncation)]
+    let at = now + chrono::Duration::milliseconds(retry_ms.unwrap().round() as i64);
+    assert_eq!(
+        said.as_deref(),
+        Some(
+            format!(
+                "2 delivered, 1 will be retried at {}, 1 dead-lettered",
+                at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+            )
+            .as_str()
+        )
+    );
+    // Only dead letters: nothing is retried.
+    let (said, _) = line(&rows(1..=1), vec![sent(Err(DeliveryError::permanent("refused")))]);
+    assert_eq!(said.as_deref(), Some("0 delivered, 1 dead-lettered"));
+    // Two retries at different times: from the earliest.
+    let mut later = rows(1..=2);
+    later[1].attempts = 2;
+    let (said, _) = line(
+        &later,
+        vec![
+            sent(Err(DeliveryError::retryable("down"))),
+            sent(Err(DeliveryError::retryable("down"))),
+        ],
+    );
+    let said = said.unwrap();
+    assert!(
+        said.starts_with("0 delivered, 2 will be retried from 2025-06-01T12:00:"),
+        "{said}"
+    );
+    // The sink unavailable: no attempt spent, the breaker speaks.
+    let (said, _) = line(
+        &rows(1..=2),
+        vec![sent(Err(DeliveryError::unavailable("refused"))), sent(Ok(()))],
+    );
+    assert_eq!(said, None);
 }

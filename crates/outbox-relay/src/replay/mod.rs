@@ -265,7 +265,7 @@ impl<'a> Replay<'a> {
     ) -> Result<End, ReplayError> {
         let mut breaker = Breaker::new(self.sink.name(), None);
         if self.sink.has_route_breakers() {
-            breaker = breaker.without_strikes();
+            breaker = breaker.over_routes();
         }
         // The failing row, its attempts in this run and its first failed
         // attempt: replay marks nothing, so they live here, where the

@@ -39,6 +39,11 @@ pub mod redis;
 pub mod router;
 pub mod template;
 
+/// The name of the route of a sink used without a routes file, and of a
+/// routes file's fallback (`[default]`) unless it names it: the `route`
+/// label of the metrics.
+pub const DEFAULT_ROUTE: &str = "default";
+
 /// The outcome of delivering one row.
 pub type Delivery = Result<(), DeliveryError>;
 
@@ -152,7 +157,10 @@ pub trait Sink: Send + Sync {
     /// Whether the sink keeps a circuit breaker per route (the router): its
     /// unavailable answers may come from a route's breaker rather than a
     /// failed call, so the relay's own breaker does not count them as
-    /// strikes (see `breaker`).
+    /// strikes (see `breaker`), and says nothing: the routes' breakers log,
+    /// signal and report. Such a sink also times each route's requests
+    /// itself (`outbox_sink_request_duration_seconds` per `sink` and
+    /// `route`), so the relay does not time the whole call.
     fn has_route_breakers(&self) -> bool {
         false
     }
@@ -163,6 +171,21 @@ pub trait Sink: Send + Sync {
     fn retry_for(&self, aggregate_type: &str) -> Option<Duration> {
         let _ = aggregate_type;
         None
+    }
+
+    /// The route that delivers events of `aggregate_type` and its sink's
+    /// name: the `route` and `sink` labels of their metrics. A sink alone
+    /// is one route, [`DEFAULT_ROUTE`]. Asked once per aggregate type (the
+    /// relay keeps the handles), never per row.
+    fn route_of(&self, aggregate_type: &str) -> (&str, &'static str) {
+        let _ = aggregate_type;
+        (DEFAULT_ROUTE, self.name())
+    }
+
+    /// The sink for the relay's startup lines: its name, or each route's
+    /// sink and name (`redis route orders, http route default`).
+    fn describe(&self) -> String {
+        self.name().to_owned()
     }
 
     /// Called by the relay that runs this sink when it starts: a sink

@@ -15,16 +15,24 @@
 //!
 //! Order is kept per aggregate because an aggregate has one type, so all its
 //! rows of a batch go to one sink, in batch order.
+//!
+//! Each route has a name (its aggregate type unless given one; the default
+//! route's is [`DEFAULT_ROUTE`] unless given one): the `route` label of its
+//! metrics beside its sink's real name, never `router`. The router times
+//! each route's part of a batch itself (`outbox_sink_request_duration_seconds`
+//! per sink and route) and tells the relay which route takes an aggregate
+//! type ([`Sink::route_of`]), so the event counters are per route too.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use metrics::Histogram;
 use outbox::OutboxRow;
 
-use super::{Delivery, DeliveryError, Sink};
+use super::{DEFAULT_ROUTE, Delivery, DeliveryError, Sink};
 use crate::breaker::{Breaker, CircuitState};
 
 /// Delivers each row to the sink of its aggregate type.
@@ -41,15 +49,24 @@ pub struct Router {
 
 /// One route's sink and breaker.
 struct Route {
+    /// The route's name, for labels and logs.
+    name: String,
     sink: Box<dyn Sink>,
     /// A std mutex: held for a few instructions, never across an await.
     breaker: Mutex<Breaker>,
+    /// The time of each call of its sink, once bound to a relay.
+    request: OnceLock<Histogram>,
 }
 
 impl Route {
-    fn new(sink: Box<dyn Sink>, route: Option<String>) -> Arc<Self> {
-        let breaker = Mutex::new(Breaker::new(sink.name(), route));
-        Arc::new(Self { sink, breaker })
+    fn new(sink: Box<dyn Sink>, name: String) -> Arc<Self> {
+        let breaker = Mutex::new(Breaker::new(sink.name(), Some(name.clone())));
+        Arc::new(Self {
+            name,
+            sink,
+            breaker,
+            request: OnceLock::new(),
+        })
     }
 
     fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
@@ -98,7 +115,11 @@ impl Route {
                 .map(|_| Err(DeliveryError::unavailable(cause.clone())))
                 .collect();
         }
+        let started = Instant::now();
         let mut answers = self.sink.deliver(rows).await;
+        if let Some(request) = self.request.get() {
+            request.record(started.elapsed().as_secs_f64());
+        }
         let opened = {
             let mut breaker = self.breaker();
             let was = breaker.state();
@@ -112,12 +133,19 @@ impl Route {
 }
 
 impl Router {
-    /// A router sending `default` everything no route names.
+    /// A router sending `default` everything no route names, on a route
+    /// named [`DEFAULT_ROUTE`].
     pub fn new(default: Box<dyn Sink>) -> Self {
+        Self::named(DEFAULT_ROUTE, default)
+    }
+
+    /// A router sending `default` everything no route names, on a route
+    /// named `name`.
+    pub fn named(name: impl Into<String>, default: Box<dyn Sink>) -> Self {
         Self {
             routes: HashMap::new(),
             default: 0,
-            sinks: vec![Route::new(default, None)],
+            sinks: vec![Route::new(default, name.into())],
             windows: HashMap::new(),
         }
     }
@@ -133,27 +161,38 @@ impl Router {
         self
     }
 
-    /// Routes the events of `aggregate_type` to `sink`. A later route for the
-    /// same type replaces an earlier one; the CLI refuses duplicates first.
-    pub fn route(mut self, aggregate_type: impl Into<String>, sink: Box<dyn Sink>) -> Self {
+    /// Routes the events of `aggregate_type` to `sink`, on a route named
+    /// after the type. A later route for the same type replaces an earlier
+    /// one; the CLI refuses duplicates first.
+    pub fn route(self, aggregate_type: impl Into<String>, sink: Box<dyn Sink>) -> Self {
         let aggregate_type = aggregate_type.into();
-        self.sinks.push(Route::new(sink, Some(aggregate_type.clone())));
-        self.routes.insert(aggregate_type, self.sinks.len() - 1);
+        let name = aggregate_type.clone();
+        self.route_named(aggregate_type, name, sink)
+    }
+
+    /// Routes the events of `aggregate_type` to `sink`, on a route named
+    /// `name` (the CLI refuses two routes of one name).
+    pub fn route_named(
+        mut self,
+        aggregate_type: impl Into<String>,
+        name: impl Into<String>,
+        sink: Box<dyn Sink>,
+    ) -> Self {
+        self.sinks.push(Route::new(sink, name.into()));
+        self.routes.insert(aggregate_type.into(), self.sinks.len() - 1);
         self
     }
 
-    fn sink_of(&self, row: &OutboxRow) -> usize {
-        self.routes
-            .get(&row.aggregate_type)
-            .copied()
-            .unwrap_or(self.default)
+    /// The index of the route taking `aggregate_type`.
+    fn route_index(&self, aggregate_type: &str) -> usize {
+        self.routes.get(aggregate_type).copied().unwrap_or(self.default)
     }
 
     async fn deliver_batch(&self, batch: &[OutboxRow]) -> Vec<Delivery> {
         // Row indices per sink, in batch order.
         let mut parts: Vec<Vec<usize>> = vec![Vec::new(); self.sinks.len()];
         for (i, row) in batch.iter().enumerate() {
-            parts[self.sink_of(row)].push(i);
+            parts[self.route_index(&row.aggregate_type)].push(i);
         }
         // A sink takes a slice, so each part is copied out; rows are small
         // next to a network round trip.
@@ -236,9 +275,26 @@ impl Sink for Router {
         self.windows.get(&route).copied()
     }
 
+    fn route_of(&self, aggregate_type: &str) -> (&str, &'static str) {
+        let route = &self.sinks[self.route_index(aggregate_type)];
+        (&route.name, route.sink.name())
+    }
+
+    fn describe(&self) -> String {
+        let routes: Vec<String> = self
+            .sinks
+            .iter()
+            .map(|r| format!("{} route {}", r.sink.name(), r.name))
+            .collect();
+        routes.join(", ")
+    }
+
     fn bind(&self, ctx: &crate::RelayContext) {
         for route in &self.sinks {
             route.breaker().bind(ctx);
+            let _ = route
+                .request
+                .set(crate::metric::sink_request(ctx, route.sink.name(), &route.name));
         }
     }
 }
