@@ -480,6 +480,7 @@ mod tests {
                 headers: serde_json::json!({}),
                 created_at: chrono::Utc::now(),
                 attempts: 0,
+                first_failed_at: None,
             })
             .collect()
     }

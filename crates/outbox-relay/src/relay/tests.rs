@@ -753,7 +753,8 @@ fn the_line_of_a_batch_names_its_dead_letters_apart_from_its_retries() {
         .unwrap()
         .to_utc();
     let line = |rows: &[OutboxRow], outcomes: Vec<Outcome>| {
-        let plan = decide(Backoff::default(), "redis", rows, outcomes, &Blocked::new());
+        let sink = crate::sink::fake::FakeSink::new(&Journal::default());
+        let plan = decide(Backoff::default(), &sink, rows, outcomes, &Blocked::new());
         let retry_ms = plan
             .failures
             .delay_ms

@@ -162,7 +162,10 @@ impl HttpSink {
         let response = match response {
             Ok(r) => r,
             Err(e) if e.is_builder() => {
-                return Err(DeliveryError::permanent(format!("building the request: {}", e.without_url())));
+                return Err(DeliveryError::permanent(format!(
+                    "building the request: {}",
+                    e.without_url()
+                )));
             }
             // No status at all (refused, reset, closed mid-request, DNS,
             // TLS, a timeout): the receiver, not this event, is the problem.
@@ -410,7 +413,11 @@ mod tests {
     #[tokio::test]
     async fn a_failure_does_not_repeat_the_urls_token() {
         // A port nothing listens on: bind one, then let it go.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let url = Url::parse(&format!("http://127.0.0.1:{port}/hook?token=s3cr3t")).unwrap();
         let sink = HttpSink::new(url, &SinkOptions::default()).unwrap();
         let row = crate::plan::tests::row(1, "1");
