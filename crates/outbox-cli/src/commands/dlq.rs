@@ -80,7 +80,11 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
             sql.notify(&client, config.channel.as_str())
                 .await
                 .context("notifying relays")?;
-            println!("gave up on {n} dead letters in {}", config.display_name());
+            println!(
+                "gave up on {} in {}",
+                super::counted(n, "dead letter", "dead letters"),
+                config.display_name()
+            );
         }
     }
     Ok(())
@@ -161,7 +165,11 @@ async fn requeue(
             .await
             .context("counting dead letters")?;
         no_match(n == 0, &args, config)?;
-        println!("would requeue {n} dead letters in {}", config.display_name());
+        println!(
+            "would requeue {} in {}",
+            super::counted(n.unsigned_abs(), "dead letter", "dead letters"),
+            config.display_name()
+        );
         return Ok(());
     }
     let n = sql
@@ -175,7 +183,11 @@ async fn requeue(
             .await
             .context("notifying relays")?;
     }
-    println!("requeued {n} dead letters in {}", config.display_name());
+    println!(
+        "requeued {} in {}",
+        super::counted(n, "dead letter", "dead letters"),
+        config.display_name()
+    );
     Ok(())
 }
 

@@ -120,7 +120,7 @@ async fn a_dead_letter_blocks_only_its_aggregate_until_skipped() {
 
     let skip = run_cli(&["dlq", "give-up", "--id", "1"], &env).await;
     assert_eq!(skip.status.code(), Some(0), "{}", text(&skip.stderr));
-    assert!(text(&skip.stdout).contains("gave up on 1 dead letters"));
+    assert!(text(&skip.stdout).contains("gave up on 1 dead letter in"));
     wait_until("order 1's later events delivered", LONG, || async {
         db.unpublished().await == 1
     })
