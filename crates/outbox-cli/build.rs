@@ -1,7 +1,9 @@
 //! Records the git commit the binary is built from, for the metric
 //! `outbox_build_info{commit}`: `git rev-parse --short HEAD`, or `unknown`
 //! where there is no git or no repository (a crate's tarball, `cargo
-//! install` from crates.io). Nothing here may fail the build.
+//! install` from crates.io). A build without the repository (the
+//! container build's context has no `.git`) passes it in
+//! `OUTBOX_BUILD_COMMIT`. Nothing here may fail the build.
 
 use std::path::Path;
 use std::process::Command;
@@ -18,7 +20,11 @@ fn git(args: &[&str]) -> Option<String> {
 }
 
 fn main() {
-    let commit = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".to_owned());
+    println!("cargo:rerun-if-env-changed=OUTBOX_BUILD_COMMIT");
+    let given = std::env::var("OUTBOX_BUILD_COMMIT").ok().filter(|c| !c.is_empty() && c != "unknown");
+    let commit = given
+        .or_else(|| git(&["rev-parse", "--short", "HEAD"]))
+        .unwrap_or_else(|| "unknown".to_owned());
     println!("cargo:rustc-env=OUTBOX_COMMIT={commit}");
     // Run again when HEAD moves: HEAD itself (a branch switch), the
     // branch's ref (a commit) and packed-refs. Only paths that exist: a
