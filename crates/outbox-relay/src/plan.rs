@@ -261,7 +261,6 @@ pub(crate) fn decide(
     };
     // A `Retry-After` is honoured up to the cap on any delay.
     let asked = |retry_after: Option<Duration>| retry_after.unwrap_or_default().min(backoff.max);
-    let name = sink.name();
     let mut plan = Plan::default();
     let failures = &mut plan.failures;
     // The delay given to the last failed row of each aggregate, which rows
@@ -300,6 +299,8 @@ pub(crate) fn decide(
                 true,
             ),
             Outcome::TooLarge { bytes, limit } => {
+                // The route's sink, not the router.
+                let name = sink.route_of(&row.aggregate_type).1;
                 let message = format!(
                     "permanent: {name}: event too large: its payload is {bytes} bytes, over the limit of {limit} \
                      (--max-event-bytes, or the sink's max payload); it was not sent"
