@@ -369,7 +369,62 @@ impl ConfigFile {
             body,
         };
         file.check_route_names()?;
+        file.check_sinks()?;
         Ok(file)
+    }
+
+    /// Each table's sink is one this build has, and sets only its own
+    /// keys (and the shared ones): `stream_prefix` in a table whose sink
+    /// is `http://…` would otherwise be ignored without a word. Checked
+    /// here, where the line of each key is known.
+    fn check_sinks(&self) -> Result<(), ConfigError> {
+        let defaults = PerSinkOptions::default();
+        let owners: Vec<(&[&str], Vec<String>)> = vec![
+            (&["redis", "rediss"], keys_of(&defaults.redis)),
+            (&["http", "https"], keys_of(&defaults.http)),
+            (&["nats"], keys_of(&defaults.nats)),
+            (&["amqp", "amqps"], keys_of(&defaults.amqp)),
+            #[cfg(feature = "kafka")]
+            (&["kafka"], keys_of(&defaults.kafka)),
+        ];
+        let tables = self
+            .body
+            .default
+            .iter()
+            .map(|t| ("[default]".to_owned(), t))
+            .chain(self.body.routes.iter().map(|(ty, t)| (format!("[routes.{ty}]"), t)));
+        for (header, table) in tables {
+            let at = |key: &str| match table.spans.get(key) {
+                Some(span) => self.at(span),
+                None => self.path.display().to_string(),
+            };
+            let Some((scheme, _)) = table.sink.split_once("://") else {
+                continue; // not a URL: the sink's own parser says why, below
+            };
+            if !outbox_relay::sink::schemes().any(|known| known == scheme) {
+                let known: Vec<&str> = outbox_relay::sink::schemes().collect();
+                return Err(ConfigError(format!(
+                    "--config {}: {header} sink: unknown sink scheme {scheme:?} (known: {})",
+                    at("sink"),
+                    known.join(", ")
+                )));
+            }
+            for key in table.per_sink.keys() {
+                let Some((schemes, _)) = owners.iter().find(|(_, keys)| keys.contains(key)) else {
+                    continue;
+                };
+                if !schemes.contains(&scheme) {
+                    return Err(ConfigError(format!(
+                        "--config {}: {header} {key}: a key of the {} sink, but this table's sink is {scheme}://…; \
+                         remove it, or move it to a table whose sink is {}://…",
+                        at(key),
+                        schemes[0],
+                        schemes[0]
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Every route has a name of its own: they tell routes apart in

@@ -150,6 +150,14 @@ async fn unknown_keys_and_bad_values_name_the_key_and_line() {
             "sink = \"redis://x\"\n[routes.orders]\nsink = \"redis://y\"\nsubjekt = \"a\"\n",
             ":4: unknown key `subjekt`: did you mean `nats_subject`?",
         ),
+        (
+            "sink = \"redis://x\"\n\n[routes.orders]\nsink = \"ftp://y\"\n",
+            ":4: [routes.orders] sink: unknown sink scheme \"ftp\"",
+        ),
+        (
+            "[default]\nsink = \"http://x\"\nstream_prefix = \"s.\"\n",
+            ":3: [default] stream_prefix: a key of the redis sink, but this table's sink is http://…",
+        ),
     ];
     for (body, needle) in cases {
         let path = config_file(body);
