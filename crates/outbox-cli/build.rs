@@ -21,7 +21,9 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     println!("cargo:rerun-if-env-changed=OUTBOX_BUILD_COMMIT");
-    let given = std::env::var("OUTBOX_BUILD_COMMIT").ok().filter(|c| !c.is_empty() && c != "unknown");
+    let given = std::env::var("OUTBOX_BUILD_COMMIT")
+        .ok()
+        .filter(|c| !c.is_empty() && c != "unknown");
     let commit = given
         .or_else(|| git(&["rev-parse", "--short", "HEAD"]))
         .unwrap_or_else(|| "unknown".to_owned());

@@ -188,7 +188,7 @@ pub(crate) struct RelayArgs {
     /// Where events go: redis://host:port[/db], rediss://…, http://…, https://…,
     /// nats://host:port, amqp://user:pass@host:port/vhost, amqps://…,
     /// kafka://host:port[,host:port…]. Required, here or in --config.
-    #[arg(long, env = "OUTBOX_SINK")]
+    #[arg(help_heading = "Sink", long, env = "OUTBOX_SINK")]
     pub(crate) sink: Option<String>,
     /// TOML file of relay settings: any flag of this command (and --schema,
     /// --table, --channel, --max-attempts, --connect-timeout,
@@ -197,83 +197,108 @@ pub(crate) struct RelayArgs {
     /// optionally sink tables routing aggregate types ([default],
     /// [routes.<aggregate_type>], whose own keys win for their route).
     /// `outbox config show` prints the result.
-    #[arg(long, env = "OUTBOX_CONFIG")]
+    #[arg(help_heading = "Sink", long, env = "OUTBOX_CONFIG")]
     pub(crate) config: Option<std::path::PathBuf>,
     /// Rows claimed and delivered per transaction.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = outbox_relay::defaults::BATCH_SIZE,
+    #[arg(help_heading = "Claiming", long, env = "OUTBOX_BATCH_SIZE", default_value_t = outbox_relay::defaults::BATCH_SIZE,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub(crate) batch_size: u32,
     /// Poll interval [default: 5s as a fallback to NOTIFY, 1s with --no-notify].
-    #[arg(long, env = "OUTBOX_POLL_INTERVAL", value_parser = positive_duration)]
+    #[arg(help_heading = "Claiming", long, env = "OUTBOX_POLL_INTERVAL", value_parser = positive_duration)]
     pub(crate) poll_interval: Option<Duration>,
     /// Do not LISTEN; poll only.
-    #[arg(long, env = "OUTBOX_NO_NOTIFY")]
+    #[arg(help_heading = "Claiming", long, env = "OUTBOX_NO_NOTIFY")]
     pub(crate) no_notify: bool,
     /// Deliver everything that is due, then exit: 0 if all of it was
     /// delivered, 1 if anything became a dead letter or a sink was
     /// unavailable (for cron jobs and scripts).
-    #[arg(long)]
+    #[arg(help_heading = "Running", long)]
     pub(crate) drain: bool,
     /// Check the setup and exit, sending and claiming nothing: PostgreSQL
     /// (schema version, this role's privileges for the source, claim mode
     /// and retention; wal_level and the slot for --source wal) and every
     /// route's sink, one line each with ok or FAIL and the fix. Exit 0 all
     /// ok, 1 a service unreachable, 2 a configuration problem.
-    #[arg(long, conflicts_with = "drain")]
+    #[arg(help_heading = "Running", long, conflicts_with = "drain")]
     pub(crate) check: bool,
     /// The largest payload (as JSON text) sent to a sink; a larger event is
     /// a dead letter at once and never reaches the sink. Lowered to the
     /// sink's own limit where the sink reports one (NATS max_payload).
     /// Bytes, or with a unit: 512KiB, 1MiB, 1MB.
-    #[arg(long, env = "OUTBOX_MAX_EVENT_BYTES", default_value = "1MiB", value_parser = byte_size)]
+    #[arg(help_heading = "Claiming", long, env = "OUTBOX_MAX_EVENT_BYTES", default_value = "1MiB", value_parser = byte_size)]
     pub(crate) max_event_bytes: u64,
     /// The payload bytes one batch may hold: a claim takes rows in id order
     /// while their payloads fit, and always the first, so the relay's
     /// memory is bounded by this or by one event. Bytes, or with a unit.
-    #[arg(long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "16MiB", value_parser = byte_size)]
+    #[arg(help_heading = "Claiming", long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "16MiB", value_parser = byte_size)]
     pub(crate) batch_max_bytes: u64,
     /// Where events come from: `poll` claims unpublished rows from the
     /// table; `wal` tails the write-ahead log through the slot `outbox
     /// migrate --wal` created (one reader at a time, the others standbys).
-    #[arg(long, env = "OUTBOX_SOURCE", value_enum, default_value = "poll")]
+    #[arg(
+        help_heading = "Log tailing (--source wal)",
+        long,
+        env = "OUTBOX_SOURCE",
+        value_enum,
+        default_value = "poll"
+    )]
     pub(crate) source: SourceKind,
     /// With --source wal: events read and not yet delivered (or dead) at
     /// most; the slot's position stays behind them, so a crash re-sends at
     /// most this many (or one larger transaction).
-    #[arg(long, env = "OUTBOX_WAL_WINDOW", default_value_t = outbox_relay::defaults::WAL_WINDOW,
+    #[arg(help_heading = "Log tailing (--source wal)", long, env = "OUTBOX_WAL_WINDOW", default_value_t = outbox_relay::defaults::WAL_WINDOW,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub(crate) wal_window: u32,
     /// With --source wal: `delete` delivered rows by primary key, or leave
     /// them (`none`) for daily partition drops.
-    #[arg(long, env = "OUTBOX_WAL_CLEANUP", value_enum, default_value = "delete")]
+    #[arg(
+        help_heading = "Log tailing (--source wal)",
+        long,
+        env = "OUTBOX_WAL_CLEANUP",
+        value_enum,
+        default_value = "delete"
+    )]
     pub(crate) wal_cleanup: WalCleanup,
     /// With --source wal: warn when the slot holds back more WAL than this
     /// (bytes, or with a unit).
-    #[arg(long, env = "OUTBOX_WAL_RETAINED_WARN", default_value = "1GiB", value_parser = byte_size)]
+    #[arg(help_heading = "Log tailing (--source wal)", long, env = "OUTBOX_WAL_RETAINED_WARN", default_value = "1GiB", value_parser = byte_size)]
     pub(crate) wal_retained_warn: u64,
     /// How a batch is claimed: `lock` keeps it locked in a transaction open
     /// while the sink has it (one round trip per batch); `lease` writes a
     /// deadline on its rows in a short transaction and delivers with none
     /// open, so a slow sink holds back no VACUUM. A route's `claim` key in
     /// --config overrides it for that route.
-    #[arg(long, env = "OUTBOX_CLAIM", value_enum, default_value = "lock")]
+    #[arg(
+        help_heading = "Claiming",
+        long,
+        env = "OUTBOX_CLAIM",
+        value_enum,
+        default_value = "lock"
+    )]
     pub(crate) claim: ClaimMode,
     /// With --claim deadline: how long a claim holds its rows. Rows of a relay
     /// that died are claimed again once it runs out; a delivery still
     /// running then is abandoned, so make it longer than the slowest batch.
-    #[arg(long, env = "OUTBOX_CLAIM_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
+    #[arg(help_heading = "Claiming", long, env = "OUTBOX_CLAIM_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
     pub(crate) claim_timeout: Duration,
     /// What sits between the relay and PostgreSQL: `none` (a direct
     /// connection, or a session-mode pool) or `transaction` (a
     /// transaction-mode pool such as PgBouncer's pool_mode = transaction:
     /// no prepared statements, plans pinned per transaction, no LISTEN
     /// unless --listen-url, no --source wal).
-    #[arg(long, env = "OUTBOX_POOLER", value_enum, default_value = "none")]
+    #[arg(
+        help_heading = "Connection pooler",
+        long,
+        env = "OUTBOX_POOLER",
+        value_enum,
+        default_value = "none"
+    )]
     pub(crate) pooler: Pooler,
     /// With --pooler transaction: a direct connection to PostgreSQL (not
     /// through the pooler) used only to LISTEN for new events, so the relay
     /// is woken at once instead of at the next poll [default: poll].
     #[arg(
+        help_heading = "Connection pooler",
         long,
         env = "OUTBOX_LISTEN_URL",
         hide_env_values = true,
@@ -284,47 +309,53 @@ pub(crate) struct RelayArgs {
     /// aggregates, id order while nothing fails), `strict` (never past an
     /// undelivered earlier event of the aggregate) or `none` (any relay, any
     /// order; no leases).
-    #[arg(long, env = "OUTBOX_ORDERING", value_enum, default_value = "partition")]
+    #[arg(
+        help_heading = "Ordering and several relays",
+        long,
+        env = "OUTBOX_ORDERING",
+        value_enum,
+        default_value = "partition"
+    )]
     pub(crate) ordering: OrderMode,
     /// Per-aggregate-type ordering, overriding --ordering for those types:
     /// `orders=strict,payments=partition`.
-    #[arg(long, env = "OUTBOX_ORDERING_FOR", value_delimiter = ',', value_parser = ordering_for)]
+    #[arg(help_heading = "Ordering and several relays", long, env = "OUTBOX_ORDERING_FOR", value_delimiter = ',', value_parser = ordering_for)]
     pub(crate) ordering_for: Vec<(String, OrderMode)>,
     /// How soon the partitions of a relay that died (or froze, or lost its
     /// connection) move to the other relays.
-    #[arg(long, env = "OUTBOX_LEASE_TIMEOUT", default_value = "10s", value_parser = lease_timeout)]
+    #[arg(help_heading = "Ordering and several relays", long, env = "OUTBOX_LEASE_TIMEOUT", default_value = "10s", value_parser = lease_timeout)]
     pub(crate) lease_timeout: Duration,
     /// How this relay shows in `outbox relays` [default: host:pid].
-    #[arg(long, env = "OUTBOX_RELAY_NAME")]
+    #[arg(help_heading = "Running", long, env = "OUTBOX_RELAY_NAME")]
     pub(crate) relay_name: Option<String>,
     /// Run retention from the relay: delete published rows older than this
     /// (plain outbox) or drop fully published days older than this and
     /// create the coming days (partitioned outbox). One relay at a time.
-    #[arg(long, env = "OUTBOX_RETENTION", value_parser = positive_duration)]
+    #[arg(help_heading = "Running", long, env = "OUTBOX_RETENTION", value_parser = positive_duration)]
     pub(crate) retention: Option<Duration>,
     /// Serve Prometheus metrics (`/metrics`) and the probes (`/healthz`,
     /// `/readyz`) over HTTP on this address, e.g. 127.0.0.1:9187 [default:
     /// off]. Bound before the relay reports ready; a bind error is a
     /// configuration error.
-    #[arg(long, env = "OUTBOX_HTTP")]
+    #[arg(help_heading = "Running", long, env = "OUTBOX_HTTP")]
     pub(crate) http: Option<std::net::SocketAddr>,
     /// How often `--retention` runs.
-    #[arg(long, env = "OUTBOX_RETENTION_INTERVAL", default_value = "1h", value_parser = positive_duration)]
+    #[arg(help_heading = "Running", long, env = "OUTBOX_RETENTION_INTERVAL", default_value = "1h", value_parser = positive_duration)]
     pub(crate) retention_interval: Duration,
     /// Delay after the first failed attempt; doubles per attempt.
-    #[arg(long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
+    #[arg(help_heading = "Retries", long, env = "OUTBOX_BACKOFF_BASE", default_value = "200ms", value_parser = positive_duration)]
     pub(crate) backoff_base: Duration,
     /// Cap on the retry delay (and on the Retry-After a receiver asks for).
-    #[arg(long, env = "OUTBOX_BACKOFF_MAX", default_value = "5m", value_parser = positive_duration)]
+    #[arg(help_heading = "Retries", long, env = "OUTBOX_BACKOFF_MAX", default_value = "5m", value_parser = positive_duration)]
     pub(crate) backoff_max: Duration,
     /// How long a failing event is retried, from its first failed attempt:
     /// its first failure after that makes it a dead letter. An unavailable
     /// sink (refused, 502, 503, 504, 429) spends no attempt and never ends
     /// it. A route's `retry_for` in --config overrides it for that route.
-    #[arg(long, env = "OUTBOX_RETRY_FOR", default_value = "24h", value_parser = positive_duration)]
+    #[arg(help_heading = "Retries", long, env = "OUTBOX_RETRY_FOR", default_value = "24h", value_parser = positive_duration)]
     pub(crate) retry_for: Duration,
     /// Boxed: the largest part of the largest command.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Sink options")]
     pub(crate) sink_options: Box<SinkArgs>,
 }
 

@@ -392,7 +392,12 @@ impl ConfigFile {
             .default
             .iter()
             .map(|t| ("[default]".to_owned(), t))
-            .chain(self.body.routes.iter().map(|(ty, t)| (format!("[routes.{ty}]"), t)));
+            .chain(
+                self.body
+                    .routes
+                    .iter()
+                    .map(|(ty, t)| (format!("[routes.{ty}]"), t)),
+            );
         for (header, table) in tables {
             let at = |key: &str| match table.spans.get(key) {
                 Some(span) => self.at(span),
