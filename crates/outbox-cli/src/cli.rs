@@ -573,6 +573,17 @@ pub(crate) enum DlqCommand {
         #[arg(long, num_args = 1.., required = true)]
         id: Vec<i64>,
     },
+    /// Delete dead letters given up on longer ago than --older-than: the
+    /// rows an operator decided will never be sent, kept until then for
+    /// inspection. In batches of 1,000.
+    Purge {
+        /// Given up on longer ago than this, e.g. 30d.
+        #[arg(long, value_parser = positive_duration)]
+        older_than: Duration,
+        /// Only count what would be deleted.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -86,6 +86,37 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
                 config.display_name()
             );
         }
+        DlqCommand::Purge { older_than, dry_run } => {
+            let age = humantime::format_duration(older_than);
+            if dry_run {
+                let n = sql
+                    .count_purge_given_up(&client, older_than)
+                    .await
+                    .context("counting given-up dead letters")?;
+                println!(
+                    "would delete {} given up on more than {age} ago in {}",
+                    super::counted(n.unsigned_abs(), "dead letter", "dead letters"),
+                    config.display_name()
+                );
+                return Ok(());
+            }
+            let mut deleted = 0;
+            loop {
+                let n = sql
+                    .purge_given_up(&client, older_than)
+                    .await
+                    .context("deleting given-up dead letters")?;
+                deleted += n;
+                if n == 0 {
+                    break;
+                }
+            }
+            println!(
+                "deleted {} given up on more than {age} ago in {}",
+                super::counted(deleted, "dead letter", "dead letters"),
+                config.display_name()
+            );
+        }
     }
     Ok(())
 }

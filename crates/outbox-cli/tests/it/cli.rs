@@ -134,6 +134,48 @@ async fn a_refused_statement_is_reported_in_the_servers_words() {
     assert!(stderr.contains("SQLSTATE 25006"), "{stderr}");
 }
 
+/// Given-up dead letters older than `--older-than` are deleted, and only
+/// they: not a newer given-up row, not a dead letter nobody gave up on.
+#[tokio::test]
+async fn dlq_purge_deletes_only_old_given_up_rows() {
+    let db = Db::start().await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, dead_at, given_up_at)
+             VALUES ('orders', '1', 'E', '{}', 1, now() - interval '41 days', now() - interval '40 days'),
+                    ('orders', '2', 'E', '{}', 1, now() - interval '2 days', now() - interval '1 day'),
+                    ('orders', '3', 'E', '{}', 1, now() - interval '50 days', NULL);",
+        )
+        .await
+        .unwrap();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let dry = run_cli(&["dlq", "purge", "--older-than", "30d", "--dry-run"], &env).await;
+    assert!(dry.status.success(), "{}", text(&dry.stderr));
+    assert!(
+        text(&dry.stdout).contains("would delete 1 dead letter given up on more than 30days ago"),
+        "{}",
+        text(&dry.stdout)
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        3,
+        "a dry run deletes nothing"
+    );
+    let purge = run_cli(&["dlq", "purge", "--older-than", "30d"], &env).await;
+    assert!(purge.status.success(), "{}", text(&purge.stderr));
+    assert!(
+        text(&purge.stdout).contains("deleted 1 dead letter"),
+        "{}",
+        text(&purge.stdout)
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE aggregate_id IN ('2', '3')")
+            .await,
+        2
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
+}
+
 #[tokio::test]
 async fn unreachable_postgres_exits_1_after_the_connect_timeout() {
     let out = relay_without_postgres(&[], &[]).await;

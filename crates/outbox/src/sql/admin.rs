@@ -334,6 +334,33 @@ impl OutboxSql {
         Ok(requeued.unsigned_abs())
     }
 
+    /// Deletes the dead letters given up on longer than `older_than` ago,
+    /// a batch of at most 1,000 rows per call; returns how many went (call
+    /// again until 0).
+    pub async fn purge_given_up(
+        &self,
+        client: &impl GenericClient,
+        older_than: std::time::Duration,
+    ) -> Result<u64, Error> {
+        let gone: i64 = client
+            .query_typed_one(&self.purge_given_up, &[typed(&older_than.as_secs_f64())])
+            .await?
+            .try_get(0)?;
+        Ok(gone.unsigned_abs())
+    }
+
+    /// How many rows [`purge_given_up`](Self::purge_given_up) would delete.
+    pub async fn count_purge_given_up(
+        &self,
+        client: &impl GenericClient,
+        older_than: std::time::Duration,
+    ) -> Result<i64, Error> {
+        client
+            .query_typed_one(&self.count_purge_given_up, &[typed(&older_than.as_secs_f64())])
+            .await?
+            .try_get(0)
+    }
+
     /// How many dead letters among `ids` [`give_up`](Self::give_up) would
     /// change (its dry run).
     pub async fn count_give_up(&self, client: &impl GenericClient, ids: &[i64]) -> Result<i64, Error> {

@@ -422,6 +422,19 @@ const DETAIL_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, event_
 const LIST_DEAD_PAGE: &str =
     "SELECT {detail} FROM {t} WHERE {dead} AND id > $7::int8 ORDER BY id LIMIT $8::int8";
 
+/// `$1` age in seconds. Deletes given-up dead letters given up on longer
+/// ago than that: an operator decided they will never be sent, and kept
+/// them only to look at. In short batches, as retention deletes, so no
+/// lock is held long; returns how many went.
+const PURGE_GIVEN_UP: &str = "WITH gone AS (DELETE FROM {t} WHERE id IN ( \
+        SELECT id FROM {t} WHERE given_up_at < clock_timestamp() - make_interval(secs => $1::float8) \
+          AND published_at IS NULL LIMIT 1000) RETURNING 1) \
+      SELECT count(*) FROM gone";
+
+/// `$1` age in seconds. What [`PURGE_GIVEN_UP`] would delete (its dry run).
+const COUNT_PURGE_GIVEN_UP: &str = "SELECT count(*) FROM {t} \
+      WHERE given_up_at < clock_timestamp() - make_interval(secs => $1::float8) AND published_at IS NULL";
+
 /// `$1` ids. What [`GIVE_UP_DEAD`] would touch (its dry run).
 const COUNT_GIVE_UP: &str = "SELECT count(*) FROM {t} \
       WHERE id = ANY($1::int8[]) AND published_at IS NULL AND dead_at IS NOT NULL AND given_up_at IS NULL";
@@ -643,6 +656,8 @@ pub struct OutboxSql {
     pub(crate) count_dead: String,
     pub(crate) list_dead_page: String,
     pub(crate) count_give_up: String,
+    pub(crate) purge_given_up: String,
+    pub(crate) count_purge_given_up: String,
     pub(crate) dead_by_error: String,
     pub(crate) throughput: String,
     pub(crate) event_story: String,
@@ -747,6 +762,8 @@ impl OutboxSql {
             count_dead: render(COUNT_DEAD),
             list_dead_page: render(LIST_DEAD_PAGE),
             count_give_up: render(COUNT_GIVE_UP),
+            purge_given_up: render(PURGE_GIVEN_UP),
+            count_purge_given_up: render(COUNT_PURGE_GIVEN_UP),
             dead_by_error: render(DEAD_BY_ERROR),
             throughput: render(THROUGHPUT),
             event_story: render(EVENT_STORY),
@@ -794,6 +811,8 @@ mod tests {
             &sql.insert_events,
             &sql.list_dead_page,
             &sql.count_give_up,
+            &sql.purge_given_up,
+            &sql.count_purge_given_up,
             &sql.dead_by_error,
             &sql.throughput,
             &sql.event_story,
