@@ -361,31 +361,16 @@ impl Tables {
                 o.qualified(),
                 format!("the id sequence of {}", o.display_name()),
             ),
-            Object::Ledger => (
-                "table",
-                o.companion("_migrations")?,
-                format!("table {}", bare("_migrations")),
-            ),
-            Object::Relays => (
-                "table",
-                o.companion("_relays")?,
-                format!("table {}", bare("_relays")),
-            ),
-            Object::Leases => (
-                "table",
-                o.companion("_leases")?,
-                format!("table {}", bare("_leases")),
-            ),
-            Object::Removed => (
-                "table",
-                o.companion("_removed")?,
-                format!("table {}", bare("_removed")),
-            ),
-            Object::Replays => (
-                "table",
-                o.companion("_replays")?,
-                format!("table {}", bare("_replays")),
-            ),
+            Object::Ledger | Object::Relays | Object::Leases | Object::Removed | Object::Replays => {
+                let suffix = match r.object {
+                    Object::Ledger => "_migrations",
+                    Object::Relays => "_relays",
+                    Object::Leases => "_leases",
+                    Object::Removed => "_removed",
+                    _ => "_replays",
+                };
+                ("table", o.companion(suffix)?, format!("table {}", bare(suffix)))
+            }
             Object::ReplaysSequence => (
                 "sequence",
                 o.companion("_replays")?,
