@@ -96,6 +96,14 @@ pub struct HttpSink {
 }
 
 impl HttpSink {
+    /// A request that got no answer, for `last_error` and the logs: the
+    /// URL with its query values masked (they may hold the receiver's
+    /// token), then reqwest's causes without the URL it would repeat.
+    fn failed(&self, e: reqwest::Error) -> String {
+        let url = crate::redact::url(self.url.as_str());
+        format!("http {url}: {}", error_chain(&e.without_url()))
+    }
+
     /// A sink posting to `url`.
     pub fn new(url: Url, options: &SinkOptions) -> Result<Self, SinkError> {
         let client = Client::builder()
@@ -173,7 +181,7 @@ impl HttpSink {
             // request"; the cause is what an operator needs. Without the
             // URL: its query may hold a token, and this goes to
             // `last_error` and the logs.
-            Err(e) => return Err(DeliveryError::unavailable(error_chain(&e.without_url()))),
+            Err(e) => return Err(DeliveryError::unavailable(self.failed(e))),
         };
         let status = response.status();
         if status.is_success() {
@@ -347,7 +355,7 @@ impl Sink for HttpSink {
                     retry_after: retry_after(r.headers()),
                 }),
                 Ok(_) => Ok(()),
-                Err(e) => Err(DeliveryError::unavailable(error_chain(&e.without_url()))),
+                Err(e) => Err(DeliveryError::unavailable(self.failed(e))),
             }
         }
         .boxed()
