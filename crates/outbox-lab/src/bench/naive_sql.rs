@@ -8,8 +8,7 @@
 use outbox::Config;
 
 /// Columns in the order `outbox::OutboxRow::try_from` reads them.
-const ROW_COLUMNS: &str =
-    "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts";
+const ROW_COLUMNS: &str = "id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, attempts, first_failed_at";
 
 /// `$1` limit. The reference relay's claim: a batch of due rows that are
 /// not dead letters, locked for the transaction, in id order. It names
