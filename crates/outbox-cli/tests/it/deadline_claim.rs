@@ -71,6 +71,53 @@ async fn kill_between_delivery_and_mark_redelivers_once_the_claim_expires() {
     );
 }
 
+/// A reset of the relay's pipeline forgets a batch whose claim committed
+/// (here: the first mark fails, while the claim pipelined after it on the
+/// same connection commits the next batch). Those rows, still claimed under
+/// the relay's id, must not let the relay pass them: the next claim gives
+/// them back first, so the aggregates' later events follow them. Before
+/// the fix, the relay delivered an aggregate's third event long before its
+/// second, whose claim had to run out first (the reordering seen in CI
+/// after a failover, where the claim's answer was lost with the primary).
+#[tokio::test]
+async fn claims_forgotten_by_a_reset_are_given_back_before_later_events_pass_them() {
+    let mut db = Db::start().await;
+    let redis = Redis::start().await.unwrap();
+    // Ids 1..6: aggregate 0 steps 0,1,2 at ids 1,3,5, aggregate 1 at 2,4,6.
+    db.insert_events(6, 3).await;
+    db.client
+        .batch_execute(
+            "CREATE SEQUENCE first_mark; \
+             CREATE FUNCTION fail_the_first_mark() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF nextval('first_mark') = 1 THEN RAISE EXCEPTION 'the test fails the first mark'; END IF; \
+             RETURN NEW; END $$; \
+             CREATE TRIGGER fail_the_first_mark BEFORE UPDATE ON outbox FOR EACH ROW \
+             WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL) \
+             EXECUTE FUNCTION fail_the_first_mark();",
+        )
+        .await
+        .unwrap();
+    // Batches of one are full, so each claims the next ahead: batch 1
+    // (id 1) is at the sink while id 2 is claimed; id 2 is at the sink while
+    // id 1's mark fails and id 3's claim commits. A short timeout keeps the
+    // run short if claims are left to run out.
+    let args = ["--claim", "deadline", "--claim-timeout", "3s", "--batch-size", "1"];
+    let relay = start_relay(&db.url, &redis.url(), &args, &[]).await;
+    db.wait_drained("every row published").await;
+    stop_relay(relay).await;
+    assert_eq!(db.count("SELECT last_value FROM first_mark").await, 7, "one failed mark, six good ones");
+    let events = read_stream(&redis.url(), "outbox.event.orders").await;
+    assert_eq!(distinct_events(&events), 6, "nothing lost");
+    assert_eq!(
+        first_delivery_violations(&events),
+        0,
+        "no event before an earlier one of its aggregate: {:?}",
+        events.iter().map(|e| e.outbox_id).collect::<Vec<_>>()
+    );
+    // Ids 1 and 2 were delivered before the reset and again after it.
+    assert_eq!(events.len(), 8);
+}
+
 /// A relay frozen after delivering a batch (SIGSTOP at the failpoint) past
 /// its claim timeout: another relay claims, sends and marks the rows; the
 /// first, woken, finds its claim taken and marks nothing (it counts the

@@ -12,6 +12,8 @@ mod admin;
 #[cfg(feature = "tokio-postgres")]
 pub(crate) mod catalog;
 #[cfg(feature = "tokio-postgres")]
+pub mod fleet;
+#[cfg(feature = "tokio-postgres")]
 mod floor;
 #[cfg(feature = "tokio-postgres")]
 mod horizon;
@@ -260,8 +262,10 @@ const SET_LEASE: &str =
     "claimed_by = {p_owner}::uuid, claimed_until = deadline.at, next_attempt_at = deadline.at";
 
 /// A deadline claim under partition order: a row waits while an earlier event
-/// of its aggregate is held by another relay's unexpired claim (this
-/// relay's own claims are its pipeline's, ordered as the lock claim's are). The lock claim needs no
+/// of its aggregate is held by another claimer's unexpired claim (this
+/// claimer's own claims are its pipeline's, ordered as the lock claim's are;
+/// a relay whose pipeline was reset claims under a new id, see
+/// `RELEASE_ABANDONED_CLAIMS`). The lock claim needs no
 /// such test, as ownership of a partition cannot move while a batch of it
 /// is in flight (its lease rows are locked `FOR SHARE` until the commit);
 /// a deadline claim commits before delivery, so a partition can move to
@@ -300,6 +304,15 @@ const MARK_DEADLINE_CLAIM: &str = "WITH now AS (SELECT clock_timestamp() AS at),
 /// again now, attempts unchanged. Only rows still under this claim.
 const RELEASE_DEADLINE_CLAIM: &str = "UPDATE {t} SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = clock_timestamp() \
       WHERE id = ANY($1::int8[]) AND claimed_by = $2::uuid AND claimed_until = $3::timestamptz";
+
+/// `$1` the claimer ids a relay abandoned. Gives back every row still held
+/// under them, due again now, attempts unchanged: the claims a reset of the
+/// relay's pipeline dropped (a batch claimed ahead and never delivered, a
+/// claim whose answer was lost with its connection), which would otherwise
+/// hold their aggregates until their deadlines pass. One walk of the
+/// unpublished index; run once after a reset, not per batch.
+const RELEASE_ABANDONED_CLAIMS: &str = "UPDATE {t} SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = clock_timestamp() \
+      WHERE published_at IS NULL AND dead_at IS NULL AND claimed_by = ANY($1::uuid[])";
 
 /// `$1` relay id, `$2` its name, `$3` seconds after which a silent relay
 /// is dead, `$4`/`$5` its batch connections' pids and start times. One
@@ -642,6 +655,7 @@ pub struct OutboxSql {
     pub(crate) dead_tuples: String,
     pub(crate) mark_deadline_claim: String,
     pub(crate) release_deadline_claim: String,
+    pub(crate) release_abandoned_claims: String,
     pub(crate) relay_tick: String,
     pub(crate) relay_leave: String,
     pub(crate) relays: String,
@@ -748,6 +762,7 @@ impl OutboxSql {
             dead_tuples: render(horizon::DEAD_TUPLES),
             mark_deadline_claim: render(MARK_DEADLINE_CLAIM),
             release_deadline_claim: render(RELEASE_DEADLINE_CLAIM),
+            release_abandoned_claims: render(RELEASE_ABANDONED_CLAIMS),
             relay_tick: render(RELAY_TICK),
             relay_leave: render(RELAY_LEAVE),
             relays: render(RELAYS),

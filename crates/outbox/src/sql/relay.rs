@@ -200,8 +200,9 @@ pub struct RelayStatements {
     fetch_payload: Stmt,
     /// `FIND_CLAIM_FLOOR` (see [`RelayStatements::find_floor`]).
     pub(super) find_floor: Stmt,
-    /// `MARK_DEADLINE_CLAIM` and `RELEASE_DEADLINE_CLAIM`, only for deadline claims.
-    deadline: Option<(Stmt, Stmt)>,
+    /// `MARK_DEADLINE_CLAIM`, `RELEASE_DEADLINE_CLAIM` and
+    /// `RELEASE_ABANDONED_CLAIMS`, only for deadline claims.
+    deadline: Option<(Stmt, Stmt, Stmt)>,
     spec: ClaimSpec,
     /// How a transaction begins: `BEGIN`, or, unprepared, `BEGIN` with the
     /// plans pinned by `SET LOCAL` (see [`pinned_begin`]).
@@ -293,11 +294,12 @@ impl OutboxSql {
             if !self.claim_spec.deadline {
                 return Ok(None);
             }
-            let (mark, release) = tokio::try_join!(
+            let (mark, release, abandoned) = tokio::try_join!(
                 stmt(&self.mark_deadline_claim),
-                stmt(&self.release_deadline_claim)
+                stmt(&self.release_deadline_claim),
+                stmt(&self.release_abandoned_claims)
             )?;
-            Ok(Some((mark, release)))
+            Ok(Some((mark, release, abandoned)))
         };
         let (claims, mark_failed, next_retry, fetch_payload, find_floor, deadline) = tokio::try_join!(
             claims,
@@ -634,7 +636,7 @@ impl RelayStatements {
         client: &Client,
         p: &DeadlineMarks<'_>,
     ) -> Result<(u64, u64), Error> {
-        let (mark, _) = self.deadline.as_ref().expect("made for deadline claims");
+        let (mark, _, _) = self.deadline.as_ref().expect("made for deadline claims");
         let f = &p.failed;
         let params = [
             typed(&f.ids),
@@ -662,9 +664,19 @@ impl RelayStatements {
         ids: &[i64],
         fence: Fence,
     ) -> Result<u64, Error> {
-        let (_, release) = self.deadline.as_ref().expect("made for deadline claims");
+        let (_, release, _) = self.deadline.as_ref().expect("made for deadline claims");
         let params = [typed(&ids), typed(&fence.owner), typed(&fence.until)];
         self.alone(client, release.execute(client, &params)).await
+    }
+
+    /// Gives back every row still claimed under the claimer ids `abandoned`
+    /// (`RELEASE_ABANDONED_CLAIMS`). Returns rows released.
+    ///
+    /// # Panics
+    /// If the statements were not made for deadline claims.
+    pub async fn release_abandoned_claims(&self, client: &Client, abandoned: &[Uuid]) -> Result<u64, Error> {
+        let (_, _, release) = self.deadline.as_ref().expect("made for deadline claims");
+        self.alone(client, release.execute(client, &[typed(&abandoned)])).await
     }
 
     /// Seconds until the next row waiting for a retry comes due: `None` if

@@ -93,6 +93,16 @@ pub(super) trait Claiming: Send + Sync {
 
     /// What the claim writes on its rows (`ClaimParams::deadline`).
     fn deadline(&self) -> Option<DeadlineClaim>;
+
+    /// The pipeline was reset: the batches it held are forgotten. Claims
+    /// that outlive a reset are abandoned (see [`ByDeadline`]).
+    fn reset(&mut self) {}
+
+    /// Gives back, on `s`, what earlier resets abandoned, before the next
+    /// claim.
+    fn give_back_abandoned<'a>(&'a mut self, _s: &'a Session) -> BoxFuture<'a, Result<(), SourceError>> {
+        async { Ok(()) }.boxed()
+    }
 }
 
 /// `FOR UPDATE SKIP LOCKED` in a transaction open while the batch is at the
@@ -194,10 +204,26 @@ impl Claiming for ByLock {
 
 /// A deadline written by a claim that commits at once; the marks are one
 /// statement that checks the claim is still this relay's (its fence).
+///
+/// The claim's probe lets a relay pass its own claims (its pipeline orders
+/// them), so its own claims must be ones its pipeline still holds. A reset
+/// of the pipeline (a lost connection, a failed batch) forgets batches whose
+/// claims committed: one claimed ahead and never delivered, or one whose
+/// answer was lost with the connection (after a failover it may be on the
+/// new primary). Passing those would deliver an aggregate's later events
+/// before them. So a reset retires the claimer id: later claims are written
+/// under a fresh one, the retired id's rows block their aggregates like
+/// another relay's claims, and the next claim first gives them back
+/// (`RELEASE_ABANDONED_CLAIMS`); one that commits after that waits out its
+/// deadline.
 pub(super) struct ByDeadline {
-    /// Whose claims these are (the relay's id in the lease table, when it
-    /// takes leases).
-    pub(super) owner: Uuid,
+    /// Whose claims these are: the relay's id (in the lease table, when it
+    /// takes leases) until the first reset, then a fresh id per reset.
+    pub(super) claimer: Uuid,
+    /// Whether a claim went out under `claimer` since the last reset.
+    pub(super) claimed: std::sync::atomic::AtomicBool,
+    /// Retired claimer ids whose rows were not given back yet.
+    pub(super) abandoned: Vec<Uuid>,
     /// `--claim-timeout`.
     pub(super) timeout: Duration,
     /// `outbox_claims_lost_total`.
@@ -260,7 +286,10 @@ impl Claiming for ByDeadline {
             let (marked, floor, claimed) =
                 tokio::join!(self.mark(s, settled), find_floor(s, ask.floor), async {
                     match ask.claim {
-                        Some(params) => s.statements.claim(&s.client, params).await.map(Some),
+                        Some(params) => {
+                            self.claimed.store(true, std::sync::atomic::Ordering::Relaxed);
+                            s.statements.claim(&s.client, params).await.map(Some)
+                        }
                         None => Ok(None),
                     }
                 });
@@ -297,8 +326,36 @@ impl Claiming for ByDeadline {
 
     fn deadline(&self) -> Option<DeadlineClaim> {
         Some(DeadlineClaim {
-            owner: self.owner,
+            owner: self.claimer,
             timeout_ms: self.timeout.as_secs_f64() * 1000.0,
         })
+    }
+
+    fn reset(&mut self) {
+        if self.claimed.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            self.abandoned.push(self.claimer);
+            self.claimer = Uuid::new_v4();
+        }
+    }
+
+    fn give_back_abandoned<'a>(&'a mut self, s: &'a Session) -> BoxFuture<'a, Result<(), SourceError>> {
+        async move {
+            if self.abandoned.is_empty() {
+                return Ok(());
+            }
+            let released = s
+                .statements
+                .release_abandoned_claims(&s.client, &self.abandoned)
+                .await?;
+            if released > 0 {
+                warn!(
+                    rows = released,
+                    "gave back the rows of claims forgotten when the batch pipeline was reset; they will be delivered again"
+                );
+            }
+            self.abandoned.clear();
+            Ok(())
+        }
+        .boxed()
     }
 }

@@ -325,7 +325,9 @@ impl PollSource {
             .collect();
         let claiming: Box<dyn Claiming> = if lane.spec.deadline {
             Box::new(ByDeadline {
-                owner: lane.owner,
+                claimer: lane.owner,
+                claimed: Default::default(),
+                abandoned: Vec::new(),
                 timeout: config.claim_timeout,
                 claims_lost: metrics::counter!(crate::metric::CLAIMS_LOST, &[ctx.label()]),
             })
@@ -933,6 +935,8 @@ impl Source for PollSource {
             return Ok(self.hand_out(c.conn, c.rows, c.epoch, c.sent, true));
         }
         self.commit_settled().await?;
+        let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
+        self.claiming.give_back_abandoned(&ss.listening).await?;
         if self.pipeline.idle && !self.wait(cancel).await? {
             return Ok(Claim::Cancelled);
         }
@@ -1073,6 +1077,7 @@ impl Source for PollSource {
 
     async fn recover(&mut self, error: SourceError, cancel: &CancellationToken) -> bool {
         self.pipeline = Pipeline::default();
+        self.claiming.reset();
         // Everything in flight is rolled back, due again, perhaps below the
         // floor.
         self.floor.sweep_next();
