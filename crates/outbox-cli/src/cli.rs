@@ -181,6 +181,15 @@ pub(crate) struct MigrateArgs {
     /// With --grant, print the statements and change nothing.
     #[arg(long, requires = "grant")]
     pub(crate) dry_run: bool,
+    /// Migrate the outbox (--table) in every existing schema whose name
+    /// matches this LIKE pattern (`tenant_%`), each in a transaction of its
+    /// own: what `relay --schemas` serves. Idempotent.
+    #[arg(long, value_name = "PATTERN", conflicts_with_all = ["inbox", "wal", "grant"])]
+    pub(crate) schemas: Option<String>,
+    /// With --schemas: in every database of the server whose name matches
+    /// this LIKE pattern, not only the URL's.
+    #[arg(long, value_name = "PATTERN", requires = "schemas")]
+    pub(crate) databases: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -325,6 +334,33 @@ pub(crate) struct RelayArgs {
     /// connection) move to the other relays.
     #[arg(help_heading = "Ordering and several relays", long, env = "OUTBOX_LEASE_TIMEOUT", default_value = "10s", value_parser = lease_timeout)]
     pub(crate) lease_timeout: Duration,
+    /// Serve many outboxes (a fleet): every schema whose name matches this
+    /// LIKE pattern (`tenant_%`) and holds an outbox named --table that
+    /// `outbox migrate` made, found again every --discover-interval. One
+    /// control session and --fleet-sessions batch sessions per database,
+    /// whatever the number of outboxes.
+    #[arg(help_heading = "Many tenants (a fleet)", long, env = "OUTBOX_SCHEMAS")]
+    pub(crate) schemas: Option<String>,
+    /// With --schemas: serve the tenant schemas of every database of the
+    /// server whose name matches this LIKE pattern, not only the URL's.
+    #[arg(
+        help_heading = "Many tenants (a fleet)",
+        long,
+        env = "OUTBOX_DATABASES",
+        requires = "schemas"
+    )]
+    pub(crate) databases: Option<String>,
+    /// With --schemas: batch sessions per database, shared by its outboxes
+    /// (one batch of an outbox at a time each).
+    #[arg(help_heading = "Many tenants (a fleet)", long, env = "OUTBOX_FLEET_SESSIONS",
+          default_value_t = outbox_relay::fleet::DEFAULT_SESSIONS as u32,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(crate) fleet_sessions: u32,
+    /// With --schemas: how often outboxes are searched for (a new tenant is
+    /// served within about this long) and shared out again between fleet
+    /// processes (a dead one's outboxes move within about this long).
+    #[arg(help_heading = "Many tenants (a fleet)", long, env = "OUTBOX_DISCOVER_INTERVAL", default_value = "5s", value_parser = positive_duration)]
+    pub(crate) discover_interval: Duration,
     /// How this relay shows in `outbox relays` [default: host:pid].
     #[arg(help_heading = "Running", long, env = "OUTBOX_RELAY_NAME")]
     pub(crate) relay_name: Option<String>,

@@ -39,6 +39,9 @@ pub enum RelayError {
         /// What gave it away.
         sign: String,
     },
+    /// A fleet asked for what it cannot serve (see `Fleet::new`).
+    #[error("{0}")]
+    Fleet(String),
     /// `--drain` cannot finish: PostgreSQL refuses the lease tick or the
     /// claim for a reason no retry fixes (a missing privilege, a missing
     /// function): the drain fails now rather than wait for an operator.
@@ -54,9 +57,10 @@ impl RelayError {
     pub fn is_config(&self) -> bool {
         match self {
             RelayError::Schema(e) => e.is_config(),
-            RelayError::Ordering { .. } | RelayError::Pooler(_) | RelayError::TransactionPooler { .. } => {
-                true
-            }
+            RelayError::Ordering { .. }
+            | RelayError::Pooler(_)
+            | RelayError::TransactionPooler { .. }
+            | RelayError::Fleet(_) => true,
             RelayError::Connect(e) => e.is_permanent(),
             RelayError::Drain { .. } => false,
         }

@@ -47,6 +47,7 @@ pub mod defaults;
 mod error;
 pub mod exit;
 pub mod failpoint;
+pub mod fleet;
 pub mod health;
 mod lease;
 pub mod metric;

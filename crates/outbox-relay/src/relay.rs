@@ -67,6 +67,7 @@ use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Failures};
 use crate::sink::{Delivery, DeliveryError, Sink};
 use crate::source::poll::{self, Lane, PollSource};
+use crate::source::tenant::TenantSource;
 use crate::source::wal::WalSource;
 use crate::source::{Book, Claim, Receipt, Receipts, Source, SourceError};
 use outbox::sql::ClaimSpec;
@@ -233,6 +234,47 @@ impl Relay {
             config,
             lanes: Vec::new(),
         }
+    }
+
+    /// The relay of one outbox of a fleet (see `crate::fleet`), labelled
+    /// `label` in its metrics and logs; its signals go nowhere (the fleet
+    /// signals for the process).
+    pub(crate) fn for_fleet(pg: PgConfig, sink: Arc<dyn Sink>, config: RelayConfig, label: String) -> Self {
+        let (signals, _) = Signals::channel();
+        let ctx = RelayContext::new(Some(label.clone()), label, signals);
+        Self {
+            pg,
+            metrics: DeliveryMetrics::new(&ctx, sink.as_ref()),
+            ctx,
+            sink,
+            config,
+            lanes: Vec::new(),
+        }
+    }
+
+    /// Runs one outbox of a fleet until `cancel` fires: the relay's cycle
+    /// over a [`TenantSource`].
+    pub(crate) async fn run_tenant(
+        self,
+        tenant: Arc<crate::fleet::Tenant>,
+        database: Arc<crate::fleet::Database>,
+        statements: outbox::sql::RelayStatements,
+        cancel: CancellationToken,
+    ) -> Result<(), RelayError> {
+        let source = TenantSource::new(
+            self.config.clone(),
+            self.ctx.clone(),
+            tenant,
+            database,
+            statements,
+            Receipts::new(Books::new(&self.ctx, Arc::clone(&self.sink))),
+        );
+        self.ctx.health().running(true);
+        self.metrics.relay_up.set(1.0);
+        let (ctx, relay_up) = (self.ctx.clone(), self.metrics.relay_up.clone());
+        let result = self.drive(source, cancel).await;
+        stopped(&ctx, &relay_up);
+        result
     }
 
     /// Sends this relay's signals to `signals` instead of the process's

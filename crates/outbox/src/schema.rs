@@ -65,6 +65,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "table_contract",
         template: include_str!("../migrations/outbox/0008_table_contract.sql"),
     },
+    Migration {
+        version: 9,
+        name: "notify_names_the_outbox",
+        template: include_str!("../migrations/outbox/0009_notify_names_the_outbox.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -82,6 +87,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[5],
     OUTBOX_MIGRATIONS[6],
     OUTBOX_MIGRATIONS[7],
+    OUTBOX_MIGRATIONS[8],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -91,7 +97,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 8;
+pub const OUTBOX_VERSION: i32 = 9;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 

@@ -81,9 +81,67 @@ async fn grant(g: &Global, args: &MigrateArgs, role: &str) -> anyhow::Result<()>
     Ok(())
 }
 
+/// `--schemas PATTERN [--databases PATTERN]`: the outbox in every matching
+/// schema of every matching database, one transaction each, one line per
+/// outbox that changed and a count at the end.
+async fn tenants(g: &Global, args: &MigrateArgs, schemas: &str) -> anyhow::Result<()> {
+    let pg = super::pg_config(g)?;
+    let databases = match &args.databases {
+        None => vec![None],
+        Some(pattern) => {
+            let client = super::connect(&pg).await?;
+            let found = outbox::sql::fleet::matching_databases(&client, pattern)
+                .await
+                .context("listing the databases")?;
+            found.into_iter().map(Some).collect()
+        }
+    };
+    let template = super::outbox_config(g)?
+        .with_partitions(args.partitions)?
+        .with_dead_after_attempts(g.max_attempts);
+    let (mut changed, mut current) = (0_u64, 0_u64);
+    for database in databases {
+        let mut pg = pg.clone();
+        if let Some(name) = &database {
+            pg.postgres_mut().dbname(name);
+        }
+        let prefix = database.as_ref().map(|d| format!("{d}/")).unwrap_or_default();
+        let mut client = super::connect(&pg).await?;
+        let found = outbox::sql::fleet::matching_schemas(&client, schemas)
+            .await
+            .context("listing the schemas")?;
+        for schema in found {
+            let mut config = template.clone();
+            config.schema = schema;
+            if args.partition_by == Some(PartitionBy::Day) {
+                config.layout = outbox::Layout::Daily;
+            }
+            let report = outbox::migrate(&mut client, &config)
+                .await
+                .with_context(|| format!("migrating the outbox {prefix}{}", config.display_name()))?;
+            if report.applied.is_empty() {
+                current += 1;
+            } else {
+                changed += 1;
+                println!("{prefix}{} is at schema version {}", report.table, report.version);
+            }
+        }
+    }
+    println!(
+        "{} migrated, {} already up to date (schema version {})",
+        super::counted(changed, "outbox", "outboxes"),
+        current,
+        outbox::OUTBOX_VERSION
+    );
+    Ok(())
+}
+
 pub(crate) async fn run(g: &Global, args: MigrateArgs) -> anyhow::Result<()> {
     if let Some(role) = args.grant.clone() {
         return grant(g, &args, &role).await;
+    }
+    if let Some(schemas) = args.schemas.clone() {
+        return tenants(g, &args, &schemas).await;
     }
     let pg = super::pg_config(g)?;
     let report = if args.inbox {

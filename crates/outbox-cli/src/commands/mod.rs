@@ -7,6 +7,7 @@ mod cleanup;
 mod config;
 mod consume;
 mod dlq;
+mod fleet;
 mod migrate;
 mod partitions;
 mod relay;

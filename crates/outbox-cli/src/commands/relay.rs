@@ -25,15 +25,23 @@ use crate::exit::ConfigError;
 /// is shorter than the fallback poll's.
 pub(crate) const POLL_WITHOUT_NOTIFY: Duration = outbox_relay::defaults::POLL_INTERVAL_WITHOUT_NOTIFY;
 
+/// The fleet flags (`--schemas` and its companions).
+pub(crate) struct Fleet {
+    pub(crate) schemas: String,
+    pub(crate) databases: Option<String>,
+    pub(crate) sessions: usize,
+    pub(crate) discover_interval: Duration,
+}
+
 /// What the relay runs with, checked: `outbox config show` checks the same.
 pub(crate) struct Prepared {
-    config: RelayConfig,
+    pub(crate) config: RelayConfig,
     /// None when no sink was given: `outbox config show` says so, the relay
     /// refuses to start.
-    sink: Option<Box<dyn outbox_relay::Sink>>,
+    pub(crate) sink: Option<Box<dyn outbox_relay::Sink>>,
     /// Routes claimed the other way (`claim` in their table).
-    lane: Option<OtherLane>,
-    retention: Option<outbox_relay::Retention>,
+    pub(crate) lane: Option<OtherLane>,
+    pub(crate) retention: Option<outbox_relay::Retention>,
     /// With `--check`: each sink alone, with its table's name and URL.
     pub(crate) probes: Vec<crate::config::NamedSink>,
 }
@@ -90,6 +98,15 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         Some(addr) => Some(Endpoint::bind(addr).await?),
         None => None,
     };
+    if let Some(schemas) = args.schemas.clone() {
+        let fleet = Fleet {
+            schemas,
+            databases: args.databases.clone(),
+            sessions: args.fleet_sessions as usize,
+            discover_interval: args.discover_interval,
+        };
+        return super::fleet::run(pg, prepare(&g, args, file)?, fleet, endpoint).await;
+    }
     let Prepared {
         config,
         sink,

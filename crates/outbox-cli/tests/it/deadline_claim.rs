@@ -101,11 +101,22 @@ async fn claims_forgotten_by_a_reset_are_given_back_before_later_events_pass_the
     // (id 1) is at the sink while id 2 is claimed; id 2 is at the sink while
     // id 1's mark fails and id 3's claim commits. A short timeout keeps the
     // run short if claims are left to run out.
-    let args = ["--claim", "deadline", "--claim-timeout", "3s", "--batch-size", "1"];
+    let args = [
+        "--claim",
+        "deadline",
+        "--claim-timeout",
+        "3s",
+        "--batch-size",
+        "1",
+    ];
     let relay = start_relay(&db.url, &redis.url(), &args, &[]).await;
     db.wait_drained("every row published").await;
     stop_relay(relay).await;
-    assert_eq!(db.count("SELECT last_value FROM first_mark").await, 7, "one failed mark, six good ones");
+    assert_eq!(
+        db.count("SELECT last_value FROM first_mark").await,
+        7,
+        "one failed mark, six good ones"
+    );
     let events = read_stream(&redis.url(), "outbox.event.orders").await;
     assert_eq!(distinct_events(&events), 6, "nothing lost");
     assert_eq!(

@@ -14,6 +14,7 @@ mod crash;
 mod deadline_claim;
 mod deploy;
 mod failover;
+mod fleet;
 mod formats;
 mod held_snapshot;
 mod idle;

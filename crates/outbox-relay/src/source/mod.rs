@@ -55,6 +55,7 @@ use crate::plan::{Failures, Plan};
 #[cfg(test)]
 pub(crate) mod fake;
 pub(crate) mod poll;
+pub(crate) mod tenant;
 pub(crate) mod wal;
 
 /// A claimed batch, handed to the relay for delivery.

@@ -676,7 +676,8 @@ impl RelayStatements {
     /// If the statements were not made for deadline claims.
     pub async fn release_abandoned_claims(&self, client: &Client, abandoned: &[Uuid]) -> Result<u64, Error> {
         let (_, _, release) = self.deadline.as_ref().expect("made for deadline claims");
-        self.alone(client, release.execute(client, &[typed(&abandoned)])).await
+        self.alone(client, release.execute(client, &[typed(&abandoned)]))
+            .await
     }
 
     /// Seconds until the next row waiting for a retry comes due: `None` if

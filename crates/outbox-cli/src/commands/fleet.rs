@@ -1,0 +1,70 @@
+//! `outbox relay --schemas PATTERN`: one process serving every tenant
+//! outbox the pattern finds (`outbox_relay::fleet`), with the relay's
+//! settings for each; `/readyz` reports the fleet's control sessions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use outbox_relay::fleet::FleetConfig;
+use outbox_relay::health::Registry;
+use outbox_relay::pg::PgConfig;
+
+use super::relay::{Fleet, Prepared};
+use crate::endpoint::Endpoint;
+use crate::exit::ConfigError;
+
+/// Runs the fleet until SIGINT/SIGTERM.
+pub(crate) async fn run(
+    pg: PgConfig,
+    prepared: Prepared,
+    fleet: Fleet,
+    endpoint: Option<Endpoint>,
+) -> anyhow::Result<()> {
+    let Prepared {
+        config,
+        sink,
+        lane,
+        retention,
+        probes: _,
+    } = prepared;
+    let sink = sink.ok_or_else(|| {
+        ConfigError("no sink: give --sink or OUTBOX_SINK, or in --config a top-level sink = \"…\"".to_owned())
+    })?;
+    if lane.is_some() {
+        return Err(ConfigError(
+            "a fleet (--schemas) claims every route by lock: remove the routes' `claim` keys".to_owned(),
+        )
+        .into());
+    }
+    if retention.is_some() {
+        return Err(ConfigError(
+            "a fleet (--schemas) runs no retention: run `outbox cleanup --schemas` on a schedule".to_owned(),
+        )
+        .into());
+    }
+    let fleet = outbox_relay::fleet::Fleet::new(
+        pg,
+        Arc::from(sink),
+        FleetConfig {
+            schemas: fleet.schemas,
+            databases: fleet.databases,
+            sessions: fleet.sessions,
+            discover_interval: fleet.discover_interval,
+            relay: config,
+        },
+    )
+    .map_err(|e| ConfigError(e.to_string()))?;
+    let cancel = super::shutdown_token()?;
+    let server = endpoint.map(|endpoint| {
+        let relays = Arc::new(Registry::default());
+        relays.register("fleet", fleet.health());
+        endpoint.serve(relays, cancel.clone())
+    });
+    let result = fleet.run(cancel.clone()).await.context("running the fleet");
+    cancel.cancel();
+    if let Some(server) = server {
+        let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
+    }
+    result
+}

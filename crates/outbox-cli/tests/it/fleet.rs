@@ -1,0 +1,402 @@
+//! `outbox relay --schemas` (issue 33): one process serving many tenant
+//! outboxes, two processes sharing them by advisory lock, connections per
+//! database rather than per outbox. Real PostgreSQL, real Redis.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use outbox::{Config, Event, Outbox};
+use outbox_testkit::{Postgres, Redis, Spawned};
+use serde_json::json;
+use tokio_postgres::Client;
+
+use crate::support::{
+    LONG, StreamEvent, connect, first_delivery_violations, read_stream, start_relay, wait_until,
+};
+
+const STREAM: &str = "outbox.event.orders";
+const SESSIONS: usize = 4;
+const BATCH: usize = 10;
+
+/// A database of the cluster with `n` migrated tenant outboxes
+/// (`tenant_0` … in schemas of their own), created if `create`.
+async fn tenants(pg: &Postgres, db: &str, n: usize, create: bool) -> Vec<Config> {
+    if create {
+        let admin = pg.connect("postgres").await.unwrap();
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+    }
+    let configs: Vec<Config> = (0..n)
+        .map(|i| Config::new(&format!("tenant_{i}"), "outbox").unwrap())
+        .collect();
+    // Four connections migrating a quarter each: 200 migrations take a
+    // while one after the other.
+    let chunks: Vec<Vec<Config>> = configs
+        .chunks(n.div_ceil(4).max(1))
+        .map(<[Config]>::to_vec)
+        .collect();
+    let url = pg.url(db);
+    let jobs = chunks.into_iter().map(|chunk| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let mut client = connect(&url).await;
+            for config in chunk {
+                migrate_tenant(&mut client, &config).await;
+            }
+        })
+    });
+    for job in futures::future::join_all(jobs).await {
+        job.unwrap();
+    }
+    configs
+}
+
+async fn migrate_tenant(client: &mut Client, config: &Config) {
+    client
+        .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", config.schema.quoted()))
+        .await
+        .unwrap();
+    outbox::migrate(client, config).await.unwrap();
+}
+
+/// Unpublished rows over `configs` of one database.
+async fn unpublished(client: &Client, configs: &[Config]) -> i64 {
+    let sql = configs
+        .iter()
+        .map(|c| {
+            format!(
+                "SELECT count(*) AS n FROM {} WHERE published_at IS NULL",
+                c.qualified()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ");
+    client
+        .query_one(
+            &format!("SELECT coalesce(sum(n), 0)::int8 FROM ({sql}) AS u"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Connections of the fleet process named `app` (its `application_name`).
+async fn connections(client: &Client, app: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&app],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// The control sessions holding outbox locks in the connected database,
+/// with how many each holds.
+async fn holders(client: &Client) -> Vec<i64> {
+    client
+        .query(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
+              AND classid::int8 = $1::int8 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             GROUP BY pid ORDER BY 1",
+            &[&i64::from(outbox::sql::fleet::OWN_LOCK)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+async fn start_fleet(pg: &Postgres, app: &str, redis: &Redis, extra: &[&str]) -> Spawned {
+    let url = format!("{}?application_name={app}", pg.url("app_0"));
+    let args = [
+        &[
+            "--schemas",
+            "tenant_%",
+            "--fleet-sessions",
+            "4",
+            "--discover-interval",
+            "500ms",
+            "--batch-size",
+            "10",
+        ][..],
+        extra,
+    ]
+    .concat();
+    start_relay(&url, &redis.url(), &args, &[]).await
+}
+
+async fn stop_fleet(mut fleet: Spawned) -> Vec<String> {
+    fleet.signal(Signal::SIGTERM).unwrap();
+    let status = fleet.wait(LONG).await.unwrap();
+    assert_eq!(status.code(), Some(0), "fleet exit; lines: {:#?}", fleet.lines());
+    assert_eq!(fleet.count_lines("fleet stopped"), 1);
+    fleet.lines()
+}
+
+/// One writer: `events` events, each its own transaction, to tenants
+/// picked in a scattered order; aggregates are its own (`w<n>`), so their
+/// order is the order it committed them.
+async fn writer(
+    pg: String,
+    dbs: Arc<Vec<(String, Vec<Config>)>>,
+    w: usize,
+    events: usize,
+    acked: Arc<AtomicUsize>,
+) -> HashMap<String, (String, usize)> {
+    let mut clients = Vec::new();
+    for (db, _) in dbs.iter() {
+        clients.push(connect(&format!("{pg}/{db}")).await);
+    }
+    let mut written = HashMap::new();
+    let mut seq: HashMap<String, usize> = HashMap::new();
+    for i in 0..events {
+        let d = (w * 31 + i * 7) % dbs.len();
+        let configs = &dbs[d].1;
+        let t = (w * 7919 + i * 104_729) % configs.len();
+        let config = &configs[t];
+        let aggregate = format!("{}.{}.w{w}.a{}", dbs[d].0, config.schema.as_str(), i % 3);
+        let step = seq.entry(aggregate.clone()).or_default();
+        let event = Event::new("orders", aggregate.clone(), "Step", json!({"step": *step}));
+        *step += 1;
+        let client = &mut clients[d];
+        let tx = client.transaction().await.unwrap();
+        let id = Outbox::new(config.clone()).enqueue(&tx, &event).await.unwrap();
+        tx.commit().await.unwrap();
+        written.insert(id.to_string(), (aggregate, *step - 1));
+        acked.fetch_add(1, Ordering::Relaxed);
+    }
+    written
+}
+
+/// 200 tenant schemas in one database and four more databases of a few
+/// tenants each, served by two fleet processes; writers commit to tenants
+/// all over; one process is SIGKILLed mid-run and started again. Every
+/// event delivered, none invented, none overtaken by a later one of its
+/// aggregate (first deliveries); duplicates at most the killed process's
+/// batches in flight; each process within its connection bound; and the
+/// restarted process gets its share back.
+#[tokio::test]
+async fn two_fleet_processes_serve_200_tenants_in_5_databases_through_a_sigkill() {
+    const TENANTS: usize = 200;
+    const DATABASES: usize = 5;
+    const WRITERS: usize = 4;
+    const EVENTS: usize = 500;
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let mut dbs = Vec::new();
+    for d in 0..DATABASES {
+        let name = format!("app_{d}");
+        let n = if d == 0 { TENANTS } else { 4 };
+        dbs.push((name.clone(), tenants(&pg, &name, n, true).await));
+    }
+    let dbs = Arc::new(dbs);
+    let extra = ["--databases", "app_%"];
+    let a = start_fleet(&pg, "fleet_a", &redis, &extra).await;
+    let b = start_fleet(&pg, "fleet_b", &redis, &extra).await;
+    let first = pg.connect("app_0").await.unwrap();
+    // Both have joined and share the 200 outboxes of app_0.
+    wait_until("both processes serve app_0's outboxes", LONG, || async {
+        let h = holders(&first).await;
+        h.len() == 2 && h.iter().sum::<i64>() == TENANTS as i64
+    })
+    .await;
+
+    let acked = Arc::new(AtomicUsize::new(0));
+    let base = format!("postgres://postgres@127.0.0.1:{}", pg.port());
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            tokio::spawn(writer(
+                base.clone(),
+                Arc::clone(&dbs),
+                w,
+                EVENTS,
+                Arc::clone(&acked),
+            ))
+        })
+        .collect();
+    // Per process: a control session and at most 4 batch sessions per
+    // database, and one session listing the databases.
+    let bound = (DATABASES * (1 + SESSIONS) + 1) as i64;
+    wait_until("a third of the events written", LONG, || async {
+        acked.load(Ordering::Relaxed) >= WRITERS * EVENTS / 3
+    })
+    .await;
+    for app in ["fleet_a", "fleet_b"] {
+        let n = connections(&first, app).await;
+        assert!(n >= 1 && n <= bound, "{app}: {n} connections, bound {bound}");
+    }
+    let mut a = a;
+    a.kill().unwrap();
+    a.wait(LONG).await.unwrap();
+    let a = start_fleet(&pg, "fleet_a", &redis, &extra).await;
+    let mut written = HashMap::new();
+    for w in writers {
+        written.extend(w.await.unwrap());
+    }
+    assert_eq!(written.len(), WRITERS * EVENTS);
+    for (db, configs) in dbs.iter() {
+        let client = pg.connect(db).await.unwrap();
+        wait_until(&format!("{db} drained"), LONG, || async {
+            unpublished(&client, configs).await == 0
+        })
+        .await;
+    }
+    wait_until("the restarted process has its share again", LONG, || async {
+        let h = holders(&first).await;
+        h.len() == 2 && h.iter().all(|n| *n == (TENANTS / 2) as i64)
+    })
+    .await;
+    for app in ["fleet_a", "fleet_b"] {
+        let n = connections(&first, app).await;
+        assert!(n >= 1 && n <= bound, "{app}: {n} connections, bound {bound}");
+    }
+    stop_fleet(a).await;
+    stop_fleet(b).await;
+
+    let events = read_stream(&redis.url(), STREAM).await;
+    let ids: HashSet<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    let lost = written.keys().filter(|id| !ids.contains(id.as_str())).count();
+    let phantom = ids.iter().filter(|id| !written.contains_key(**id)).count();
+    assert_eq!((lost, phantom), (0, 0), "lost, phantom");
+    assert_eq!(first_delivery_violations(&events), 0, "reordered");
+    let duplicates = events.len() - ids.len();
+    // At most the killed process's batches in flight: one per batch
+    // session of each database.
+    assert!(
+        duplicates <= DATABASES * SESSIONS * BATCH,
+        "{duplicates} duplicates"
+    );
+    eprintln!("{} events, {duplicates} delivered twice", written.len());
+    check_steps(&events, &written);
+}
+
+/// Each first delivery of an aggregate carries the next step (what
+/// `first_delivery_violations` checks by outbox id, here by the writer's
+/// own count, across tenants whose ids are separate sequences).
+fn check_steps(events: &[StreamEvent], written: &HashMap<String, (String, usize)>) {
+    let mut seen = HashSet::new();
+    let mut next: HashMap<&str, usize> = HashMap::new();
+    for e in events {
+        if !seen.insert(e.event_id.as_str()) {
+            continue;
+        }
+        let (aggregate, step) = &written[&e.event_id];
+        let expected = next.entry(aggregate.as_str()).or_default();
+        assert_eq!(
+            *step, *expected,
+            "{aggregate}: step {step} delivered first when {expected} was next"
+        );
+        *expected += 1;
+    }
+}
+
+/// A tenant migrated while the fleet runs is served within a few
+/// discovery intervals (10 s at most); a dropped one is let go of, and the
+/// fleet says nothing worse than that.
+#[tokio::test]
+async fn a_new_tenant_is_served_within_seconds_and_a_dropped_one_let_go() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", 3, true).await;
+    let fleet = start_fleet(&pg, "fleet_a", &redis, &[]).await;
+    let mut client = pg.connect("app_0").await.unwrap();
+    wait_until("the three tenants served", LONG, || async {
+        holders(&client).await.iter().sum::<i64>() == 3
+    })
+    .await;
+
+    let new = Config::new("tenant_new", "outbox").unwrap();
+    migrate_tenant(&mut client, &new).await;
+    let migrated = std::time::Instant::now();
+    Outbox::new(new.clone())
+        .enqueue(&client, &Event::new("orders", "new-1", "Created", json!({})))
+        .await
+        .unwrap();
+    wait_until(
+        "the new tenant's event delivered",
+        Duration::from_secs(10),
+        || async { read_stream(&redis.url(), STREAM).await.len() == 1 },
+    )
+    .await;
+    eprintln!(
+        "the new tenant served {:?} after its migration",
+        migrated.elapsed()
+    );
+
+    client
+        .batch_execute(&format!("DROP SCHEMA {} CASCADE", configs[1].schema.quoted()))
+        .await
+        .unwrap();
+    wait_until("the dropped tenant let go", LONG, || async {
+        holders(&client).await.iter().sum::<i64>() == 3
+    })
+    .await;
+    wait_until("the fleet says so", LONG, || async {
+        fleet.count_lines("outbox gone; let go") == 1
+    })
+    .await;
+    // The others are still served.
+    Outbox::new(configs[2].clone())
+        .enqueue(&client, &Event::new("orders", "t2-1", "Created", json!({})))
+        .await
+        .unwrap();
+    wait_until("a remaining tenant's event delivered", LONG, || async {
+        read_stream(&redis.url(), STREAM).await.len() == 2
+    })
+    .await;
+    let lines = stop_fleet(fleet).await;
+    let bad: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.contains("ERROR") || l.contains("WARN"))
+        .collect();
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+/// 200 tenants in one database: one fleet process holds its control
+/// session and at most --fleet-sessions batch sessions, and an idle
+/// fleet's statements do not grow with the tenants.
+#[tokio::test]
+async fn one_fleet_process_holds_at_most_five_connections_for_200_tenants() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", 200, true).await;
+    let fleet = start_fleet(&pg, "fleet_a", &redis, &[]).await;
+    let client = pg.connect("app_0").await.unwrap();
+    wait_until("every tenant served", LONG, || async {
+        holders(&client).await.iter().sum::<i64>() == 200
+    })
+    .await;
+    // Every tenant gets events at once: all batch sessions busy.
+    for (i, config) in configs.iter().enumerate() {
+        let events: Vec<Event> = (0..25)
+            .map(|k| Event::new("orders", format!("t{i}"), "Step", json!({"step": k})))
+            .collect();
+        Outbox::new(config.clone())
+            .enqueue_all(&client, &events)
+            .await
+            .unwrap();
+    }
+    let most = std::sync::atomic::AtomicI64::new(0);
+    wait_until("every event delivered", LONG, || async {
+        most.fetch_max(connections(&client, "fleet_a").await, Ordering::Relaxed);
+        unpublished(&client, &configs).await == 0
+    })
+    .await;
+    let most = most.into_inner();
+    assert!(most >= 2, "batch sessions were used: {most}");
+    assert!(
+        most <= (1 + SESSIONS) as i64,
+        "{most} connections for 200 tenants"
+    );
+    assert_eq!(read_stream(&redis.url(), STREAM).await.len(), 200 * 25);
+    stop_fleet(fleet).await;
+}

@@ -1,0 +1,480 @@
+//! One database of a fleet: its control session and the outboxes it serves.
+//!
+//! The control session LISTENs on the outboxes' channel, joins the
+//! database's fleet (membership lock) and, every discover interval, finds
+//! the tenant outboxes, lets go of the dropped ones and balances the served
+//! ones against the other fleet processes (see `outbox::sql::fleet`); every
+//! poll interval it asks which served outboxes have rows due, in one
+//! statement, and wakes those. A notification wakes the outbox it names.
+//!
+//! An outbox this process serves runs a relay loop of its own (spawned when
+//! served, cancelled when let go); one it does not serve costs nothing but
+//! its entry here. If the control session fails, its locks are gone with
+//! it: every outbox stops being served at once and the hub reconnects.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use futures::StreamExt;
+use outbox::sql::fleet::{self as sql, TenantOutbox};
+use outbox::sql::{ClaimSpec, OutboxSql};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_postgres::{AsyncMessage, Client};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, warn};
+
+use super::{Database, Pool, Shared, Tenant};
+use crate::config::RelayConfig;
+use crate::error::error_chain;
+use crate::pg::PgConfig;
+use crate::relay::Relay;
+
+/// Whether this process serves an outbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Own {
+    /// Someone else does, or nobody yet.
+    No,
+    /// Its own lock is ours; the barrier has not passed yet.
+    TakingOver,
+    Serving,
+}
+
+/// One tenant outbox of the database.
+struct Entry {
+    config: outbox::Config,
+    tenant: Arc<Tenant>,
+    own: Own,
+    /// Its relay loop while served.
+    relay: Option<(CancellationToken, JoinHandle<()>)>,
+}
+
+/// See the [module docs](self).
+pub(super) struct Hub {
+    shared: Arc<Shared>,
+    pg: PgConfig,
+    name: String,
+    /// Several databases: outbox labels are `database/schema.table`.
+    prefixed: bool,
+    db: Arc<Database>,
+    /// By schema.
+    outboxes: BTreeMap<String, Entry>,
+    /// Schemas whose outbox is at another version: said once.
+    refused: BTreeSet<String>,
+    /// The due statement over the served outboxes, and their schemas by
+    /// position.
+    due: (String, Vec<String>),
+}
+
+/// Why the control session is being replaced.
+#[derive(Debug, thiserror::Error)]
+enum HubError {
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("the control session's connection was lost")]
+    ConnectionLost,
+}
+
+impl Hub {
+    pub(super) fn new(shared: Arc<Shared>, pg: PgConfig, name: String, prefixed: bool) -> Self {
+        let pool = Pool::new(pg.clone(), shared.config.sessions);
+        Self {
+            shared,
+            pg,
+            name,
+            prefixed,
+            db: Arc::new(Database {
+                pool,
+                control_pid: Default::default(),
+            }),
+            outboxes: BTreeMap::new(),
+            refused: BTreeSet::new(),
+            due: Default::default(),
+        }
+    }
+
+    /// Serves the database until `cancel` fires, reconnecting the control
+    /// session as needed. `first` is told after the first discovery.
+    pub(super) async fn run(mut self, cancel: CancellationToken, mut first: Option<oneshot::Sender<()>>) {
+        let mut wait =
+            crate::backoff::Doubling::new(crate::backoff::RECONNECT_FIRST, crate::backoff::RECONNECT_MAX);
+        let span = tracing::info_span!("database", database = %self.name);
+        async {
+            while !cancel.is_cancelled() {
+                let result = match self.connect().await {
+                    Ok((client, notes)) => {
+                        wait = crate::backoff::Doubling::new(
+                            crate::backoff::RECONNECT_FIRST,
+                            crate::backoff::RECONNECT_MAX,
+                        );
+                        self.serve(&client, notes, &cancel, &mut first).await
+                    }
+                    Err(error) => Err(error),
+                };
+                self.lost().await;
+                match result {
+                    Ok(()) => break,
+                    Err(error) => {
+                        let error = error_chain(&error);
+                        self.shared
+                            .health
+                            .postgres(&self.name, Some(format!("control session: {error}")));
+                        warn!(%error, "fleet control session failed; its outboxes are let go until it is back");
+                    }
+                }
+                let delay = wait.next_delay();
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = cancel.cancelled() => break,
+                }
+            }
+            self.lost().await;
+            self.db.pool().close();
+        }
+        .instrument(span)
+        .await;
+    }
+
+    /// The control session: LISTENing, a member of the database's fleet.
+    async fn connect(&self) -> Result<(Client, mpsc::UnboundedReceiver<String>), HubError> {
+        let (client, mut connection) = crate::pg::open(&self.pg).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+            while let Some(message) = messages.next().await {
+                match message {
+                    Ok(AsyncMessage::Notification(n)) => {
+                        let _ = tx.send(n.payload().to_owned());
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        warn!(error = %error_chain(&error), "fleet control connection closed");
+                        break;
+                    }
+                }
+            }
+        });
+        outbox::sql::listen(&client, &self.shared.config.relay.outbox.channel).await?;
+        sql::join(&client).await?;
+        let pid: i32 = client.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+        self.db.control_pid.store(pid, Ordering::Release);
+        self.shared.health.postgres(&self.name, None);
+        info!(pid, "fleet control session up");
+        Ok((client, rx))
+    }
+
+    async fn serve(
+        &mut self,
+        client: &Client,
+        mut notes: mpsc::UnboundedReceiver<String>,
+        cancel: &CancellationToken,
+        first: &mut Option<oneshot::Sender<()>>,
+    ) -> Result<(), HubError> {
+        let config = &self.shared.config;
+        let mut discover = tokio::time::interval(config.discover_interval);
+        discover.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = tokio::time::interval(crate::wake::jittered(config.relay.poll_interval));
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first poll comes right after the first discovery.
+        poll.reset();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(()),
+                _ = discover.tick() => {
+                    self.discover(client).await?;
+                    if let Some(first) = first.take() {
+                        let _ = first.send(());
+                        self.scan(client).await?;
+                    }
+                }
+                _ = poll.tick() => self.scan(client).await?,
+                note = notes.recv() => match note {
+                    Some(payload) => self.notified(client, &payload).await?,
+                    None => return Err(HubError::ConnectionLost),
+                },
+            }
+        }
+    }
+
+    /// A notification: wakes the outbox it names if served; any other
+    /// (a `dlq requeue` sweep, a single relay's) makes a due scan.
+    async fn notified(&mut self, client: &Client, payload: &str) -> Result<(), HubError> {
+        let table = self.shared.config.relay.outbox.table.as_str();
+        let named = payload
+            .split_once('.')
+            .filter(|(_, t)| *t == table)
+            .and_then(|(schema, _)| self.outboxes.get(schema));
+        match named {
+            Some(entry) => {
+                if entry.own == Own::Serving {
+                    entry.tenant.wake();
+                }
+                Ok(())
+            }
+            None => self.scan(client).await,
+        }
+    }
+
+    /// Wakes the served outboxes with a row due.
+    async fn scan(&mut self, client: &Client) -> Result<(), HubError> {
+        let (statement, schemas) = &self.due;
+        let due = match sql::due(client, statement).await {
+            Ok(due) => due,
+            Err(error) if error.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+                // A tenant dropped since the last discovery: find out now.
+                return self.discover(client).await;
+            }
+            Err(error) => return Err(error.into()),
+        };
+        for position in due {
+            let entry = usize::try_from(position)
+                .ok()
+                .and_then(|p| schemas.get(p))
+                .and_then(|schema| self.outboxes.get(schema));
+            if let Some(entry) = entry {
+                entry.tenant.wake();
+            }
+        }
+        Ok(())
+    }
+
+    /// Finds the outboxes, then balances them (see the module docs).
+    async fn discover(&mut self, client: &Client) -> Result<(), HubError> {
+        let config = &self.shared.config;
+        let found = sql::tenant_outboxes(client, &config.schemas, &config.relay.outbox.table).await?;
+        let found: HashMap<String, TenantOutbox> = found
+            .into_iter()
+            .map(|t| (t.schema.as_str().to_owned(), t))
+            .collect();
+        let gone: Vec<String> = self
+            .outboxes
+            .keys()
+            .filter(|schema| !found.contains_key(*schema))
+            .cloned()
+            .collect();
+        for schema in gone {
+            let mut entry = self.outboxes.remove(&schema).expect("listed");
+            info!(outbox = %self.label(&entry.config), "outbox gone; let go");
+            Self::stop(&mut entry);
+            if entry.own != Own::No {
+                sql::disown(client, &[entry.tenant.key]).await?;
+            }
+        }
+        for (schema, t) in found {
+            if self.outboxes.contains_key(&schema) {
+                continue;
+            }
+            let mut outbox = config.relay.outbox.clone();
+            outbox.schema = t.schema.clone();
+            if let Err(error) = outbox::check(client, &outbox).await {
+                if self.refused.insert(schema.clone()) {
+                    warn!(outbox = %self.label(&outbox), error = %error_chain(&error), "outbox not served: its schema is not this relay's version (run `outbox migrate`)");
+                }
+                continue;
+            }
+            self.refused.remove(&schema);
+            debug!(outbox = %self.label(&outbox), "outbox found");
+            self.outboxes.insert(
+                schema,
+                Entry {
+                    config: outbox,
+                    tenant: Arc::new(Tenant::new(t.key)),
+                    own: Own::No,
+                    relay: None,
+                },
+            );
+        }
+        self.balance(client).await
+    }
+
+    /// Takes this process's share of the outboxes, lets go of what is over
+    /// it, and starts serving those whose barrier passed.
+    async fn balance(&mut self, client: &Client) -> Result<(), HubError> {
+        let pid = self.db.control_pid().unwrap_or(0);
+        let holders: HashMap<i32, i32> = sql::owners(client).await?.into_iter().collect();
+        let members = sql::members(client).await?.max(1);
+        // Ours by our records but not by PostgreSQL's: not ours.
+        let mut lost = Vec::new();
+        for entry in self.outboxes.values_mut() {
+            if entry.own != Own::No && holders.get(&entry.tenant.key) != Some(&pid) {
+                lost.push(entry.config.schema.as_str().to_owned());
+            }
+        }
+        for schema in lost {
+            let mut entry = self.outboxes.remove(&schema).expect("listed");
+            warn!(outbox = %self.label(&entry.config), "outbox no longer held by this process; let go");
+            Self::stop(&mut entry);
+            entry.own = Own::No;
+            self.outboxes.insert(schema, entry);
+        }
+        let share = self.outboxes.len().div_ceil(members);
+        let mine = self.outboxes.values().filter(|e| e.own != Own::No).count();
+        if mine > share {
+            let over: Vec<String> = self
+                .outboxes
+                .iter()
+                .rev()
+                .filter(|(_, e)| e.own != Own::No)
+                .take(mine - share)
+                .map(|(s, _)| s.clone())
+                .collect();
+            let mut keys = Vec::new();
+            for schema in over {
+                let mut entry = self.outboxes.remove(&schema).expect("listed");
+                Self::stop(&mut entry);
+                entry.own = Own::No;
+                keys.push(entry.tenant.key);
+                info!(outbox = %self.label(&entry.config), members, "outbox handed over to another fleet process");
+                self.outboxes.insert(schema, entry);
+            }
+            sql::disown(client, &keys).await?;
+        } else if mine < share {
+            // Free ones, starting at a place of this process's own so two
+            // processes starting together do not try the same ones first.
+            let free: Vec<i32> = self
+                .outboxes
+                .values()
+                .filter(|e| e.own == Own::No && !holders.contains_key(&e.tenant.key))
+                .map(|e| e.tenant.key)
+                .collect();
+            let start = usize::try_from(pid).unwrap_or(0) % free.len().max(1);
+            let wanted: Vec<i32> = free
+                .iter()
+                .cycle()
+                .skip(start)
+                .take((share - mine).min(free.len()))
+                .copied()
+                .collect();
+            let taken: BTreeSet<i32> = sql::try_own(client, &wanted).await?.into_iter().collect();
+            for entry in self.outboxes.values_mut() {
+                if taken.contains(&entry.tenant.key) {
+                    entry.own = Own::TakingOver;
+                }
+            }
+        }
+        let taking: Vec<i32> = self
+            .outboxes
+            .values()
+            .filter(|e| e.own == Own::TakingOver)
+            .map(|e| e.tenant.key)
+            .collect();
+        if !taking.is_empty() {
+            let passed: BTreeSet<i32> = sql::barrier(client, &taking).await?.into_iter().collect();
+            let schemas: Vec<String> = self
+                .outboxes
+                .iter()
+                .filter(|(_, e)| passed.contains(&e.tenant.key) && e.own == Own::TakingOver)
+                .map(|(s, _)| s.clone())
+                .collect();
+            for schema in schemas {
+                self.start(&schema).await;
+            }
+            if taking.len() > passed.len() {
+                debug!(
+                    waiting = taking.len() - passed.len(),
+                    "outboxes taken over wait for the previous owner's batches to end"
+                );
+            }
+        }
+        self.rebuild_due();
+        Ok(())
+    }
+
+    /// The due statement over the outboxes served now.
+    fn rebuild_due(&mut self) {
+        let served: Vec<(&String, &Entry)> = self
+            .outboxes
+            .iter()
+            .filter(|(_, e)| e.own == Own::Serving)
+            .collect();
+        if served.len() == self.due.1.len() && served.iter().zip(&self.due.1).all(|((s, _), d)| *s == d) {
+            return;
+        }
+        let configs: Vec<outbox::Config> = served.iter().map(|(_, e)| e.config.clone()).collect();
+        self.due = (
+            sql::due_statement(&configs),
+            served.iter().map(|(s, _)| (*s).clone()).collect(),
+        );
+    }
+
+    /// `schema.table`, or `database/schema.table` across databases.
+    fn label(&self, outbox: &outbox::Config) -> String {
+        if self.prefixed {
+            format!("{}/{}", self.name, outbox.display_name())
+        } else {
+            outbox.display_name()
+        }
+    }
+
+    /// Starts serving the outbox of `schema`: its relay loop.
+    async fn start(&mut self, schema: &str) {
+        let label = {
+            let entry = &self.outboxes[schema];
+            self.label(&entry.config)
+        };
+        let shared = Arc::clone(&self.shared);
+        let db = Arc::clone(&self.db);
+        let pg = self.pg.clone();
+        let entry = self.outboxes.get_mut(schema).expect("listed");
+        let config = RelayConfig {
+            outbox: entry.config.clone(),
+            ..shared.config.relay.clone()
+        };
+        // Unprepared (see `pool`); a batch transaction left idle longer
+        // than a claim may last is ended by the server.
+        let statements = match OutboxSql::with_claims(&config.outbox, ClaimSpec::default())
+            .unprepared_relay(config.claim_timeout)
+            .await
+        {
+            Ok(statements) => statements,
+            Err(error) => {
+                error!(outbox = %label, error = %error_chain(&error), "outbox not served");
+                return;
+            }
+        };
+        entry.own = Own::Serving;
+        let tenant = Arc::clone(&entry.tenant);
+        let stop = CancellationToken::new();
+        let relay = Relay::for_fleet(pg, Arc::clone(&shared.sink), config, label.clone());
+        let span = tracing::info_span!("outbox", outbox = %label);
+        let run = relay.run_tenant(Arc::clone(&tenant), db, statements, stop.clone());
+        let task = tokio::spawn(
+            async move {
+                if let Err(error) = run.await {
+                    error!(error = %error_chain(&error), "outbox relay stopped");
+                }
+            }
+            .instrument(span),
+        );
+        entry.relay = Some((stop, task));
+        tenant.serve(true);
+        info!(outbox = %label, "serving outbox");
+    }
+
+    /// Stops serving `entry`: no new claim, and its relay loop ends after
+    /// committing the batch in flight (not awaited: the next owner's
+    /// barrier waits for that batch).
+    fn stop(entry: &mut Entry) {
+        entry.tenant.serve(false);
+        if let Some((stop, task)) = entry.relay.take() {
+            stop.cancel();
+            // Detached: it commits its batch and ends on its own.
+            drop(task);
+        }
+    }
+
+    /// The control session is gone (or the hub stops): its locks went with
+    /// it, so nothing is served until it is back.
+    async fn lost(&mut self) {
+        self.db.control_pid.store(0, Ordering::Release);
+        let schemas: Vec<String> = self.outboxes.keys().cloned().collect();
+        for schema in schemas {
+            let mut entry = self.outboxes.remove(&schema).expect("listed");
+            Self::stop(&mut entry);
+            entry.own = Own::No;
+            self.outboxes.insert(schema, entry);
+        }
+        self.rebuild_due();
+    }
+}

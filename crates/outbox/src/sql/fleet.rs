@@ -1,0 +1,277 @@
+//! Statements of a relay fleet (one process serving many outboxes): finding
+//! the tenant outboxes of a database and the databases of a server, which
+//! of them have rows due, and who serves each, by advisory lock.
+//!
+//! # Who serves an outbox
+//!
+//! A fleet process serves an outbox while its control session holds the
+//! outbox's *own* lock (`pg_advisory_lock(OWN, key)`, session level, so a
+//! dead process loses it with its connection). Every batch transaction
+//! takes the outbox's *batch* lock shared (`pg_try_advisory_xact_lock_shared(BATCH, key)`)
+//! and checks, in the same statement, that its control session still holds
+//! the own lock ([`fence`]). A process that takes an outbox over first
+//! takes the batch lock exclusively and lets go of it ([`barrier`]): that
+//! passes only once every batch of the previous owner has ended, so the
+//! two never deliver one outbox at once and per-aggregate order holds. A
+//! batch of the old owner begun after the barrier finds the own lock gone
+//! and claims nothing.
+//!
+//! Membership (how many fleet processes share the database's outboxes) is
+//! a shared lock every control session holds ([`join`], [`members`]).
+//! Advisory locks live in PostgreSQL's lock table, so none of this needs a
+//! table or a migration; they need session-level locks, so a fleet connects
+//! directly or through a session-mode pooler, never a transaction-mode one.
+//!
+//! Names come in validated and quoted (`Ident`); values are bind parameters,
+//! each statement unnamed with its parameters' types (`query_typed`).
+
+use tokio_postgres::{Error, GenericClient};
+
+use super::typed::typed;
+use crate::{Config, Ident};
+
+/// The `classid` of an outbox's own lock: `outx` in ASCII.
+pub const OWN_LOCK: i32 = 0x6f75_7478;
+/// The `classid` of an outbox's batch lock: `outy`.
+pub const BATCH_LOCK: i32 = 0x6f75_7479;
+/// The `classid` of the membership lock (key 0): `outz`.
+pub const MEMBER_LOCK: i32 = 0x6f75_747a;
+
+/// One tenant outbox a database holds: its schema and its lock key (a hash
+/// of `schema.table`, the same in every process).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantOutbox {
+    /// The schema holding it.
+    pub schema: Ident,
+    /// Its key in [`OWN_LOCK`] and [`BATCH_LOCK`].
+    pub key: i32,
+}
+
+/// Schema names a fleet can serve: what [`Ident`] accepts.
+const IDENT_RE: &str = "^[a-z_][a-z0-9_]{0,62}$";
+
+/// `$1` a `LIKE` pattern, `$2` the table, `$3` its ledger, `$4` the
+/// identifier rule. Schemas matching the pattern that hold the table and
+/// its migration ledger (an outbox `outbox migrate` made).
+const TENANT_SCHEMAS: &str = "SELECT n.nspname::text, hashtext(n.nspname || '.' || $2) & 2147483647 \
+       FROM pg_namespace AS n \
+      WHERE n.nspname LIKE $1 AND n.nspname ~ $4 \
+        AND EXISTS (SELECT 1 FROM pg_class AS t WHERE t.relnamespace = n.oid AND t.relname = $2 AND t.relkind IN ('r', 'p')) \
+        AND EXISTS (SELECT 1 FROM pg_class AS l WHERE l.relnamespace = n.oid AND l.relname = $3 AND l.relkind = 'r') \
+      ORDER BY 1";
+
+/// The tenant outboxes named `table` in the schemas matching the `LIKE`
+/// pattern `pattern`, by schema name. Schemas whose names [`Ident`] would
+/// refuse are left out.
+pub async fn tenant_outboxes(
+    client: &impl GenericClient,
+    pattern: &str,
+    table: &Ident,
+) -> Result<Vec<TenantOutbox>, Error> {
+    let ledger = format!("{}_migrations", table.as_str());
+    let rows = client
+        .query_typed(
+            TENANT_SCHEMAS,
+            &[
+                typed(&pattern),
+                typed(&table.as_str()),
+                typed(&ledger.as_str()),
+                typed(&IDENT_RE),
+            ],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            let schema: String = row.try_get(0)?;
+            Ok(TenantOutbox {
+                // The statement keeps only names Ident accepts.
+                schema: Ident::new("--schemas", &schema).expect("filtered by IDENT_RE"),
+                key: row.try_get(1)?,
+            })
+        })
+        .collect()
+}
+
+/// `$1` a `LIKE` pattern, `$2` the identifier rule: the schemas matching it,
+/// but PostgreSQL's own.
+const MATCHING_SCHEMAS: &str = "SELECT nspname::text FROM pg_namespace \
+      WHERE nspname LIKE $1 AND nspname ~ $2 AND nspname NOT LIKE 'pg\\_%' AND nspname <> 'information_schema' \
+      ORDER BY 1";
+
+/// The schemas whose names match the `LIKE` pattern `pattern` (with or
+/// without an outbox), PostgreSQL's own left out: what `outbox migrate
+/// --schemas` migrates.
+pub async fn matching_schemas(client: &impl GenericClient, pattern: &str) -> Result<Vec<Ident>, Error> {
+    let rows = client
+        .query_typed(MATCHING_SCHEMAS, &[typed(&pattern), typed(&IDENT_RE)])
+        .await?;
+    rows.iter()
+        .map(|row| {
+            let schema: String = row.try_get(0)?;
+            Ok(Ident::new("--schemas", &schema).expect("filtered by IDENT_RE"))
+        })
+        .collect()
+}
+
+/// `$1` a `LIKE` pattern: the databases matching it that take connections.
+const MATCHING_DATABASES: &str = "SELECT datname::text FROM pg_database \
+      WHERE datname LIKE $1 AND datallowconn AND NOT datistemplate ORDER BY 1";
+
+/// The databases of the server whose names match the `LIKE` pattern
+/// `pattern` and that take connections.
+pub async fn matching_databases(client: &impl GenericClient, pattern: &str) -> Result<Vec<String>, Error> {
+    let rows = client.query_typed(MATCHING_DATABASES, &[typed(&pattern)]).await?;
+    rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+/// Joins the fleet of this database: the membership lock, shared, for the
+/// session's life.
+pub async fn join(client: &impl GenericClient) -> Result<(), Error> {
+    client
+        .execute_typed("SELECT pg_advisory_lock_shared($1, 0)", &[typed(&MEMBER_LOCK)])
+        .await
+        .map(drop)
+}
+
+/// The advisory locks of class `$1` granted in this database: key and
+/// holder's pid. `pg_locks` shows a two-key lock's keys as `classid` and
+/// `objid` (an `oid`, so compared as `int8`), with `objsubid` 2.
+const HELD: &str = "SELECT objid::int8, pid FROM pg_locks \
+      WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid::int8 = $1::int8 \
+        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+
+/// How many fleet processes serve this database (membership holders).
+pub async fn members(client: &impl GenericClient) -> Result<usize, Error> {
+    let rows = client
+        .query_typed(HELD, &[typed(&i64::from(MEMBER_LOCK))])
+        .await?;
+    Ok(rows.len())
+}
+
+/// Which outbox keys are served, and by which backend pid (the control
+/// session of a fleet process).
+pub async fn owners(client: &impl GenericClient) -> Result<Vec<(i32, i32)>, Error> {
+    let rows = client.query_typed(HELD, &[typed(&i64::from(OWN_LOCK))]).await?;
+    rows.iter()
+        .map(|row| {
+            let key: i64 = row.try_get(0)?;
+            // Keys are non-negative int4s (TENANT_SCHEMAS masks the hash).
+            Ok((i32::try_from(key).unwrap_or(i32::MAX), row.try_get(1)?))
+        })
+        .collect()
+}
+
+/// `$1` a lock class, `$2` keys: tries each key's lock, session level.
+const TRY_LOCKS: &str = "SELECT k FROM unnest($2::int4[]) AS k WHERE pg_try_advisory_lock($1, k)";
+
+/// Takes the own locks of `keys` that nobody holds; returns those taken.
+pub async fn try_own(client: &impl GenericClient, keys: &[i32]) -> Result<Vec<i32>, Error> {
+    let rows = client
+        .query_typed(TRY_LOCKS, &[typed(&OWN_LOCK), typed(&keys)])
+        .await?;
+    rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+/// `$1` a lock class, `$2` keys: lets go of each (held) session lock.
+const UNLOCK: &str = "SELECT pg_advisory_unlock($1, k) FROM unnest($2::int4[]) AS k";
+
+/// Stops serving `keys`: lets go of their own locks.
+pub async fn disown(client: &impl GenericClient, keys: &[i32]) -> Result<(), Error> {
+    client
+        .execute_typed(UNLOCK, &[typed(&OWN_LOCK), typed(&keys)])
+        .await
+        .map(drop)
+}
+
+/// Of `keys` (outboxes just taken over), those no batch of a previous owner
+/// is still in: their batch lock could be taken exclusively. It is let go
+/// of at once; a key that did not pass is tried again later.
+pub async fn barrier(client: &impl GenericClient, keys: &[i32]) -> Result<Vec<i32>, Error> {
+    let passed: Vec<i32> = client
+        .query_typed(TRY_LOCKS, &[typed(&BATCH_LOCK), typed(&keys)])
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<_, _>>()?;
+    if !passed.is_empty() {
+        client
+            .execute_typed(UNLOCK, &[typed(&BATCH_LOCK), typed(&passed)])
+            .await?;
+    }
+    Ok(passed)
+}
+
+/// `$1` the batch lock class, `$2` the key, `$3` the own lock class, `$4`
+/// the control session's pid. In the batch's transaction, before its
+/// claim: the batch lock shared (held until the transaction ends), and the
+/// own lock still the control session's.
+const FENCE: &str = "SELECT pg_try_advisory_xact_lock_shared($1, $2) AND EXISTS (SELECT 1 FROM pg_locks \
+      WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid::int8 = $3::int8 \
+        AND objid::int8 = $2::int8 AND pid = $4 \
+        AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))";
+
+/// Whether this transaction may claim from the outbox `key`: see the
+/// [module docs](self). Run inside the batch's transaction.
+pub async fn fence(client: &impl GenericClient, key: i32, control_pid: i32) -> Result<bool, Error> {
+    client
+        .query_typed_one(
+            FENCE,
+            &[
+                typed(&BATCH_LOCK),
+                typed(&key),
+                typed(&i64::from(OWN_LOCK)),
+                typed(&control_pid),
+            ],
+        )
+        .await?
+        .try_get(0)
+}
+
+/// The statement [`due`] runs for `outboxes`: which of them have a row due
+/// now, by position. One probe of each outbox's unpublished index, so the
+/// whole fleet of a database is one statement per poll, however many
+/// outboxes it has.
+pub fn due_statement(outboxes: &[Config]) -> String {
+    outboxes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            format!(
+                "SELECT {i}::int4 WHERE EXISTS (SELECT 1 FROM {} WHERE published_at IS NULL AND dead_at IS NULL \
+                 AND next_attempt_at <= clock_timestamp())",
+                c.qualified()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ")
+}
+
+/// Runs a [`due_statement`]: the positions of the outboxes with a row due.
+pub async fn due(client: &impl GenericClient, statement: &str) -> Result<Vec<i32>, Error> {
+    if statement.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = client.query_typed(statement, &[]).await?;
+    rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_due_statement_names_each_outbox_quoted() {
+        let a = Config::new("t1", "outbox").unwrap();
+        let b = Config::new("t2", "outbox").unwrap();
+        let sql = due_statement(&[a, b]);
+        assert!(
+            sql.starts_with("SELECT 0::int4 WHERE EXISTS (SELECT 1 FROM \"t1\".\"outbox\""),
+            "{sql}"
+        );
+        assert!(
+            sql.contains(" UNION ALL SELECT 1::int4 WHERE EXISTS (SELECT 1 FROM \"t2\".\"outbox\""),
+            "{sql}"
+        );
+        assert_eq!(due_statement(&[]), "");
+    }
+}
