@@ -123,6 +123,9 @@ struct Shared {
     probes: Mutex<Vec<(Instant, u16)>>,
     /// How many requests are in `log`; waiters watch it.
     count: watch::Sender<usize>,
+    /// While true, every POST, once recorded, waits for it to turn false
+    /// before its answer.
+    held: watch::Sender<bool>,
 }
 
 #[derive(Debug)]
@@ -153,6 +156,7 @@ impl Receiver {
             outage: Mutex::new(None),
             probes: Mutex::new(Vec::new()),
             count: watch::Sender::new(0),
+            held: watch::Sender::new(false),
         });
         let mut receiver = Receiver {
             addr,
@@ -248,6 +252,17 @@ impl Receiver {
     /// requests wait concurrently.
     pub fn set_delay(&self, delay: Option<Duration>) {
         *lock(&self.state.delay) = delay;
+    }
+
+    /// Holds every POST, once recorded, until [`release`](Self::release):
+    /// a batch kept at the sink for as long as a test needs it there.
+    pub fn hold(&self) {
+        self.state.held.send_replace(true);
+    }
+
+    /// Answers the held POSTs and holds no more.
+    pub fn release(&self) {
+        self.state.held.send_replace(false);
     }
 
     /// Answers every request that is not a success with this body from now
@@ -409,6 +424,8 @@ async fn record(
     if let Some(delay) = delay {
         tokio::time::sleep(delay).await;
     }
+    // A closed sender (never: `state` owns it) would end the wait too.
+    let _ = state.held.subscribe().wait_for(|held| !*held).await;
     answer(&state, status)
 }
 

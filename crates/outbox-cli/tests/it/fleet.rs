@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use outbox::{Config, Event, Outbox};
-use outbox_testkit::{Postgres, Redis, Spawned};
+use outbox_testkit::{Postgres, Receiver, Redis, Respond, Spawned};
 use serde_json::json;
 use tokio_postgres::Client;
 
@@ -125,8 +125,6 @@ async fn start_fleet(pg: &Postgres, app: &str, redis: &Redis, extra: &[&str]) ->
             "4",
             "--discover-interval",
             "500ms",
-            "--batch-size",
-            "10",
         ][..],
         extra,
     ]
@@ -199,7 +197,7 @@ async fn two_fleet_processes_serve_200_tenants_in_5_databases_through_a_sigkill(
         dbs.push((name.clone(), tenants(&pg, &name, n, true).await));
     }
     let dbs = Arc::new(dbs);
-    let extra = ["--databases", "app_%"];
+    let extra = ["--databases", "app_%", "--batch-size", "10"];
     let a = start_fleet(&pg, "fleet_a", &redis, &extra).await;
     let b = start_fleet(&pg, "fleet_b", &redis, &extra).await;
     let first = pg.connect("app_0").await.unwrap();
@@ -399,4 +397,187 @@ async fn one_fleet_process_holds_at_most_five_connections_for_200_tenants() {
     );
     assert_eq!(read_stream(&redis.url(), STREAM).await.len(), 200 * 25);
     stop_fleet(fleet).await;
+}
+
+/// An outbox taken over while the previous owner's batch is at the sink is
+/// not claimed by the new owner until that batch has ended (the barrier).
+/// Fleet A (a role of its own) has a batch at a receiver that holds it;
+/// the role loses LOGIN and A's control session is ended, so A cannot come
+/// back. Fleet B takes the outbox's lock and waits, claiming nothing, until
+/// A's batch was answered and committed; then it delivers the rest, in
+/// order after A's.
+#[tokio::test]
+async fn a_takeover_waits_for_the_previous_owners_batch() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", 1, true).await;
+    let client = pg.connect("app_0").await.unwrap();
+    client
+        .batch_execute("CREATE ROLE fleet_a LOGIN SUPERUSER")
+        .await
+        .unwrap();
+    let events: Vec<Event> = (0..20)
+        .map(|k| Event::new("orders", "a-1", "Step", json!({"step": k})))
+        .collect();
+    Outbox::new(configs[0].clone())
+        .enqueue_all(&client, &events)
+        .await
+        .unwrap();
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    receiver.hold();
+    let url_a = format!(
+        "postgres://fleet_a@127.0.0.1:{}/app_0?application_name=fleet_a",
+        pg.port()
+    );
+    let args = [
+        "--schemas",
+        "tenant_%",
+        "--batch-size",
+        "5",
+        "--discover-interval",
+        "200ms",
+    ];
+    let a = start_relay(&url_a, &receiver.url(), &args, &[]).await;
+    receiver.wait_for_count(1, LONG).await.unwrap();
+
+    client.batch_execute("ALTER ROLE fleet_a NOLOGIN").await.unwrap();
+    let own = i64::from(outbox::sql::fleet::OWN_LOCK);
+    let ended: i64 = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_locks \
+              WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid::int8 = $1::int8",
+            &[&own],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(ended, 1, "A's control session");
+    let b = start_fleet(&pg, "fleet_b", &redis, &[]).await;
+    b.wait_for_notification("OUTBOX_FLEET=takeover-waiting", LONG)
+        .await
+        .unwrap();
+    let holder: String = client
+        .query_one(
+            "SELECT a.application_name FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) \
+              WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid::int8 = $1::int8",
+            &[&own],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(holder, "fleet_b", "B holds the outbox's lock");
+    assert_eq!(
+        read_stream(&redis.url(), STREAM).await.len(),
+        0,
+        "B claimed nothing while A's batch is at the sink"
+    );
+    receiver.release();
+    wait_until("every event delivered", LONG, || async {
+        unpublished(&client, &configs).await == 0
+    })
+    .await;
+    let by_a: Vec<i64> = receiver
+        .received()
+        .iter()
+        .map(|p| p.body["payload"]["step"].as_i64().unwrap())
+        .collect();
+    assert_eq!(by_a, (0..5).collect::<Vec<i64>>(), "A's batch, once");
+    let by_b = read_stream(&redis.url(), STREAM).await;
+    assert_eq!(by_b.len(), 15, "B delivered the rest, once");
+    assert_eq!(first_delivery_violations(&by_b), 0);
+    stop_fleet(b).await;
+    let mut a = a;
+    a.signal(Signal::SIGTERM).unwrap();
+    a.wait(LONG).await.unwrap();
+}
+
+/// Fairness: one tenant with a backlog of 100,000 events and 50 tenants
+/// writing 5 events/s each. The 50 are served in turn with the backlog, a
+/// batch each, instead of after it: every one of their events is delivered
+/// while the backlog still has rows left. Their commit-to-stream latency
+/// is printed (the bound is the bench's business, not a test's).
+#[tokio::test]
+async fn fifty_small_tenants_are_served_while_a_100k_backlog_drains() {
+    const SMALL: usize = 50;
+    const EACH: usize = 20;
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", SMALL + 1, true).await;
+    let (big, small) = configs.split_first().unwrap();
+    let client = pg.connect("app_0").await.unwrap();
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+             SELECT 'orders', 'big-' || (g % 100), 'Step', jsonb_build_object('step', g) \
+               FROM generate_series(1, 100000) AS g",
+            big.qualified()
+        ))
+        .await
+        .unwrap();
+    let fleet = start_fleet(&pg, "fleet_a", &redis, &["--batch-size", "100"]).await;
+    wait_until("the backlog is being drained", LONG, || async {
+        read_stream(&redis.url(), STREAM).await.len() >= 100
+    })
+    .await;
+    // 5 events/s per small tenant: a round of one event each every 200 ms.
+    let mut written: HashMap<String, std::time::SystemTime> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    for round in 0..EACH {
+        tick.tick().await;
+        for (i, config) in small.iter().enumerate() {
+            let event = Event::new("orders", format!("small-{i}"), "Step", json!({"step": round}));
+            let id = Outbox::new(config.clone())
+                .enqueue(&client, &event)
+                .await
+                .unwrap();
+            written.insert(id.to_string(), std::time::SystemTime::now());
+        }
+    }
+    let small_delivered = || async {
+        let ids: HashSet<String> = read_stream(&redis.url(), STREAM)
+            .await
+            .into_iter()
+            .map(|e| e.event_id)
+            .collect();
+        written.keys().filter(|id| ids.contains(*id)).count()
+    };
+    wait_until("every small tenant's event delivered", LONG, || async {
+        small_delivered().await == SMALL * EACH
+    })
+    .await;
+    let left = unpublished(&client, std::slice::from_ref(big)).await;
+    assert!(
+        left > 0,
+        "the backlog drained before the small tenants were served"
+    );
+    eprintln!(
+        "small tenants: p99 {:?} commit to stream, with {left} of 100,000 backlog events left",
+        small_latency_p99(&redis.url(), &written).await
+    );
+    stop_fleet(fleet).await;
+}
+
+/// The 99th percentile of commit-to-stream time of `written`, by the
+/// stream entry's id (Redis's clock, milliseconds).
+async fn small_latency_p99(redis_url: &str, written: &HashMap<String, std::time::SystemTime>) -> Duration {
+    use redis::AsyncCommands;
+    let client = redis::Client::open(redis_url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let reply: redis::streams::StreamRangeReply = conn.xrange_all(STREAM).await.unwrap();
+    let mut latencies: Vec<Duration> = reply
+        .ids
+        .iter()
+        .filter_map(|e| {
+            let id: String = e.get("event_id")?;
+            let at = written.get(&id)?;
+            let ms: u64 = e.id.split('-').next()?.parse().ok()?;
+            let arrived = std::time::UNIX_EPOCH + Duration::from_millis(ms);
+            Some(arrived.duration_since(*at).unwrap_or_default())
+        })
+        .collect();
+    latencies.sort();
+    latencies
+        .get(latencies.len() * 99 / 100)
+        .copied()
+        .unwrap_or_default()
 }

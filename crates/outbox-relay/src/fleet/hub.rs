@@ -65,6 +65,9 @@ pub(super) struct Hub {
     /// The due statement over the served outboxes, and their schemas by
     /// position.
     due: (String, Vec<String>),
+    /// An outbox taken over waits for the previous owner's batch, and the
+    /// fleet said so.
+    waiting: bool,
 }
 
 /// Why the control session is being replaced.
@@ -91,6 +94,7 @@ impl Hub {
             outboxes: BTreeMap::new(),
             refused: BTreeSet::new(),
             due: Default::default(),
+            waiting: false,
         }
     }
 
@@ -370,12 +374,17 @@ impl Hub {
             for schema in schemas {
                 self.start(&schema).await;
             }
-            if taking.len() > passed.len() {
-                debug!(
-                    waiting = taking.len() - passed.len(),
+            let waiting = taking.len() > passed.len();
+            if waiting && !self.waiting {
+                info!(
+                    outboxes = taking.len() - passed.len(),
                     "outboxes taken over wait for the previous owner's batches to end"
                 );
+                self.shared.signals.send("OUTBOX_FLEET=takeover-waiting");
             }
+            self.waiting = waiting;
+        } else {
+            self.waiting = false;
         }
         self.rebuild_due();
         Ok(())

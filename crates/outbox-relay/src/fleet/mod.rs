@@ -157,6 +157,9 @@ pub(crate) struct Shared {
     config: FleetConfig,
     sink: Arc<dyn Sink>,
     health: Arc<Health>,
+    /// `READY=1`, and `OUTBOX_FLEET=takeover-waiting` when an outbox taken
+    /// over waits for the previous owner's batch (tests wait for it).
+    signals: Signals,
 }
 
 /// See the [module docs](self). Build with [`Fleet::new`], run with
@@ -164,7 +167,6 @@ pub(crate) struct Shared {
 pub struct Fleet {
     pg: PgConfig,
     shared: Arc<Shared>,
-    signals: Signals,
 }
 
 impl Fleet {
@@ -191,8 +193,8 @@ impl Fleet {
                 config,
                 sink,
                 health: Arc::default(),
+                signals: Signals::Process,
             }),
-            signals: Signals::Process,
         })
     }
 
@@ -200,7 +202,9 @@ impl Fleet {
     /// process's notify socket.
     #[must_use]
     pub fn with_signals(mut self, signals: Signals) -> Self {
-        self.signals = signals;
+        Arc::get_mut(&mut self.shared)
+            .expect("not running yet: the only reference")
+            .signals = signals;
         self
     }
 
@@ -242,7 +246,7 @@ impl Fleet {
 
     fn ready(&self) {
         self.shared.health.running(true);
-        self.signals.send("READY=1\nSTATUS=fleet ready");
+        self.shared.signals.send("READY=1\nSTATUS=fleet ready");
         info!("fleet ready");
     }
 

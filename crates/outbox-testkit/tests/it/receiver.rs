@@ -171,3 +171,24 @@ async fn an_outage_answers_every_method_and_failures_carry_the_body() {
     let probes: Vec<u16> = receiver.probes().iter().map(|(_, s)| *s).collect();
     assert_eq!(probes, [503, 405]);
 }
+
+#[tokio::test]
+async fn a_held_post_is_recorded_and_answered_only_once_released() {
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let url = receiver.url();
+    receiver.hold();
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move { post(&client(), &url, 0).await.status().as_u16() }
+    });
+    let received = receiver.wait_for_count(1, LONG).await.unwrap();
+    assert_eq!(received[0].body, json!({ "n": 0 }));
+    assert!(!held.is_finished(), "answered while held");
+    receiver.release();
+    assert_eq!(held.await.unwrap(), 200);
+    assert_eq!(
+        post(&client(), &url, 1).await.status().as_u16(),
+        200,
+        "no longer held"
+    );
+}

@@ -158,7 +158,7 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
                                 DROP CONSTRAINT outbox_event_type_is_a_name,
                                 DROP CONSTRAINT outbox_headers_are_string_tokens;
              DROP FUNCTION outbox_is_name(text), outbox_headers_ok(jsonb);
-             DELETE FROM outbox_migrations WHERE version = 8;
+             DELETE FROM outbox_migrations WHERE version IN (8, 9);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers) VALUES
                  ('orders', 'good', 'OrderCreated', '{}', '{\"traceparent\": \"x\"}'),
                  ('billing / eu', 'space', 'Invoiced', '{}', '{}'),
@@ -171,7 +171,10 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
         .await
         .unwrap();
     let report = outbox::migrate(&mut db.client, &Config::default()).await.unwrap();
-    assert_eq!(report.applied, [(8, "table_contract")]);
+    assert_eq!(
+        report.applied,
+        [(8, "table_contract"), (9, "notify_names_the_outbox")]
+    );
     let rows = db
         .client
         .query(
