@@ -581,3 +581,77 @@ async fn small_latency_p99(redis_url: &str, written: &HashMap<String, std::time:
         .copied()
         .unwrap_or_default()
 }
+
+/// A tenant whose outbox the fleet's role may not use is not served (one
+/// warning naming the missing grant) while the others are; once granted,
+/// the next discovery serves it.
+#[tokio::test]
+async fn a_tenant_without_grants_is_skipped_until_granted() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", 2, true).await;
+    let client = pg.connect("app_0").await.unwrap();
+    client.batch_execute("CREATE ROLE fleet_r LOGIN").await.unwrap();
+    let grant = |schema: &str| {
+        let url = pg.url("app_0");
+        let schema = schema.to_owned();
+        async move {
+            let out = crate::support::run_cli(
+                &[
+                    "migrate", "--grant", "fleet_r", "--as", "relay", "--schema", &schema,
+                ],
+                &[("DATABASE_URL", &url)],
+            )
+            .await;
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+    grant("tenant_0").await;
+    for (i, config) in configs.iter().enumerate() {
+        Outbox::new(config.clone())
+            .enqueue(
+                &client,
+                &Event::new("orders", format!("t{i}"), "Created", json!({})),
+            )
+            .await
+            .unwrap();
+    }
+    let url = format!("postgres://fleet_r@127.0.0.1:{}/app_0", pg.port());
+    let fleet = start_relay(
+        &url,
+        &redis.url(),
+        &["--schemas", "tenant_%", "--discover-interval", "200ms"],
+        &[],
+    )
+    .await;
+    wait_until("tenant_0's event delivered", LONG, || async {
+        read_stream(&redis.url(), STREAM).await.len() == 1
+    })
+    .await;
+    assert_eq!(holders(&client).await, [1], "only tenant_0 is served");
+    assert_eq!(
+        fleet.count_lines("outbox not served: this role lacks privileges on it"),
+        1,
+        "{:#?}",
+        fleet.lines()
+    );
+    assert!(
+        fleet
+            .lines()
+            .iter()
+            .any(|l| l.contains("tenant_1") && l.contains("--grant")),
+        "the warning names the outbox and the fix: {:#?}",
+        fleet.lines()
+    );
+    grant("tenant_1").await;
+    wait_until("tenant_1's event delivered once granted", LONG, || async {
+        read_stream(&redis.url(), STREAM).await.len() == 2
+    })
+    .await;
+    stop_fleet(fleet).await;
+}

@@ -271,6 +271,17 @@ impl Hub {
             }
             let mut outbox = config.relay.outbox.clone();
             outbox.schema = t.schema.clone();
+            // What a relay checks at startup, per outbox as it is found: a
+            // tenant whose grants are missing is skipped, said once, naming
+            // the grant, instead of failing every batch.
+            let needs = outbox::privileges::Needs::of(&[outbox::privileges::Role::Relay]).without_leases();
+            let tables = outbox::privileges::Tables::outbox(outbox.clone());
+            if let Err(error) = outbox::privileges::check(client, &tables, &needs).await {
+                if self.refused.insert(schema.clone()) {
+                    warn!(outbox = %self.label(&outbox), error = %error_chain(&error), "outbox not served: this role lacks privileges on it");
+                }
+                continue;
+            }
             if let Err(error) = outbox::check(client, &outbox).await {
                 if self.refused.insert(schema.clone()) {
                     warn!(outbox = %self.label(&outbox), error = %error_chain(&error), "outbox not served: its schema is not this relay's version (run `outbox migrate`)");
