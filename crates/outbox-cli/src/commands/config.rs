@@ -10,6 +10,8 @@
 
 use std::io::Write;
 
+use anyhow::Context;
+
 use outbox_relay::redact::HIDDEN;
 use serde_json::{Map, Value, json};
 
@@ -25,7 +27,7 @@ struct Row {
     source: String,
 }
 
-pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
+pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
     let Command::Config(ConfigCommand::Show(args)) = &layered.cli.command else {
         unreachable!("dispatched for `outbox config show`")
     };
@@ -42,13 +44,49 @@ pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
     }
     // The relay's own checks, sinks built but not connected.
     let (g, relay_args, file) = layered.into_relay();
-    relay::prepare(&g, relay_args, file)?;
+    let fleet = relay_args.schemas.clone().map(|schemas| {
+        (
+            schemas,
+            relay_args.databases.clone(),
+            relay_args.fleet_sessions as usize,
+            relay_args.discover_interval,
+        )
+    });
+    let prepared = relay::prepare(&g, relay_args, file)?;
+    // A fleet's outboxes are found, not configured: listing them connects.
+    let outboxes = match fleet {
+        Some((schemas, databases, sessions, discover_interval)) => {
+            let config = outbox_relay::fleet::FleetConfig {
+                schemas,
+                databases,
+                sessions,
+                discover_interval,
+                relay: prepared.config,
+            };
+            let pg = super::pg_config(&g)?;
+            Some(
+                outbox_relay::fleet::survey(&pg, &config)
+                    .await
+                    .context("finding the fleet's outboxes")?,
+            )
+        }
+        None => None,
+    };
 
-    let out = if json {
-        as_json(config.as_ref(), &settings, &tables, &ordering)?
+    let mut out = if json {
+        as_json(
+            config.as_ref(),
+            &settings,
+            &tables,
+            &ordering,
+            outboxes.as_deref(),
+        )?
     } else {
         as_text(config.as_ref(), &settings, &tables, &ordering)
     };
+    if let (Some(outboxes), false) = (&outboxes, json) {
+        out.push_str(&outboxes_text(outboxes));
+    }
     // `outbox config show | head` closes the pipe early: not an error.
     match std::io::stdout().lock().write_all(out.as_bytes()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
@@ -58,11 +96,31 @@ pub(crate) fn show(layered: Layered) -> anyhow::Result<()> {
 
 type Tables = [(String, Vec<Row>)];
 
+/// The fleet's outboxes, each served with the settings above, or why not.
+fn outboxes_text(outboxes: &[outbox_relay::fleet::Surveyed]) -> String {
+    let width = outboxes
+        .iter()
+        .map(|o| o.outbox.chars().count())
+        .max()
+        .unwrap_or(0);
+    let served = outboxes.iter().filter(|o| o.problem.is_none()).count();
+    let mut out = format!(
+        "\n[outboxes] {served} of {} found would be served, each with the settings above\n",
+        outboxes.len()
+    );
+    for o in outboxes {
+        let status = o.problem.as_deref().unwrap_or("served");
+        out.push_str(&format!("{:width$}  {status}\n", o.outbox));
+    }
+    out
+}
+
 fn as_json(
     config: Option<&(String, Origin)>,
     settings: &[Row],
     tables: &Tables,
     ordering: &[Row],
+    outboxes: Option<&[outbox_relay::fleet::Surveyed]>,
 ) -> anyhow::Result<String> {
     let rows = |rows: &[Row]| -> Value {
         Value::Object(
@@ -76,6 +134,7 @@ fn as_json(
         "settings": rows(settings),
         "tables": Value::Object(tables.iter().map(|(name, t)| (name.clone(), rows(t))).collect()),
         "ordering": rows(ordering),
+        "outboxes": outboxes,
     });
     Ok(serde_json::to_string_pretty(&out)? + "\n")
 }

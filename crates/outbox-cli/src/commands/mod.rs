@@ -30,7 +30,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         // Both layer --config under the command line: they parse it again.
         Command::Relay(_) => relay::run(Layered::parse(std::env::args_os())?).await,
-        Command::Config(ConfigCommand::Show(_)) => config::show(Layered::parse(std::env::args_os())?),
+        Command::Config(ConfigCommand::Show(_)) => config::show(Layered::parse(std::env::args_os())?).await,
         Command::Migrate(args) => migrate::run(g, args).await,
         Command::Stats(args) => stats::run(g, args).await,
         Command::Relays(args) => relays::run(g, args).await,

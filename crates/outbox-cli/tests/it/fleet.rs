@@ -648,6 +648,35 @@ async fn a_tenant_without_grants_is_skipped_until_granted() {
         "the warning names the outbox and the fix: {:#?}",
         fleet.lines()
     );
+    // `config show` lists what the fleet would serve, and why not.
+    let shown = crate::support::run_cli(
+        &["config", "show", "--schemas", "tenant_%", "--sink", &redis.url()],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    assert_eq!(
+        shown.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&shown.stderr)
+    );
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("[outboxes] 1 of 2 found would be served"),
+        "{shown}"
+    );
+    assert!(
+        shown
+            .lines()
+            .any(|l| l.starts_with("tenant_0.outbox") && l.ends_with("  served")),
+        "{shown}"
+    );
+    assert!(
+        shown
+            .lines()
+            .any(|l| l.starts_with("tenant_1.outbox") && l.contains("this role lacks privileges")),
+        "{shown}"
+    );
     grant("tenant_1").await;
     wait_until("tenant_1's event delivered once granted", LONG, || async {
         read_stream(&redis.url(), STREAM).await.len() == 2

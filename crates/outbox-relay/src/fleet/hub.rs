@@ -70,6 +70,33 @@ pub(super) struct Hub {
     waiting: bool,
 }
 
+/// Why an outbox found is not served.
+pub(super) struct NotServable {
+    /// What is wrong, for the log line.
+    pub(super) reason: &'static str,
+    /// The error chain, naming the fix.
+    pub(super) error: String,
+}
+
+/// What a relay checks at startup, per outbox as it is found: the role's
+/// privileges first (without them the version check itself is refused),
+/// then the schema version. A tenant failing either is skipped, said once,
+/// instead of failing every batch.
+pub(super) async fn servable(client: &Client, outbox: &outbox::Config) -> Result<(), NotServable> {
+    use outbox::privileges::{Needs, Role, Tables};
+    let needs = Needs::of(&[Role::Relay]).without_leases();
+    if let Err(error) = outbox::privileges::check(client, &Tables::outbox(outbox.clone()), &needs).await {
+        return Err(NotServable {
+            reason: "this role lacks privileges on it",
+            error: error_chain(&error),
+        });
+    }
+    outbox::check(client, outbox).await.map_err(|error| NotServable {
+        reason: "its schema is not this relay's version (run `outbox migrate`)",
+        error: error_chain(&error),
+    })
+}
+
 /// Why the control session is being replaced.
 #[derive(Debug, thiserror::Error)]
 enum HubError {
@@ -271,20 +298,9 @@ impl Hub {
             }
             let mut outbox = config.relay.outbox.clone();
             outbox.schema = t.schema.clone();
-            // What a relay checks at startup, per outbox as it is found: a
-            // tenant whose grants are missing is skipped, said once, naming
-            // the grant, instead of failing every batch.
-            let needs = outbox::privileges::Needs::of(&[outbox::privileges::Role::Relay]).without_leases();
-            let tables = outbox::privileges::Tables::outbox(outbox.clone());
-            if let Err(error) = outbox::privileges::check(client, &tables, &needs).await {
+            if let Err(why) = servable(client, &outbox).await {
                 if self.refused.insert(schema.clone()) {
-                    warn!(outbox = %self.label(&outbox), error = %error_chain(&error), "outbox not served: this role lacks privileges on it");
-                }
-                continue;
-            }
-            if let Err(error) = outbox::check(client, &outbox).await {
-                if self.refused.insert(schema.clone()) {
-                    warn!(outbox = %self.label(&outbox), error = %error_chain(&error), "outbox not served: its schema is not this relay's version (run `outbox migrate`)");
+                    warn!(outbox = %self.label(&outbox), error = %why.error, "outbox not served: {}", why.reason);
                 }
                 continue;
             }

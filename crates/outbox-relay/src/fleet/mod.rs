@@ -88,6 +88,59 @@ impl FleetConfig {
     }
 }
 
+/// One outbox a fleet finds (see [`survey`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Surveyed {
+    /// `schema.table`, or `database/schema.table` across databases.
+    pub outbox: String,
+    /// Why the fleet would not serve it, None if it would.
+    pub problem: Option<String>,
+}
+
+/// The outboxes a fleet of `config` over `pg` would serve now, and those it
+/// would skip with why: what `outbox config show` lists. Connects once per
+/// database; changes nothing.
+pub async fn survey(pg: &PgConfig, config: &FleetConfig) -> Result<Vec<Surveyed>, tokio_postgres::Error> {
+    let server = crate::pg::connect_once(pg).await?;
+    let databases = match &config.databases {
+        None => vec![None],
+        Some(pattern) => outbox::sql::fleet::matching_databases(&server, pattern)
+            .await?
+            .into_iter()
+            .map(Some)
+            .collect(),
+    };
+    let mut found = Vec::new();
+    for database in databases {
+        let other = match &database {
+            None => None,
+            Some(name) => {
+                let mut pg = pg.clone();
+                pg.postgres_mut().dbname(name);
+                Some(crate::pg::connect_once(&pg).await?)
+            }
+        };
+        let client = other.as_ref().unwrap_or(&server);
+        let table = &config.relay.outbox.table;
+        for tenant in outbox::sql::fleet::tenant_outboxes(client, &config.schemas, table).await? {
+            let mut outbox = config.relay.outbox.clone();
+            outbox.schema = tenant.schema;
+            let label = match &database {
+                Some(name) => format!("{name}/{}", outbox.display_name()),
+                None => outbox.display_name(),
+            };
+            found.push(Surveyed {
+                outbox: label,
+                problem: hub::servable(client, &outbox)
+                    .await
+                    .err()
+                    .map(|why| format!("{}: {}", why.reason, why.error)),
+            });
+        }
+    }
+    Ok(found)
+}
+
 /// One outbox of a fleet, as its hub and its source share it.
 #[derive(Debug)]
 pub(crate) struct Tenant {
