@@ -77,17 +77,18 @@ pub(crate) enum Command {
     Migrate(MigrateArgs),
     /// Deliver unpublished events to a sink until SIGINT/SIGTERM.
     Relay(RelayArgs),
-    /// Backlog, dead letters and oldest unpublished age, per aggregate type.
+    /// Backlog, dead letters and oldest unpublished age, per aggregate type;
+    /// with --schemas, one row per tenant outbox and who serves it.
     Stats(StatsArgs),
-    /// The live relays, the partitions each holds, and per-partition backlog.
-    Relays(StatsArgs),
+    /// The live relays, the partitions each holds, and per-partition backlog;
+    /// with --schemas, the fleet processes and the outboxes each serves.
+    Relays(RelaysArgs),
     /// Delete published rows (or, with --inbox, processed-event records)
     /// older than --older-than, in short batches. Never touches unpublished
     /// rows or dead letters.
     Cleanup(CleanupArgs),
     /// Inspect and requeue dead letters.
-    #[command(subcommand)]
-    Dlq(DlqCommand),
+    Dlq(DlqArgs),
     /// Re-deliver published events to a sink, with their original event_ids,
     /// in id order (so in order per aggregate), paced, resumable; live
     /// delivery is untouched. Exit codes: 0 done, or stopped by
@@ -571,21 +572,68 @@ impl InboxTableArgs {
     }
 }
 
+/// The outboxes of a fleet, for the commands that report on many at once.
+#[derive(Debug, Args)]
+pub(crate) struct FleetScope {
+    /// Every outbox named --table in a schema whose name matches this LIKE
+    /// pattern (`tenant_%`) that `outbox migrate` made: what `relay
+    /// --schemas` serves. Labels are `schema.table`.
+    #[arg(long, value_name = "PATTERN", conflicts_with = "schema")]
+    pub(crate) schemas: Option<String>,
+    /// With --schemas: in every database of the server whose name matches
+    /// this LIKE pattern, not only the URL's. Labels are
+    /// `database/schema.table`.
+    #[arg(long, value_name = "PATTERN", requires = "schemas")]
+    pub(crate) databases: Option<String>,
+}
+
 #[derive(Debug, Args)]
 pub(crate) struct StatsArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) fleet: FleetScope,
+    /// With --schemas: only the N outboxes with the largest backlog (the
+    /// totals still count every outbox).
+    #[arg(long, value_name = "N", requires = "schemas")]
+    pub(crate) top: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RelaysArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) fleet: FleetScope,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DlqArgs {
+    /// `dlq list` only: the dead letters of every outbox named --table in a
+    /// schema matching this LIKE pattern (`tenant_%`), each line labelled
+    /// with its outbox. The other subcommands change one outbox: name it
+    /// with --schema.
+    #[arg(long, value_name = "PATTERN", global = true, conflicts_with = "schema")]
+    pub(crate) schemas: Option<String>,
+    /// With --schemas: in every database of the server whose name matches
+    /// this LIKE pattern, not only the URL's.
+    #[arg(long, value_name = "PATTERN", global = true, requires = "schemas")]
+    pub(crate) databases: Option<String>,
+    #[command(subcommand)]
+    pub(crate) command: DlqCommand,
 }
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum DlqCommand {
-    /// List dead letters, oldest first.
+    /// List dead letters, oldest first (with --schemas: by outbox, then
+    /// oldest first).
     List {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// At most this many rows.
+        /// At most this many rows (with --schemas: over all outboxes).
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
     },

@@ -1,14 +1,30 @@
 //! `outbox dlq`: list dead letters, show one with its attempt history,
 //! requeue them once the cause is fixed, or give up on them so they stop
 //! blocking their aggregate. Dead letters never expire on their own.
+//! `list --schemas` lists every tenant outbox's (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use outbox::sql::{DeadFilter, EventDetail};
 
-use crate::cli::{DlqCommand, Global, RequeueArgs};
+use crate::cli::{DlqArgs, DlqCommand, Global, RequeueArgs};
+use crate::exit::ConfigError;
 
-pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
+    let command = args.command;
+    if let Some(schemas) = &args.schemas {
+        let DlqCommand::List { json, limit } = command else {
+            // Changing many outboxes at once is not offered yet: one
+            // mistyped pattern would requeue or purge every tenant's.
+            return Err(ConfigError(format!(
+                "`dlq {}` changes one outbox: name it with --schema (--schemas is for `dlq list` only)",
+                name(&command)
+            ))
+            .into());
+        };
+        let scope = super::fleet_ops::Scope::new(g, schemas, args.databases.as_deref())?;
+        return super::fleet_ops::dead_letters(g, scope, limit, json).await;
+    }
     let config = super::outbox_config(g)?;
     let client = super::connect(&super::pg_config(g)?).await?;
     super::require(&client, &config, &[super::dlq_role(&command)]).await?;
@@ -119,6 +135,17 @@ pub(crate) async fn run(g: &Global, command: DlqCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The subcommand's name, as typed.
+fn name(command: &DlqCommand) -> &'static str {
+    match command {
+        DlqCommand::List { .. } => "list",
+        DlqCommand::Show { .. } => "show",
+        DlqCommand::Requeue(_) => "requeue",
+        DlqCommand::GiveUp { .. } => "give-up",
+        DlqCommand::Purge { .. } => "purge",
+    }
 }
 
 /// `dlq show` as text: the columns, one per line, the attempt history,

@@ -8,6 +8,7 @@ mod config;
 mod consume;
 mod dlq;
 mod fleet;
+mod fleet_ops;
 mod migrate;
 mod partitions;
 mod relay;
@@ -36,7 +37,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Relays(args) => relays::run(g, args).await,
         Command::Cleanup(args) => cleanup::run(g, args).await,
         Command::Consume(args) => consume::run(g, args).await,
-        Command::Dlq(command) => dlq::run(g, command).await,
+        Command::Dlq(args) => dlq::run(g, args).await,
         Command::Replay(args) => replay::run(g, args).await,
         Command::Partitions(command) => partitions::run(g, command).await,
         Command::Admin(args) => admin::run(g, args).await,

@@ -1,13 +1,14 @@
 //! `outbox relays`: the live relays, the partitions each holds, and the
 //! backlog of every partition; with log tailing set up, the replication
-//! slot and who reads it (the WAL source holds no partitions).
+//! slot and who reads it (the WAL source holds no partitions). With
+//! --schemas, the fleet processes instead (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::cli::{Global, StatsArgs};
+use crate::cli::{Global, RelaysArgs};
 
 #[derive(Debug, Serialize)]
 struct LiveRelay {
@@ -34,7 +35,11 @@ struct Relays {
     slot: Option<outbox::sql::SlotState>,
 }
 
-pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
+    if let Some(schemas) = &args.fleet.schemas {
+        let scope = super::fleet_ops::Scope::new(g, schemas, args.fleet.databases.as_deref())?;
+        return super::fleet_ops::relays(g, scope, args.json).await;
+    }
     let config = super::outbox_config(g)?;
     let client = super::connect(&super::pg_config(g)?).await?;
     super::require(&client, &config, &[outbox::privileges::Role::AdminRead]).await?;

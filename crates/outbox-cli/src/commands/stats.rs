@@ -1,7 +1,8 @@
 //! `outbox stats`: what is waiting, what is dead, and how old the oldest is;
 //! what keeps vacuum from cleaning the table (its dead tuples, who holds
 //! the xmin horizon back); with log tailing set up, the replication slot
-//! too.
+//! too. With --schemas, one line per tenant outbox instead
+//! (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -32,6 +33,10 @@ struct Stats {
 }
 
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
+    if let Some(schemas) = &args.fleet.schemas {
+        let scope = super::fleet_ops::Scope::new(g, schemas, args.fleet.databases.as_deref())?;
+        return super::fleet_ops::stats(g, scope, args.top, args.json).await;
+    }
     let config = super::outbox_config(g)?;
     let client = super::connect(&super::pg_config(g)?).await?;
     super::require(&client, &config, &[outbox::privileges::Role::Stats]).await?;

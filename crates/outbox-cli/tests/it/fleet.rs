@@ -23,7 +23,7 @@ const BATCH: usize = 10;
 
 /// A database of the cluster with `n` migrated tenant outboxes
 /// (`tenant_0` … in schemas of their own), created if `create`.
-async fn tenants(pg: &Postgres, db: &str, n: usize, create: bool) -> Vec<Config> {
+pub(crate) async fn tenants(pg: &Postgres, db: &str, n: usize, create: bool) -> Vec<Config> {
     if create {
         let admin = pg.connect("postgres").await.unwrap();
         admin
@@ -56,7 +56,7 @@ async fn tenants(pg: &Postgres, db: &str, n: usize, create: bool) -> Vec<Config>
     configs
 }
 
-async fn migrate_tenant(client: &mut Client, config: &Config) {
+pub(crate) async fn migrate_tenant(client: &mut Client, config: &Config) {
     client
         .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", config.schema.quoted()))
         .await
@@ -100,7 +100,7 @@ async fn connections(client: &Client, app: &str) -> i64 {
 
 /// The control sessions holding outbox locks in the connected database,
 /// with how many each holds.
-async fn holders(client: &Client) -> Vec<i64> {
+pub(crate) async fn holders(client: &Client) -> Vec<i64> {
     client
         .query(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
@@ -115,7 +115,7 @@ async fn holders(client: &Client) -> Vec<i64> {
         .collect()
 }
 
-async fn start_fleet(pg: &Postgres, app: &str, redis: &Redis, extra: &[&str]) -> Spawned {
+pub(crate) async fn start_fleet(pg: &Postgres, app: &str, redis: &Redis, extra: &[&str]) -> Spawned {
     let url = format!("{}?application_name={app}", pg.url("app_0"));
     let args = [
         &[
@@ -132,7 +132,7 @@ async fn start_fleet(pg: &Postgres, app: &str, redis: &Redis, extra: &[&str]) ->
     start_relay(&url, &redis.url(), &args, &[]).await
 }
 
-async fn stop_fleet(mut fleet: Spawned) -> Vec<String> {
+pub(crate) async fn stop_fleet(mut fleet: Spawned) -> Vec<String> {
     fleet.signal(Signal::SIGTERM).unwrap();
     let status = fleet.wait(LONG).await.unwrap();
     assert_eq!(status.code(), Some(0), "fleet exit; lines: {:#?}", fleet.lines());

@@ -15,6 +15,7 @@ mod deadline_claim;
 mod deploy;
 mod failover;
 mod fleet;
+mod fleet_ops;
 mod formats;
 mod held_snapshot;
 mod idle;

@@ -1,6 +1,8 @@
 //! Statements of a relay fleet (one process serving many outboxes): finding
 //! the tenant outboxes of a database and the databases of a server, which
-//! of them have rows due, and who serves each, by advisory lock.
+//! of them have rows due, and who serves each, by advisory lock; and what
+//! the operator's fleet commands read (each outbox's backlog, the fleet
+//! processes' control sessions).
 //!
 //! # Who serves an outbox
 //!
@@ -253,6 +255,111 @@ pub async fn due(client: &impl GenericClient, statement: &str) -> Result<Vec<i32
     }
     let rows = client.query_typed(statement, &[]).await?;
     rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+/// `{t}` the outbox. One outbox's backlog for `outbox stats --schemas`:
+/// `STATS`'s counts summed over aggregate types (pending rows, dead
+/// letters, given up, the oldest pending row), the pending rows split into
+/// due now and waiting (for a retry's backoff, or a deadline claim's
+/// deadline), and the oldest pending row's age by the server's clock, one
+/// instant for the whole statement so due and waiting add up to the
+/// backlog. Scans the unpublished rows only (`<table>_unpublished_idx`).
+const SUMMARY: &str = "WITH now AS (SELECT clock_timestamp() AS at) \
+     SELECT count(*) FILTER (WHERE dead_at IS NULL), \
+            count(*) FILTER (WHERE dead_at IS NULL AND next_attempt_at <= (SELECT at FROM now)), \
+            count(*) FILTER (WHERE dead_at IS NULL AND next_attempt_at > (SELECT at FROM now)), \
+            count(*) FILTER (WHERE dead_at IS NOT NULL AND given_up_at IS NULL), \
+            count(*) FILTER (WHERE given_up_at IS NOT NULL), \
+            min(created_at) FILTER (WHERE dead_at IS NULL), \
+            extract(epoch FROM (SELECT at FROM now) - min(created_at) FILTER (WHERE dead_at IS NULL))::float8 \
+       FROM {t} WHERE published_at IS NULL";
+
+/// One outbox's backlog, as [`summary`] reads it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Summary {
+    /// Rows waiting for delivery: not published, not dead letters.
+    pub backlog: i64,
+    /// Of the backlog, rows due now.
+    pub due_now: i64,
+    /// Of the backlog, rows waiting for a later attempt (a retry's backoff).
+    pub waiting: i64,
+    /// Dead letters nobody gave up on.
+    pub dead_letters: i64,
+    /// Dead letters given up on (`dlq give-up`).
+    pub given_up: i64,
+    /// When the oldest row of the backlog was written.
+    pub oldest_unpublished: Option<chrono::DateTime<chrono::Utc>>,
+    /// Its age in seconds, by the server's clock.
+    pub oldest_unpublished_age_seconds: Option<f64>,
+}
+
+/// The backlog of the outbox `outbox`: see [`Summary`]. One statement,
+/// rendered for the outbox when called (an operator's command, run once
+/// per outbox).
+pub async fn summary(client: &impl GenericClient, outbox: &Config) -> Result<Summary, Error> {
+    let statement = SUMMARY.replace("{t}", &outbox.qualified());
+    let row = client.query_typed_one(&statement, &[]).await?;
+    Ok(Summary {
+        backlog: row.try_get(0)?,
+        due_now: row.try_get(1)?,
+        waiting: row.try_get(2)?,
+        dead_letters: row.try_get(3)?,
+        given_up: row.try_get(4)?,
+        oldest_unpublished: row.try_get(5)?,
+        oldest_unpublished_age_seconds: row.try_get(6)?,
+    })
+}
+
+/// A fleet process as PostgreSQL sees it: its control session in one
+/// database.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FleetSession {
+    /// The control session's backend pid (what [`owners`] reports).
+    pub pid: i32,
+    /// Its `application_name` (`outbox-fleet` unless the URL set one);
+    /// empty if none.
+    pub application_name: String,
+    /// Where it connects from; None over a Unix socket, or when the role
+    /// may not see other roles' sessions (`pg_read_all_stats`).
+    pub client_addr: Option<String>,
+    /// When its connection started; None when the role may not see it.
+    pub backend_start: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// `$1` the lock classes. The sessions of this database holding the
+/// membership or an own lock (the control sessions of fleet processes),
+/// with what `pg_stat_activity` says of them, oldest first. Other roles'
+/// `client_addr` and `backend_start` read as NULL without
+/// `pg_read_all_stats`; `application_name` is visible to all.
+const FLEET_SESSIONS: &str = "SELECT l.pid, coalesce(a.application_name, ''), host(a.client_addr), a.backend_start \
+       FROM (SELECT DISTINCT pid FROM pg_locks \
+              WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid::int8 = ANY($1::int8[]) \
+                AND database = (SELECT oid FROM pg_database WHERE datname = current_database())) AS l \
+       LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid \
+      ORDER BY a.backend_start NULLS LAST, l.pid";
+
+/// The fleet processes of this database: their control sessions.
+pub async fn sessions(client: &impl GenericClient) -> Result<Vec<FleetSession>, Error> {
+    let classes: &[i64] = &[i64::from(MEMBER_LOCK), i64::from(OWN_LOCK)];
+    let rows = client.query_typed(FLEET_SESSIONS, &[typed(&classes)]).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(FleetSession {
+                pid: row.try_get(0)?,
+                application_name: row.try_get(1)?,
+                client_addr: row.try_get(2)?,
+                backend_start: row.try_get(3)?,
+            })
+        })
+        .collect()
+}
+
+/// The connected database's name: what labels an outbox across databases.
+pub async fn current_database(client: &impl GenericClient) -> Result<String, Error> {
+    client
+        .query_typed_one("SELECT current_database()::text", &[])
+        .await?
+        .try_get(0)
 }
 
 #[cfg(test)]
