@@ -39,7 +39,7 @@ pub(crate) async fn run(
     }
     if retention.is_some() {
         return Err(ConfigError(
-            "a fleet (--schemas) runs no retention: run `outbox cleanup --schemas` on a schedule".to_owned(),
+            "a fleet (--schemas) runs no retention: run `outbox cleanup --schema SCHEMA` per tenant on a schedule".to_owned(),
         )
         .into());
     }

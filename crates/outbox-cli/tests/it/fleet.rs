@@ -18,6 +18,8 @@ use crate::support::{
 };
 
 const STREAM: &str = "outbox.event.orders";
+/// The fairness test's small tenants' stream.
+const SMALL_STREAM: &str = "outbox.event.small";
 const SESSIONS: usize = 4;
 const BATCH: usize = 10;
 
@@ -516,7 +518,7 @@ async fn fifty_small_tenants_are_served_while_a_100k_backlog_drains() {
         .unwrap();
     let fleet = start_fleet(&pg, "fleet_a", &redis, &["--batch-size", "100"]).await;
     wait_until("the backlog is being drained", LONG, || async {
-        read_stream(&redis.url(), STREAM).await.len() >= 100
+        unpublished(&client, std::slice::from_ref(big)).await < 100_000
     })
     .await;
     // 5 events/s per small tenant: a round of one event each every 200 ms.
@@ -525,7 +527,8 @@ async fn fifty_small_tenants_are_served_while_a_100k_backlog_drains() {
     for round in 0..EACH {
         tick.tick().await;
         for (i, config) in small.iter().enumerate() {
-            let event = Event::new("orders", format!("small-{i}"), "Step", json!({"step": round}));
+            // A stream of their own: the backlog's is 100,000 entries long.
+            let event = Event::new("small", format!("small-{i}"), "Step", json!({"step": round}));
             let id = Outbox::new(config.clone())
                 .enqueue(&client, &event)
                 .await
@@ -534,7 +537,7 @@ async fn fifty_small_tenants_are_served_while_a_100k_backlog_drains() {
         }
     }
     let small_delivered = || async {
-        let ids: HashSet<String> = read_stream(&redis.url(), STREAM)
+        let ids: HashSet<String> = read_stream(&redis.url(), SMALL_STREAM)
             .await
             .into_iter()
             .map(|e| e.event_id)
@@ -563,7 +566,7 @@ async fn small_latency_p99(redis_url: &str, written: &HashMap<String, std::time:
     use redis::AsyncCommands;
     let client = redis::Client::open(redis_url).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let reply: redis::streams::StreamRangeReply = conn.xrange_all(STREAM).await.unwrap();
+    let reply: redis::streams::StreamRangeReply = conn.xrange_all(SMALL_STREAM).await.unwrap();
     let mut latencies: Vec<Duration> = reply
         .ids
         .iter()
