@@ -687,3 +687,70 @@ async fn a_tenant_without_grants_is_skipped_until_granted() {
     .await;
     stop_fleet(fleet).await;
 }
+
+/// `outbox migrate --schemas` makes the outbox in every matching schema
+/// (and with `--databases` in every matching database), one transaction
+/// each, and says so; run again it changes nothing.
+#[tokio::test]
+async fn migrate_schemas_makes_every_tenants_outbox_once() {
+    let pg = Postgres::start().await.unwrap();
+    let admin = pg.connect("postgres").await.unwrap();
+    for db in ["app_0", "app_1", "other"] {
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+        let client = pg.connect(db).await.unwrap();
+        client
+            .batch_execute("CREATE SCHEMA tenant_0; CREATE SCHEMA tenant_1; CREATE SCHEMA billing;")
+            .await
+            .unwrap();
+    }
+    let url = pg.url("app_0");
+    let migrate = |args: &'static [&'static str]| {
+        let url = url.clone();
+        async move {
+            let out = crate::support::run_cli(args, &[("DATABASE_URL", &url)]).await;
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    let out = migrate(&["migrate", "--schemas", "tenant_%"]).await;
+    assert!(
+        out.ends_with("2 outboxes migrated, 0 already up to date (schema version 9)\n"),
+        "{out}"
+    );
+    assert!(
+        out.starts_with("tenant_0.outbox is at schema version 9\ntenant_1.outbox is at schema version 9\n"),
+        "{out}"
+    );
+    let out = migrate(&["migrate", "--schemas", "tenant_%", "--databases", "app_%"]).await;
+    assert!(out.starts_with("app_1/"), "app_0's are up to date: {out}");
+    assert!(
+        out.ends_with("2 outboxes migrated, 2 already up to date (schema version 9)\n"),
+        "{out}"
+    );
+    let out = migrate(&["migrate", "--schemas", "tenant_%", "--databases", "app_%"]).await;
+    assert_eq!(
+        out,
+        "0 outboxes migrated, 4 already up to date (schema version 9)\n"
+    );
+    for (db, outboxes) in [("app_0", 2), ("app_1", 2), ("other", 0)] {
+        let client = pg.connect(db).await.unwrap();
+        let n: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                  WHERE c.relname = 'outbox' AND c.relkind = 'r'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, outboxes, "{db}");
+    }
+}
