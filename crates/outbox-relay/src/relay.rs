@@ -94,6 +94,9 @@ pub struct Relay {
     metrics: DeliveryMetrics,
     /// Further lanes (see [`Relay::with_lane`]).
     lanes: Vec<ExtraLane>,
+    /// One outbox of a fleet: its start and stop are the fleet's to report
+    /// (one line for hundreds of outboxes), so its own lines are debug.
+    in_fleet: bool,
 }
 
 /// Turns a source's receipts into the relay's counters, metrics, log lines
@@ -233,6 +236,7 @@ impl Relay {
             sink,
             config,
             lanes: Vec::new(),
+            in_fleet: false,
         }
     }
 
@@ -249,6 +253,7 @@ impl Relay {
             sink,
             config,
             lanes: Vec::new(),
+            in_fleet: true,
         }
     }
 
@@ -273,7 +278,9 @@ impl Relay {
         self.metrics.relay_up.set(1.0);
         let (ctx, relay_up) = (self.ctx.clone(), self.metrics.relay_up.clone());
         let result = self.drive(source, cancel).await;
-        stopped(&ctx, &relay_up);
+        ctx.health().running(false);
+        relay_up.set(0.0);
+        debug!("relay stopped");
         result
     }
 
@@ -370,6 +377,7 @@ impl Relay {
                 sink: lane.sink,
                 ctx: self.ctx.clone(),
                 lanes: Vec::new(),
+                in_fleet: false,
             };
             let lane = Lane {
                 spec: ClaimSpec {
@@ -509,6 +517,7 @@ impl Relay {
         }
         // The relay starts whether or not the sink is up, and says which.
         match self.sink.probe().await {
+            Ok(()) if self.in_fleet => debug!(sink = %self.sink.describe(), "sink reachable"),
             Ok(()) => info!(sink = %self.sink.describe(), "sink reachable"),
             // A drain lets its first batch find out, and stops there.
             Err(error) if self.config.drain => {

@@ -68,6 +68,9 @@ pub(super) struct Hub {
     /// An outbox taken over waits for the previous owner's batch, and the
     /// fleet said so.
     waiting: bool,
+    /// Relay loops told to stop that may still commit their batch: awaited
+    /// when the hub stops, so SIGTERM finishes every batch in flight.
+    stopping: Vec<JoinHandle<()>>,
 }
 
 /// Why an outbox found is not served.
@@ -122,6 +125,7 @@ impl Hub {
             refused: BTreeSet::new(),
             due: Default::default(),
             waiting: false,
+            stopping: Vec::new(),
         }
     }
 
@@ -161,6 +165,11 @@ impl Hub {
                 }
             }
             self.lost().await;
+            let stopping = self.stopping.len();
+            for task in std::mem::take(&mut self.stopping) {
+                let _ = task.await;
+            }
+            debug!(outboxes = stopping, "every outbox's last batch committed");
             self.db.pool().close();
         }
         .instrument(span)
@@ -272,7 +281,8 @@ impl Hub {
 
     /// Finds the outboxes, then balances them (see the module docs).
     async fn discover(&mut self, client: &Client) -> Result<(), HubError> {
-        let config = &self.shared.config;
+        let shared = Arc::clone(&self.shared);
+        let config = &shared.config;
         let found = sql::tenant_outboxes(client, &config.schemas, &config.relay.outbox.table).await?;
         let found: HashMap<String, TenantOutbox> = found
             .into_iter()
@@ -287,7 +297,7 @@ impl Hub {
         for schema in gone {
             let mut entry = self.outboxes.remove(&schema).expect("listed");
             info!(outbox = %self.label(&entry.config), "outbox gone; let go");
-            Self::stop(&mut entry);
+            self.stop(&mut entry);
             if entry.own != Own::No {
                 sql::disown(client, &[entry.tenant.key]).await?;
             }
@@ -335,7 +345,7 @@ impl Hub {
         for schema in lost {
             let mut entry = self.outboxes.remove(&schema).expect("listed");
             warn!(outbox = %self.label(&entry.config), "outbox no longer held by this process; let go");
-            Self::stop(&mut entry);
+            self.stop(&mut entry);
             entry.own = Own::No;
             self.outboxes.insert(schema, entry);
         }
@@ -353,7 +363,7 @@ impl Hub {
             let mut keys = Vec::new();
             for schema in over {
                 let mut entry = self.outboxes.remove(&schema).expect("listed");
-                Self::stop(&mut entry);
+                self.stop(&mut entry);
                 entry.own = Own::No;
                 keys.push(entry.tenant.key);
                 info!(outbox = %self.label(&entry.config), members, "outbox handed over to another fleet process");
@@ -413,25 +423,36 @@ impl Hub {
         } else {
             self.waiting = false;
         }
-        self.rebuild_due();
+        if self.rebuild_due() {
+            let served = self.due.1.len();
+            info!(
+                served,
+                found = self.outboxes.len(),
+                processes = members,
+                "serving {served} of {} outboxes",
+                self.outboxes.len()
+            );
+        }
         Ok(())
     }
 
     /// The due statement over the outboxes served now.
-    fn rebuild_due(&mut self) {
+    /// Returns whether the served set changed.
+    fn rebuild_due(&mut self) -> bool {
         let served: Vec<(&String, &Entry)> = self
             .outboxes
             .iter()
             .filter(|(_, e)| e.own == Own::Serving)
             .collect();
         if served.len() == self.due.1.len() && served.iter().zip(&self.due.1).all(|((s, _), d)| *s == d) {
-            return;
+            return false;
         }
         let configs: Vec<outbox::Config> = served.iter().map(|(_, e)| e.config.clone()).collect();
         self.due = (
             sql::due_statement(&configs),
             served.iter().map(|(s, _)| (*s).clone()).collect(),
         );
+        true
     }
 
     /// `schema.table`, or `database/schema.table` across databases.
@@ -485,18 +506,19 @@ impl Hub {
         );
         entry.relay = Some((stop, task));
         tenant.serve(true);
-        info!(outbox = %label, "serving outbox");
+        debug!(outbox = %label, "serving outbox");
     }
 
     /// Stops serving `entry`: no new claim, and its relay loop ends after
     /// committing the batch in flight (not awaited: the next owner's
     /// barrier waits for that batch).
-    fn stop(entry: &mut Entry) {
+    fn stop(&mut self, entry: &mut Entry) {
         entry.tenant.serve(false);
         if let Some((stop, task)) = entry.relay.take() {
             stop.cancel();
-            // Detached: it commits its batch and ends on its own.
-            drop(task);
+            // Not awaited here: it commits its batch and ends on its own.
+            self.stopping.retain(|t| !t.is_finished());
+            self.stopping.push(task);
         }
     }
 
@@ -507,7 +529,7 @@ impl Hub {
         let schemas: Vec<String> = self.outboxes.keys().cloned().collect();
         for schema in schemas {
             let mut entry = self.outboxes.remove(&schema).expect("listed");
-            Self::stop(&mut entry);
+            self.stop(&mut entry);
             entry.own = Own::No;
             self.outboxes.insert(schema, entry);
         }
