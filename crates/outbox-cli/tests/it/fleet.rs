@@ -878,3 +878,66 @@ async fn sigterm_commits_every_batch_in_flight_of_every_outbox() {
     assert_eq!(events.len() as i64, total, "each event once");
     assert_eq!(first_delivery_violations(&events), 0);
 }
+
+/// Two fleets serving different outboxes of one database (other schema
+/// patterns) do not count each other as members: each serves all of its
+/// own.
+#[tokio::test]
+async fn fleets_of_different_patterns_in_one_database_each_serve_all_of_theirs() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    tenants(&pg, "app_0", 3, true).await;
+    let mut client = pg.connect("app_0").await.unwrap();
+    for schema in ["billing_0", "billing_1", "billing_2"] {
+        migrate_tenant(&mut client, &Config::new(schema, "outbox").unwrap()).await;
+    }
+    let tenants_fleet = start_fleet(&pg, "fleet_t", &redis, &[]).await;
+    let url = format!("{}?application_name=fleet_b", pg.url("app_0"));
+    let billing_fleet = start_relay(
+        &url,
+        &redis.url(),
+        &["--schemas", "billing_%", "--discover-interval", "500ms"],
+        &[],
+    )
+    .await;
+    wait_until("each fleet serves its three outboxes", LONG, || async {
+        holders(&client).await == [3, 3]
+    })
+    .await;
+    stop_fleet(tenants_fleet).await;
+    stop_fleet(billing_fleet).await;
+}
+
+/// A fleet checks PostgreSQL at startup as a single relay does: a server
+/// that does not answer within --connect-timeout is exit 1, a database
+/// that does not exist exit 2, each with the reason; settings a fleet
+/// cannot serve are exit 2 naming them.
+#[tokio::test]
+async fn a_fleet_that_cannot_start_says_why_with_the_documented_exit_code() {
+    let pg = Postgres::start().await.unwrap();
+    let run = |url: String, extra: &'static [&'static str]| async move {
+        let mut args = vec![
+            "--connect-timeout",
+            "1s",
+            "relay",
+            "--schemas",
+            "tenant_%",
+            "--sink",
+            "redis://127.0.0.1:1",
+        ];
+        args.extend_from_slice(extra);
+        let out = crate::support::run_cli(&args, &[("DATABASE_URL", &url)]).await;
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = run(crate::support::unreachable_postgres(), &[]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    let (code, stderr) = run(pg.url("no_such_database"), &[]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("no_such_database"), "{stderr}");
+    let (code, stderr) = run(pg.url("postgres"), &["--claim", "deadline"]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--claim deadline"), "{stderr}");
+}

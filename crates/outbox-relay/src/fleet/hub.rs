@@ -196,8 +196,9 @@ impl Hub {
             }
         });
         outbox::sql::listen(&client, &self.shared.config.relay.outbox.channel).await?;
-        sql::join(&client).await?;
-        let pid: i32 = client.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+        let config = &self.shared.config;
+        sql::join(&client, &config.schemas, &config.relay.outbox.table).await?;
+        let (pid, _) = outbox::sql::backend_identity(&client).await?;
         self.db.control_pid.store(pid, Ordering::Release);
         self.shared.health.postgres(&self.name, None);
         info!(pid, "fleet control session up");
@@ -334,7 +335,10 @@ impl Hub {
     async fn balance(&mut self, client: &Client) -> Result<(), HubError> {
         let pid = self.db.control_pid().unwrap_or(0);
         let holders: HashMap<i32, i32> = sql::owners(client).await?.into_iter().collect();
-        let members = sql::members(client).await?.max(1);
+        let config = &self.shared.config;
+        let members = sql::members(client, &config.schemas, &config.relay.outbox.table)
+            .await?
+            .max(1);
         // Ours by our records but not by PostgreSQL's: not ours.
         let mut lost = Vec::new();
         for entry in self.outboxes.values_mut() {

@@ -268,7 +268,12 @@ impl Fleet {
     }
 
     /// Serves until `cancel` fires; every batch in flight is committed first.
+    /// Fails at startup if PostgreSQL cannot be reached within the connect
+    /// timeout or refuses the login; later losses reconnect.
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
+        // As a single relay: a wrong URL or password stops it now (exit 2),
+        // an unreachable server after `--connect-timeout` (exit 1).
+        drop(crate::pg::connect(&self.pg).await.map_err(RelayError::Connect)?);
         let config = &self.shared.config;
         info!(
             schemas = %config.schemas,

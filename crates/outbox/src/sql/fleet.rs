@@ -19,7 +19,9 @@
 //! and claims nothing.
 //!
 //! Membership (how many fleet processes share the database's outboxes) is
-//! a shared lock every control session holds ([`join`], [`members`]).
+//! a shared lock every control session holds ([`join`], [`members`]), keyed
+//! by what the fleet serves (its schema pattern and table), so fleets
+//! serving different outboxes of one database do not count each other.
 //! Advisory locks live in PostgreSQL's lock table, so none of this needs a
 //! table or a migration; they need session-level locks, so a fleet connects
 //! directly or through a session-mode pooler, never a transaction-mode one.
@@ -36,7 +38,7 @@ use crate::{Config, Ident};
 pub const OWN_LOCK: i32 = 0x6f75_7478;
 /// The `classid` of an outbox's batch lock: `outy`.
 pub const BATCH_LOCK: i32 = 0x6f75_7479;
-/// The `classid` of the membership lock (key 0): `outz`.
+/// The `classid` of the membership lock (keyed by the fleet): `outz`.
 pub const MEMBER_LOCK: i32 = 0x6f75_747a;
 
 /// One tenant outbox a database holds: its schema and its lock key (a hash
@@ -126,11 +128,19 @@ pub async fn matching_databases(client: &impl GenericClient, pattern: &str) -> R
     rows.iter().map(|row| row.try_get(0)).collect()
 }
 
-/// Joins the fleet of this database: the membership lock, shared, for the
-/// session's life.
-pub async fn join(client: &impl GenericClient) -> Result<(), Error> {
+/// A fleet's key in [`MEMBER_LOCK`]: what it serves, hashed by the server
+/// (the same in every process).
+const FLEET_KEY: &str = "hashtext($2 || '|' || $3) & 2147483647";
+
+/// Joins the fleet serving the outboxes named `table` in the schemas
+/// matching `pattern` in this database: its membership lock, shared, for
+/// the session's life.
+pub async fn join(client: &impl GenericClient, pattern: &str, table: &Ident) -> Result<(), Error> {
     client
-        .execute_typed("SELECT pg_advisory_lock_shared($1, 0)", &[typed(&MEMBER_LOCK)])
+        .execute_typed(
+            &format!("SELECT pg_advisory_lock_shared($1, {FLEET_KEY})"),
+            &[typed(&MEMBER_LOCK), typed(&pattern), typed(&table.as_str())],
+        )
         .await
         .map(drop)
 }
@@ -142,12 +152,20 @@ const HELD: &str = "SELECT objid::int8, pid FROM pg_locks \
       WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND classid::int8 = $1::int8 \
         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
 
-/// How many fleet processes serve this database (membership holders).
-pub async fn members(client: &impl GenericClient) -> Result<usize, Error> {
-    let rows = client
-        .query_typed(HELD, &[typed(&i64::from(MEMBER_LOCK))])
+/// How many processes of the fleet of `pattern` and `table` (see [`join`])
+/// serve this database.
+pub async fn members(client: &impl GenericClient, pattern: &str, table: &Ident) -> Result<usize, Error> {
+    let row = client
+        .query_typed_one(
+            &format!("SELECT count(*) FROM ({HELD}) AS held WHERE objid = {FLEET_KEY}"),
+            &[
+                typed(&i64::from(MEMBER_LOCK)),
+                typed(&pattern),
+                typed(&table.as_str()),
+            ],
+        )
         .await?;
-    Ok(rows.len())
+    Ok(usize::try_from(row.try_get::<_, i64>(0)?).unwrap_or(0))
 }
 
 /// Which outbox keys are served, and by which backend pid (the control
