@@ -42,11 +42,14 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
     if let Some(url) = &layered.cli.global.database_url {
         super::parse_pg_url(url, &layered.cli.global)?;
     }
-    // The relay's own checks, sinks built but not connected.
+    // The relay's own checks, sinks built but not connected; each listed
+    // outbox's too.
+    let listed = relay::listed(&layered)?;
+    let own = listed_settings(&layered, &listed);
     let (g, relay_args, file) = layered.into_relay();
-    let fleet = relay_args.schemas.clone().map(|schemas| {
+    let fleet = (relay_args.schemas.is_some() || !listed.is_empty()).then(|| {
         (
-            schemas,
+            relay_args.schemas.clone(),
             relay_args.databases.clone(),
             relay_args.fleet_sessions as usize,
             relay_args.discover_interval,
@@ -58,6 +61,7 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
         Some((schemas, databases, sessions, discover_interval)) => {
             let config = outbox_relay::fleet::FleetConfig {
                 schemas,
+                listed,
                 databases,
                 sessions,
                 discover_interval,
@@ -80,8 +84,14 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
             &tables,
             &ordering,
             outboxes.as_deref(),
+            &own,
         )?
     } else {
+        let mut tables = tables;
+        tables.extend(
+            own.into_iter()
+                .map(|(name, rows)| (format!("[outboxes.{name}]"), rows)),
+        );
         as_text(config.as_ref(), &settings, &tables, &ordering)
     };
     if let (Some(outboxes), false) = (&outboxes, json) {
@@ -95,6 +105,30 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
 }
 
 type Tables = [(String, Vec<Row>)];
+
+/// Each listed outbox's own settings (its table's keys, over the
+/// top-level ones), with the line each stands on.
+fn listed_settings(layered: &Layered, listed: &[outbox_relay::fleet::Listed]) -> Vec<(String, Vec<Row>)> {
+    let Some(file) = &layered.file else {
+        return Vec::new();
+    };
+    listed
+        .iter()
+        .map(|l| {
+            let rows = file
+                .body()
+                .outbox_entries(&l.name)
+                .into_iter()
+                .map(|(key, value, span)| Row {
+                    key: key.to_owned(),
+                    value: Value::String(value),
+                    source: Origin::File(file.at(&span)).to_string(),
+                })
+                .collect();
+            (l.name.clone(), rows)
+        })
+        .collect()
+}
 
 /// The fleet's outboxes, each served with the settings above, or why not.
 fn outboxes_text(outboxes: &[outbox_relay::fleet::Surveyed]) -> String {
@@ -121,6 +155,7 @@ fn as_json(
     tables: &Tables,
     ordering: &[Row],
     outboxes: Option<&[outbox_relay::fleet::Surveyed]>,
+    listed: &Tables,
 ) -> anyhow::Result<String> {
     let rows = |rows: &[Row]| -> Value {
         Value::Object(
@@ -135,6 +170,7 @@ fn as_json(
         "tables": Value::Object(tables.iter().map(|(name, t)| (name.clone(), rows(t))).collect()),
         "ordering": rows(ordering),
         "outboxes": outboxes,
+        "listed": Value::Object(listed.iter().map(|(name, t)| (name.clone(), rows(t))).collect()),
     });
     Ok(serde_json::to_string_pretty(&out)? + "\n")
 }

@@ -48,6 +48,7 @@ pub(crate) async fn run(
         Arc::from(sink),
         FleetConfig {
             schemas: fleet.schemas,
+            listed: fleet.listed,
             databases: fleet.databases,
             sessions: fleet.sessions,
             discover_interval: fleet.discover_interval,

@@ -27,7 +27,8 @@ pub(crate) const POLL_WITHOUT_NOTIFY: Duration = outbox_relay::defaults::POLL_IN
 
 /// The fleet flags (`--schemas` and its companions).
 pub(crate) struct Fleet {
-    pub(crate) schemas: String,
+    pub(crate) schemas: Option<String>,
+    pub(crate) listed: Vec<outbox_relay::fleet::Listed>,
     pub(crate) databases: Option<String>,
     pub(crate) sessions: usize,
     pub(crate) discover_interval: Duration,
@@ -85,8 +86,51 @@ pub(crate) async fn needs(
     Ok((roles, needs))
 }
 
+/// The `[outboxes.NAME]` tables of `--config`, each layered (its keys over
+/// the file's top-level ones, under flags and environment) and checked as a
+/// relay's settings are.
+pub(crate) fn listed(layered: &Layered) -> anyhow::Result<Vec<outbox_relay::fleet::Listed>> {
+    let Some(file) = &layered.file else {
+        return Ok(Vec::new());
+    };
+    let mut listed = Vec::new();
+    for name in file.body().outbox_names() {
+        let at = file
+            .body()
+            .outbox_span(&name)
+            .map(|span| file.at(&span))
+            .unwrap_or_default();
+        if !file.body().outbox_sets(&name, "schema") {
+            return Err(ConfigError(format!("--config {at}: [outboxes.{name}] needs schema = \"…\"")).into());
+        }
+        let mine = Layered::parse_for(std::env::args_os(), Some(&name))?;
+        let (g, args, file) = mine.into_relay();
+        let pg = super::pg_config(&g).with_context(|| format!("[outboxes.{name}]"))?;
+        let prepared = prepare(&g, args, file).with_context(|| format!("[outboxes.{name}]"))?;
+        let sink = prepared.sink.ok_or_else(|| {
+            ConfigError(format!(
+                "--config {at}: [outboxes.{name}] has no sink, nor has the file"
+            ))
+        })?;
+        if prepared.lane.is_some() || prepared.retention.is_some() {
+            return Err(ConfigError(format!(
+                "--config {at}: [outboxes.{name}]: a fleet's outbox takes no retention and no route of its own claim mode"
+            ))
+            .into());
+        }
+        listed.push(outbox_relay::fleet::Listed {
+            name,
+            pg,
+            relay: prepared.config,
+            sink: Arc::from(sink),
+        });
+    }
+    Ok(listed)
+}
+
 /// Runs the relay with the settings of flags, environment and `--config`.
 pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
+    let listed = listed(&layered)?;
     let (g, args, file) = layered.into_relay();
     let pg = super::pg_config(&g)?;
     if args.check {
@@ -98,9 +142,10 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         Some(addr) => Some(Endpoint::bind(addr).await?),
         None => None,
     };
-    if let Some(schemas) = args.schemas.clone() {
+    if args.schemas.is_some() || !listed.is_empty() {
         let fleet = Fleet {
-            schemas,
+            schemas: args.schemas.clone(),
+            listed,
             databases: args.databases.clone(),
             sessions: args.fleet_sessions as usize,
             discover_interval: args.discover_interval,

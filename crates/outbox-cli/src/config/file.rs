@@ -40,6 +40,37 @@ pub(crate) struct RelayFile {
     /// Aggregate type → `partition` or `strict`: the `[ordering]` table,
     /// over `ordering_for`.
     ordering: BTreeMap<String, Spanned<String>>,
+    /// `[outboxes.NAME]`: an outbox a fleet serves by name, and the
+    /// settings it takes over the top-level ones (any top-level key:
+    /// `schema`, `table`, `database_url`, `sink`, `batch_size`, …).
+    pub(super) outboxes: BTreeMap<String, Spanned<Settings>>,
+}
+
+/// The settings of an `[outboxes.NAME]` table: top-level keys only.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Settings(pub(super) BTreeMap<&'static str, Spanned<toml::Value>>);
+
+impl<'de> Deserialize<'de> for Settings {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct SettingsVisitor;
+
+        impl<'de> Visitor<'de> for SettingsVisitor {
+            type Value = Settings;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a table of relay settings")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Settings, A::Error> {
+                let mut settings = BTreeMap::new();
+                while let Some(key) = map.next_key_seed(Key(setting_keys()))? {
+                    settings.insert(key, map.next_value()?);
+                }
+                Ok(Settings(settings))
+            }
+        }
+        d.deserialize_map(SettingsVisitor)
+    }
 }
 
 /// Flags that are no keys: `config` names the file; logging starts before
@@ -47,7 +78,7 @@ pub(crate) struct RelayFile {
 const NOT_KEYS: [&str; 5] = ["config", "log_format", "help", "version", "check"];
 
 /// The tables of the file, beside the settings.
-const TABLES: [&str; 3] = ["default", "routes", "ordering"];
+const TABLES: [&str; 4] = ["default", "routes", "ordering", "outboxes"];
 
 /// Every top-level setting: the ids of `outbox relay`'s flags (the global
 /// ones it uses included), in `--help`'s order.
@@ -197,6 +228,7 @@ impl<'de> Visitor<'de> for FileVisitor {
             match key {
                 "default" => file.default = Some(map.next_value()?),
                 "routes" => file.routes = map.next_value()?,
+                "outboxes" => file.outboxes = map.next_value()?,
                 // `ordering = "strict"` is `--ordering`; an `[ordering]`
                 // table, per aggregate type, came first and stays valid.
                 "ordering" => {
@@ -521,6 +553,67 @@ fn line_of(text: &str, span: &Range<usize>) -> usize {
 pub(crate) type TableEntry = (&'static str, Vec<String>, Range<usize>);
 
 impl RelayFile {
+    /// The names of the `[outboxes.NAME]` tables.
+    pub(crate) fn outbox_names(&self) -> Vec<String> {
+        self.outboxes.keys().cloned().collect()
+    }
+
+    /// The keys `[outboxes.NAME]` sets: each value as the file spells it
+    /// (URLs with their secrets masked), and where it stands.
+    pub(crate) fn outbox_entries(&self, name: &str) -> Vec<(&'static str, String, Range<usize>)> {
+        self.outboxes
+            .get(name)
+            .map(|table| {
+                table
+                    .get_ref()
+                    .0
+                    .iter()
+                    .map(|(key, value)| {
+                        let shown = match value.get_ref() {
+                            toml::Value::String(s) if *key == "sink" || *key == "database_url" => {
+                                outbox_relay::redact::url(s)
+                            }
+                            toml::Value::String(s) => s.clone(),
+                            toml::Value::Integer(n) => n.to_string(),
+                            toml::Value::Float(x) => x.to_string(),
+                            toml::Value::Boolean(b) => b.to_string(),
+                            other => serde_json::to_string(other).unwrap_or_default(),
+                        };
+                        (*key, shown, value.span())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// `key`'s value in `[outboxes.NAME]`, if that table sets it.
+    pub(super) fn own_setting(&self, name: &str, key: &str) -> Option<&Spanned<toml::Value>> {
+        self.outboxes
+            .get(name)
+            .and_then(|table| table.get_ref().0.get(key))
+    }
+
+    /// Whether `[outboxes.NAME]` sets `key` itself.
+    pub(crate) fn outbox_sets(&self, name: &str, key: &str) -> bool {
+        self.outboxes
+            .get(name)
+            .is_some_and(|table| table.get_ref().0.contains_key(key))
+    }
+
+    /// Where `[outboxes.NAME]` stands, for messages.
+    pub(crate) fn outbox_span(&self, name: &str) -> Option<std::ops::Range<usize>> {
+        self.outboxes.get(name).map(Spanned::span)
+    }
+
+    /// `key`'s value where it stands: `outbox`'s table's if it sets it,
+    /// else the top-level one.
+    pub(super) fn setting(&self, outbox: Option<&str>, key: &str) -> Option<&Spanned<toml::Value>> {
+        outbox
+            .and_then(|name| self.outboxes.get(name))
+            .and_then(|table| table.get_ref().0.get(key))
+            .or_else(|| self.settings.get(key))
+    }
+
     /// Whether the file has sink tables (the relay then runs a router).
     pub(crate) fn routes(&self) -> bool {
         self.default.is_some() || !self.routes.is_empty()

@@ -66,6 +66,17 @@ impl Layered {
     /// came from the command line, the environment or a default: the same
     /// arguments parse the same way twice.
     pub(crate) fn parse(argv: impl IntoIterator<Item = OsString>) -> anyhow::Result<Self> {
+        Self::parse_for(argv, None)
+    }
+
+    /// [`Layered::parse`] for the outbox `outbox` of the file's
+    /// `[outboxes.NAME]` tables: the keys its table sets win over flags,
+    /// environment and the file's top-level keys (it is the most specific
+    /// place a setting can be given); the others layer as usual.
+    pub(crate) fn parse_for(
+        argv: impl IntoIterator<Item = OsString>,
+        outbox: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let argv: Vec<OsString> = argv.into_iter().collect();
         let mut command = Cli::command();
         command.build();
@@ -89,6 +100,17 @@ impl Layered {
             if matches!(arg.get_action(), ArgAction::Append) {
                 lists.insert(key);
             }
+            let own =
+                outbox.and_then(|name| Some((file.as_ref()?, file.as_ref()?.body().own_setting(name, key)?)));
+            if let Some((file, value)) = own {
+                let at = file.at(&value.span());
+                let args = file_args(arg, value.get_ref()).map_err(|e| {
+                    ConfigError(format!("--config {at}: {key} = {}: {e}", shown(value.get_ref())))
+                })?;
+                extra.extend(args.into_iter().map(OsString::from));
+                sources.insert(key, Origin::File(at));
+                continue;
+            }
             let source = match matches.value_source(key) {
                 Some(ValueSource::CommandLine) => Origin::Flag,
                 Some(ValueSource::EnvVariable) => Origin::Env(
@@ -96,7 +118,10 @@ impl Layered {
                         .map(|var| var.to_string_lossy().into_owned())
                         .unwrap_or_default(),
                 ),
-                _ => match file.as_ref().and_then(|f| Some((f, f.body().settings.get(key)?))) {
+                _ => match file
+                    .as_ref()
+                    .and_then(|f| Some((f, f.body().setting(outbox, key)?)))
+                {
                     Some((file, value)) => {
                         let at = file.at(&value.span());
                         let args = file_args(arg, value.get_ref()).map_err(|e| {
@@ -117,8 +142,14 @@ impl Layered {
             }
             _ => None,
         };
-        let layered = command
-            .clone()
+        // An outbox's own keys come last and override the command line's
+        // (a repeated flag: the last wins).
+        let layered = if outbox.is_some() {
+            overriding(command.clone())
+        } else {
+            command.clone()
+        };
+        let layered = layered
             .try_get_matches_from(argv.into_iter().chain(extra))
             .map_err(|e| ConfigError(e.to_string()))?;
         let cli = Cli::from_arg_matches(&layered).map_err(|e| ConfigError(e.to_string()))?;
@@ -165,6 +196,20 @@ impl Layered {
             .map(|values| values.map(|v| v.to_string_lossy().into_owned()).collect())
             .unwrap_or_default()
     }
+}
+
+/// `command` with every argument of it and of its subcommands taking its
+/// last occurrence instead of refusing a repeat.
+fn overriding(command: clap::Command) -> clap::Command {
+    let names: Vec<String> = command
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_owned())
+        .collect();
+    names
+        .iter()
+        .fold(command.args_override_self(true), |command, name| {
+            command.mut_subcommand(name, overriding)
+        })
 }
 
 /// The subcommand that runs, and its matches.

@@ -940,4 +940,144 @@ async fn a_fleet_that_cannot_start_says_why_with_the_documented_exit_code() {
     let (code, stderr) = run(pg.url("postgres"), &["--claim", "deadline"]).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--claim deadline"), "{stderr}");
+    // A listed outbox without a schema, or with a key no relay takes.
+    let dir = tempfile::tempdir().unwrap();
+    for (text, expected, line) in [
+        (
+            "[outboxes.acme]\nbatch_size = 3\n",
+            "[outboxes.acme] needs schema",
+            ":1",
+        ),
+        (
+            "[outboxes.acme]\nschema = \"acme\"\nbatch_sise = 3\n",
+            "batch_sise",
+            ":3",
+        ),
+    ] {
+        let file = dir.path().join("fleet.toml");
+        std::fs::write(&file, text).unwrap();
+        let out = crate::support::run_cli(
+            &[
+                "relay",
+                "--sink",
+                "redis://127.0.0.1:1",
+                "--config",
+                file.to_str().unwrap(),
+            ],
+            &[("DATABASE_URL", &pg.url("postgres"))],
+        )
+        .await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(expected) && stderr.contains(line),
+            "{expected}: {stderr}"
+        );
+    }
+}
+
+/// `[outboxes.NAME]` tables list outboxes by name, each with settings of
+/// its own over the file's: `acme` (its own HTTP sink, batch size 3) beside
+/// the tenants the pattern finds (to Redis), and `beta` in another
+/// database. `config show` lists each with where its settings came from.
+#[tokio::test]
+async fn listed_outboxes_take_settings_of_their_own_beside_the_found_ones() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let found = tenants(&pg, "app_0", 2, true).await;
+    let mut client = pg.connect("app_0").await.unwrap();
+    let acme = Config::new("acme", "outbox").unwrap();
+    migrate_tenant(&mut client, &acme).await;
+    let beta = tenants(&pg, "other", 1, true).await.remove(0);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("fleet.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "sink = \"{redis}\"\nschemas = \"tenant_%\"\ndiscover_interval = \"200ms\"\n\n\
+             [outboxes.acme]\nschema = \"acme\"\nsink = \"{http}\"\nbatch_size = 3\n\n\
+             [outboxes.beta]\nschema = \"tenant_0\"\ndatabase_url = \"{other}\"\n",
+            redis = redis.url(),
+            http = receiver.url(),
+            other = pg.url("other"),
+        ),
+    )
+    .unwrap();
+    for config in found.iter().chain([&acme]) {
+        let events: Vec<Event> = (0..7)
+            .map(|k| Event::new("orders", config.schema.as_str(), "Step", json!({"step": k})))
+            .collect();
+        Outbox::new(config.clone())
+            .enqueue_all(&client, &events)
+            .await
+            .unwrap();
+    }
+    let other = pg.connect("other").await.unwrap();
+    Outbox::new(beta.clone())
+        .enqueue(&other, &Event::new("orders", "beta", "Created", json!({})))
+        .await
+        .unwrap();
+    let config = file.to_str().unwrap();
+    let url = pg.url("app_0");
+    let shown = crate::support::run_cli(
+        &["config", "show", "--json", "--config", config],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    assert_eq!(
+        shown.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&shown.stderr)
+    );
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["listed"]["acme"]["batch_size"]["value"], "3", "{shown:#}");
+    assert!(
+        shown["listed"]["acme"]["batch_size"]["source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("file ") && s.ends_with(":8")),
+        "{shown:#}"
+    );
+    let listed: Vec<(&str, bool)> = shown["outboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| (o["outbox"].as_str().unwrap(), o["problem"].is_null()))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("tenant_0.outbox", true),
+            ("tenant_1.outbox", true),
+            ("acme (acme.outbox)", true),
+            ("beta (tenant_0.outbox)", true)
+        ]
+    );
+
+    let mut cmd = crate::support::outbox_cmd();
+    cmd.args(["relay", "--config", config]).env("DATABASE_URL", &url);
+    let fleet = Spawned::spawn_notified(cmd).unwrap();
+    fleet.wait_for_notification("READY=1", LONG).await.unwrap();
+    wait_until("the found tenants' and beta's events in Redis", LONG, || async {
+        read_stream(&redis.url(), STREAM).await.len() == 2 * 7 + 1
+    })
+    .await;
+    receiver.wait_for_count(7, LONG).await.unwrap();
+    let to_http: HashSet<String> = receiver
+        .received()
+        .iter()
+        .map(|p| p.body["aggregate_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        to_http,
+        HashSet::from(["acme".to_owned()]),
+        "only acme's events over HTTP"
+    );
+    wait_until("everything published", LONG, || async {
+        unpublished(&client, &found).await == 0
+            && unpublished(&client, std::slice::from_ref(&acme)).await == 0
+    })
+    .await;
+    stop_fleet(fleet).await;
 }

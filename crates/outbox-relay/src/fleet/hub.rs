@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use futures::StreamExt;
-use outbox::sql::fleet::{self as sql, TenantOutbox};
+use outbox::sql::fleet as sql;
 use outbox::sql::{ClaimSpec, OutboxSql};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -25,11 +25,12 @@ use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, warn};
 
-use super::{Database, Pool, Shared, Tenant};
+use super::{Database, Listed, Pool, Shared, Tenant};
 use crate::config::RelayConfig;
 use crate::error::error_chain;
 use crate::pg::PgConfig;
 use crate::relay::Relay;
+use crate::sink::Sink;
 
 /// Whether this process serves an outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,13 +42,19 @@ enum Own {
     Serving,
 }
 
-/// One tenant outbox of the database.
+/// One outbox of the database: found by the pattern, or listed by name.
 struct Entry {
     config: outbox::Config,
+    /// What it is served with: the fleet's settings, or a listed
+    /// outbox's own.
+    relay: RelayConfig,
+    sink: Arc<dyn Sink>,
+    /// Its `outbox` label in metrics and logs.
+    label: String,
     tenant: Arc<Tenant>,
     own: Own,
     /// Its relay loop while served.
-    relay: Option<(CancellationToken, JoinHandle<()>)>,
+    running: Option<(CancellationToken, JoinHandle<()>)>,
 }
 
 /// See the [module docs](self).
@@ -57,12 +64,18 @@ pub(super) struct Hub {
     name: String,
     /// Several databases: outbox labels are `database/schema.table`.
     prefixed: bool,
+    /// The schema pattern this database is searched with; None for a
+    /// database only listed outboxes are in.
+    schemas: Option<String>,
+    /// The listed outboxes of this database, with their lock keys once
+    /// known (asked of the server once).
+    listed: Vec<(Listed, Option<i32>)>,
     db: Arc<Database>,
-    /// By schema.
+    /// By `schema.table`.
     outboxes: BTreeMap<String, Entry>,
-    /// Schemas whose outbox is at another version: said once.
+    /// Outboxes not served for their privileges or version: said once.
     refused: BTreeSet<String>,
-    /// The due statement over the served outboxes, and their schemas by
+    /// The due statement over the served outboxes, and their names by
     /// position.
     due: (String, Vec<String>),
     /// An outbox taken over waits for the previous owner's batch, and the
@@ -71,6 +84,14 @@ pub(super) struct Hub {
     /// Relay loops told to stop that may still commit their batch: awaited
     /// when the hub stops, so SIGTERM finishes every batch in flight.
     stopping: Vec<JoinHandle<()>>,
+}
+
+/// How an outbox was found.
+enum Found {
+    /// By the schema pattern: served with the fleet's settings.
+    Pattern(outbox::Config),
+    /// Listed by name: the listed outbox at this index.
+    Listed(usize),
 }
 
 /// Why an outbox found is not served.
@@ -110,13 +131,22 @@ enum HubError {
 }
 
 impl Hub {
-    pub(super) fn new(shared: Arc<Shared>, pg: PgConfig, name: String, prefixed: bool) -> Self {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        pg: PgConfig,
+        name: String,
+        prefixed: bool,
+        schemas: Option<String>,
+        listed: Vec<Listed>,
+    ) -> Self {
         let pool = Pool::new(pg.clone(), shared.config.sessions);
         Self {
             shared,
             pg,
             name,
             prefixed,
+            schemas,
+            listed: listed.into_iter().map(|l| (l, None)).collect(),
             db: Arc::new(Database {
                 pool,
                 control_pid: Default::default(),
@@ -197,7 +227,8 @@ impl Hub {
         });
         outbox::sql::listen(&client, &self.shared.config.relay.outbox.channel).await?;
         let config = &self.shared.config;
-        sql::join(&client, &config.schemas, &config.relay.outbox.table).await?;
+        let pattern = config.schemas.as_deref().unwrap_or_default();
+        sql::join(&client, pattern, &config.relay.outbox.table).await?;
         let (pid, _) = outbox::sql::backend_identity(&client).await?;
         self.db.control_pid.store(pid, Ordering::Release);
         self.shared.health.postgres(&self.name, None);
@@ -241,12 +272,7 @@ impl Hub {
     /// A notification: wakes the outbox it names if served; any other
     /// (a `dlq requeue` sweep, a single relay's) makes a due scan.
     async fn notified(&mut self, client: &Client, payload: &str) -> Result<(), HubError> {
-        let table = self.shared.config.relay.outbox.table.as_str();
-        let named = payload
-            .split_once('.')
-            .filter(|(_, t)| *t == table)
-            .and_then(|(schema, _)| self.outboxes.get(schema));
-        match named {
+        match self.outboxes.get(payload) {
             Some(entry) => {
                 if entry.own == Own::Serving {
                     entry.tenant.wake();
@@ -259,7 +285,7 @@ impl Hub {
 
     /// Wakes the served outboxes with a row due.
     async fn scan(&mut self, client: &Client) -> Result<(), HubError> {
-        let (statement, schemas) = &self.due;
+        let (statement, names) = &self.due;
         let due = match sql::due(client, statement).await {
             Ok(due) => due,
             Err(error) if error.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
@@ -271,8 +297,8 @@ impl Hub {
         for position in due {
             let entry = usize::try_from(position)
                 .ok()
-                .and_then(|p| schemas.get(p))
-                .and_then(|schema| self.outboxes.get(schema));
+                .and_then(|p| names.get(p))
+                .and_then(|name| self.outboxes.get(name));
             if let Some(entry) = entry {
                 entry.tenant.wake();
             }
@@ -283,47 +309,83 @@ impl Hub {
     /// Finds the outboxes, then balances them (see the module docs).
     async fn discover(&mut self, client: &Client) -> Result<(), HubError> {
         let shared = Arc::clone(&self.shared);
-        let config = &shared.config;
-        let found = sql::tenant_outboxes(client, &config.schemas, &config.relay.outbox.table).await?;
-        let found: HashMap<String, TenantOutbox> = found
-            .into_iter()
-            .map(|t| (t.schema.as_str().to_owned(), t))
-            .collect();
+        let base = &shared.config.relay;
+        // Found by the pattern, each with the fleet's settings.
+        let mut found: HashMap<String, (Found, i32)> = HashMap::new();
+        if let Some(pattern) = &self.schemas {
+            for t in sql::tenant_outboxes(client, pattern, &base.outbox.table).await? {
+                let mut config = base.outbox.clone();
+                config.schema = t.schema;
+                found.insert(config.display_name(), (Found::Pattern(config), t.key));
+            }
+        }
+        // Listed ones win over the pattern, with their own settings.
+        for i in 0..self.listed.len() {
+            let key = match self.listed[i].1 {
+                Some(key) => key,
+                None => {
+                    let key = sql::outbox_key(client, &self.listed[i].0.relay.outbox).await?;
+                    self.listed[i].1 = Some(key);
+                    key
+                }
+            };
+            let name = self.listed[i].0.relay.outbox.display_name();
+            found.insert(name, (Found::Listed(i), key));
+        }
         let gone: Vec<String> = self
             .outboxes
             .keys()
-            .filter(|schema| !found.contains_key(*schema))
+            .filter(|name| !found.contains_key(*name))
             .cloned()
             .collect();
-        for schema in gone {
-            let mut entry = self.outboxes.remove(&schema).expect("listed");
-            info!(outbox = %self.label(&entry.config), "outbox gone; let go");
+        for name in gone {
+            let mut entry = self.outboxes.remove(&name).expect("known");
+            info!(outbox = %entry.label, "outbox gone; let go");
             self.stop(&mut entry);
             if entry.own != Own::No {
                 sql::disown(client, &[entry.tenant.key]).await?;
             }
         }
-        for (schema, t) in found {
-            if self.outboxes.contains_key(&schema) {
+        for (name, (how, key)) in found {
+            if self.outboxes.contains_key(&name) {
                 continue;
             }
-            let mut outbox = config.relay.outbox.clone();
-            outbox.schema = t.schema.clone();
-            if let Err(why) = servable(client, &outbox).await {
-                if self.refused.insert(schema.clone()) {
-                    warn!(outbox = %self.label(&outbox), error = %why.error, "outbox not served: {}", why.reason);
+            let (relay, sink, label) = match how {
+                Found::Pattern(config) => {
+                    let label = self.label(&config);
+                    let relay = RelayConfig {
+                        outbox: config,
+                        ..base.clone()
+                    };
+                    (relay, Arc::clone(&shared.sink), label)
+                }
+                Found::Listed(i) => {
+                    let listed = &self.listed[i].0;
+                    (
+                        listed.relay.clone(),
+                        Arc::clone(&listed.sink),
+                        listed.name.clone(),
+                    )
+                }
+            };
+            if let Err(why) = servable(client, &relay.outbox).await {
+                if self.refused.insert(name.clone()) {
+                    warn!(outbox = %label, error = %why.error, "outbox not served: {}", why.reason);
                 }
                 continue;
             }
-            self.refused.remove(&schema);
-            debug!(outbox = %self.label(&outbox), "outbox found");
+            self.refused.remove(&name);
+            debug!(outbox = %label, "outbox found");
             self.outboxes.insert(
-                schema,
+                name,
                 Entry {
-                    config: outbox,
-                    tenant: Arc::new(Tenant::new(t.key)),
+                    config: relay.outbox.clone(),
+                    relay,
+                    sink,
+                    label,
+                    tenant: Arc::new(Tenant::new(key)),
                     own: Own::No,
-                    relay: None,
+                    running: None,
                 },
             );
         }
@@ -336,22 +398,23 @@ impl Hub {
         let pid = self.db.control_pid().unwrap_or(0);
         let holders: HashMap<i32, i32> = sql::owners(client).await?.into_iter().collect();
         let config = &self.shared.config;
-        let members = sql::members(client, &config.schemas, &config.relay.outbox.table)
+        let pattern = config.schemas.as_deref().unwrap_or_default();
+        let members = sql::members(client, pattern, &config.relay.outbox.table)
             .await?
             .max(1);
         // Ours by our records but not by PostgreSQL's: not ours.
         let mut lost = Vec::new();
-        for entry in self.outboxes.values_mut() {
+        for (name, entry) in &self.outboxes {
             if entry.own != Own::No && holders.get(&entry.tenant.key) != Some(&pid) {
-                lost.push(entry.config.schema.as_str().to_owned());
+                lost.push(name.clone());
             }
         }
-        for schema in lost {
-            let mut entry = self.outboxes.remove(&schema).expect("listed");
-            warn!(outbox = %self.label(&entry.config), "outbox no longer held by this process; let go");
+        for name in lost {
+            let mut entry = self.outboxes.remove(&name).expect("known");
+            warn!(outbox = %entry.label, "outbox no longer held by this process; let go");
             self.stop(&mut entry);
             entry.own = Own::No;
-            self.outboxes.insert(schema, entry);
+            self.outboxes.insert(name, entry);
         }
         let share = self.outboxes.len().div_ceil(members);
         let mine = self.outboxes.values().filter(|e| e.own != Own::No).count();
@@ -365,13 +428,13 @@ impl Hub {
                 .map(|(s, _)| s.clone())
                 .collect();
             let mut keys = Vec::new();
-            for schema in over {
-                let mut entry = self.outboxes.remove(&schema).expect("listed");
+            for name in over {
+                let mut entry = self.outboxes.remove(&name).expect("known");
                 self.stop(&mut entry);
                 entry.own = Own::No;
                 keys.push(entry.tenant.key);
-                info!(outbox = %self.label(&entry.config), members, "outbox handed over to another fleet process");
-                self.outboxes.insert(schema, entry);
+                debug!(outbox = %entry.label, members, "outbox handed over to another fleet process");
+                self.outboxes.insert(name, entry);
             }
             sql::disown(client, &keys).await?;
         } else if mine < share {
@@ -406,14 +469,14 @@ impl Hub {
             .collect();
         if !taking.is_empty() {
             let passed: BTreeSet<i32> = sql::barrier(client, &taking).await?.into_iter().collect();
-            let schemas: Vec<String> = self
+            let names: Vec<String> = self
                 .outboxes
                 .iter()
                 .filter(|(_, e)| passed.contains(&e.tenant.key) && e.own == Own::TakingOver)
-                .map(|(s, _)| s.clone())
+                .map(|(name, _)| name.clone())
                 .collect();
-            for schema in schemas {
-                self.start(&schema).await;
+            for name in names {
+                self.start(&name).await;
             }
             let waiting = taking.len() > passed.len();
             if waiting && !self.waiting {
@@ -468,20 +531,13 @@ impl Hub {
         }
     }
 
-    /// Starts serving the outbox of `schema`: its relay loop.
-    async fn start(&mut self, schema: &str) {
-        let label = {
-            let entry = &self.outboxes[schema];
-            self.label(&entry.config)
-        };
-        let shared = Arc::clone(&self.shared);
+    /// Starts serving the outbox `name`: its relay loop.
+    async fn start(&mut self, name: &str) {
         let db = Arc::clone(&self.db);
         let pg = self.pg.clone();
-        let entry = self.outboxes.get_mut(schema).expect("listed");
-        let config = RelayConfig {
-            outbox: entry.config.clone(),
-            ..shared.config.relay.clone()
-        };
+        let entry = self.outboxes.get_mut(name).expect("known");
+        let config = entry.relay.clone();
+        let label = entry.label.clone();
         // Unprepared (see `pool`); a batch transaction left idle longer
         // than a claim may last is ended by the server.
         let statements = match OutboxSql::with_claims(&config.outbox, ClaimSpec::default())
@@ -497,7 +553,7 @@ impl Hub {
         entry.own = Own::Serving;
         let tenant = Arc::clone(&entry.tenant);
         let stop = CancellationToken::new();
-        let relay = Relay::for_fleet(pg, Arc::clone(&shared.sink), config, label.clone());
+        let relay = Relay::for_fleet(pg, Arc::clone(&entry.sink), config, label.clone());
         let span = tracing::info_span!("outbox", outbox = %label);
         let run = relay.run_tenant(Arc::clone(&tenant), db, statements, stop.clone());
         let task = tokio::spawn(
@@ -508,7 +564,7 @@ impl Hub {
             }
             .instrument(span),
         );
-        entry.relay = Some((stop, task));
+        entry.running = Some((stop, task));
         tenant.serve(true);
         debug!(outbox = %label, "serving outbox");
     }
@@ -518,7 +574,7 @@ impl Hub {
     /// barrier waits for that batch).
     fn stop(&mut self, entry: &mut Entry) {
         entry.tenant.serve(false);
-        if let Some((stop, task)) = entry.relay.take() {
+        if let Some((stop, task)) = entry.running.take() {
             stop.cancel();
             // Not awaited here: it commits its batch and ends on its own.
             self.stopping.retain(|t| !t.is_finished());
@@ -530,12 +586,12 @@ impl Hub {
     /// it, so nothing is served until it is back.
     async fn lost(&mut self) {
         self.db.control_pid.store(0, Ordering::Release);
-        let schemas: Vec<String> = self.outboxes.keys().cloned().collect();
-        for schema in schemas {
-            let mut entry = self.outboxes.remove(&schema).expect("listed");
+        let names: Vec<String> = self.outboxes.keys().cloned().collect();
+        for name in names {
+            let mut entry = self.outboxes.remove(&name).expect("known");
             self.stop(&mut entry);
             entry.own = Own::No;
-            self.outboxes.insert(schema, entry);
+            self.outboxes.insert(name, entry);
         }
         self.rebuild_due();
     }

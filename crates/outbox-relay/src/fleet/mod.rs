@@ -42,12 +42,40 @@ use crate::health::Health;
 use crate::pg::PgConfig;
 use crate::sink::Sink;
 
+/// An outbox a fleet serves by name (`[outboxes.NAME]` in the
+/// configuration file), with settings and a sink of its own.
+#[derive(Clone)]
+pub struct Listed {
+    /// Its name: its `outbox` label in metrics and logs.
+    pub name: String,
+    /// Its database (the fleet serves it through that database's control
+    /// session and pool).
+    pub pg: PgConfig,
+    /// What it is served with; its `outbox` names the table.
+    pub relay: RelayConfig,
+    /// Where its events go.
+    pub sink: Arc<dyn Sink>,
+}
+
+impl std::fmt::Debug for Listed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listed")
+            .field("name", &self.name)
+            .field("outbox", &self.relay.outbox.display_name())
+            .field("sink", &self.sink.describe())
+            .finish_non_exhaustive()
+    }
+}
+
 /// What a fleet serves and how.
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
     /// A `LIKE` pattern: the schemas whose outbox (named
-    /// `relay.outbox.table`, migrated) the fleet serves.
-    pub schemas: String,
+    /// `relay.outbox.table`, migrated) the fleet serves; None to serve
+    /// only the listed ones.
+    pub schemas: Option<String>,
+    /// Outboxes served by name, each with its own settings.
+    pub listed: Vec<Listed>,
     /// A `LIKE` pattern: the databases of the server it serves; None for
     /// the URL's database only.
     pub databases: Option<String>,
@@ -69,7 +97,12 @@ pub const DEFAULT_DISCOVER_INTERVAL: Duration = Duration::from_secs(5);
 impl FleetConfig {
     /// What a fleet cannot do yet, as the flag that asked for it.
     fn refused(&self) -> Option<&'static str> {
-        let r = &self.relay;
+        std::iter::once(&self.relay)
+            .chain(self.listed.iter().map(|l| &l.relay))
+            .find_map(Self::refused_of)
+    }
+
+    fn refused_of(r: &RelayConfig) -> Option<&'static str> {
         if r.source != SourceKind::Poll {
             Some("--source wal")
         } else if r.claim != ClaimMode::Lock {
@@ -122,7 +155,10 @@ pub async fn survey(pg: &PgConfig, config: &FleetConfig) -> Result<Vec<Surveyed>
         };
         let client = other.as_ref().unwrap_or(&server);
         let table = &config.relay.outbox.table;
-        for tenant in outbox::sql::fleet::tenant_outboxes(client, &config.schemas, table).await? {
+        let Some(pattern) = &config.schemas else {
+            break;
+        };
+        for tenant in outbox::sql::fleet::tenant_outboxes(client, pattern, table).await? {
             let mut outbox = config.relay.outbox.clone();
             outbox.schema = tenant.schema;
             let label = match &database {
@@ -137,6 +173,16 @@ pub async fn survey(pg: &PgConfig, config: &FleetConfig) -> Result<Vec<Surveyed>
                     .map(|why| format!("{}: {}", why.reason, why.error)),
             });
         }
+    }
+    for listed in &config.listed {
+        let client = crate::pg::connect_once(&listed.pg).await?;
+        found.push(Surveyed {
+            outbox: format!("{} ({})", listed.name, listed.relay.outbox.display_name()),
+            problem: hub::servable(&client, &listed.relay.outbox)
+                .await
+                .err()
+                .map(|why| format!("{}: {}", why.reason, why.error)),
+        });
     }
     Ok(found)
 }
@@ -276,7 +322,8 @@ impl Fleet {
         drop(crate::pg::connect(&self.pg).await.map_err(RelayError::Connect)?);
         let config = &self.shared.config;
         info!(
-            schemas = %config.schemas,
+            schemas = config.schemas.as_deref().unwrap_or("(none)"),
+            listed = config.listed.len(),
             databases = config.databases.as_deref().unwrap_or("(the URL's)"),
             table = %config.relay.outbox.table.as_str(),
             sink = %self.shared.sink.describe(),
@@ -284,22 +331,73 @@ impl Fleet {
             discover_interval_ms = u64::try_from(config.discover_interval.as_millis()).unwrap_or(u64::MAX),
             "fleet starting"
         );
+        // Listed outboxes of databases the pattern does not cover get
+        // hubs of their own (those of the URL's database, or of a database
+        // --databases matches, join its hub).
+        let mut elsewhere: Vec<(PgConfig, Vec<Listed>)> = Vec::new();
+        for listed in &config.listed {
+            let covered = match &config.databases {
+                None => same_database(&listed.pg, &self.pg),
+                Some(pattern) => like(pattern, dbname(&listed.pg)),
+            };
+            if covered {
+                continue;
+            }
+            match elsewhere.iter_mut().find(|(pg, _)| same_database(pg, &listed.pg)) {
+                Some((_, list)) => list.push(listed.clone()),
+                None => elsewhere.push((listed.pg.clone(), vec![listed.clone()])),
+            }
+        }
+        let mut tasks = Vec::new();
+        let mut firsts = Vec::new();
+        for (pg, listed) in elsewhere {
+            let (first, ticked) = tokio::sync::oneshot::channel();
+            firsts.push(ticked);
+            let name = dbname(&pg).to_owned();
+            let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name, true, None, listed);
+            tasks.push(tokio::spawn(hub.run(cancel.clone(), Some(first))));
+        }
         match config.databases.clone() {
             None => {
-                let name = self.pg.postgres().get_dbname().unwrap_or("postgres").to_owned();
+                let name = dbname(&self.pg).to_owned();
                 let (first, ticked) = tokio::sync::oneshot::channel();
-                let hub = hub::Hub::new(Arc::clone(&self.shared), self.pg.clone(), name, false);
-                let task = tokio::spawn(hub.run(cancel.clone(), Some(first)));
-                if tokio::select! { t = ticked => t.is_ok(), () = cancel.cancelled() => false } {
+                firsts.push(ticked);
+                let listed = self.listed_in(&self.pg);
+                let prefixed = !tasks.is_empty();
+                let hub = hub::Hub::new(
+                    Arc::clone(&self.shared),
+                    self.pg.clone(),
+                    name,
+                    prefixed,
+                    config.schemas.clone(),
+                    listed,
+                );
+                tasks.push(tokio::spawn(hub.run(cancel.clone(), Some(first))));
+                let all = futures::future::join_all(firsts);
+                if tokio::select! { t = all => t.iter().all(Result::is_ok), () = cancel.cancelled() => false }
+                {
                     self.ready();
                 }
-                let _ = task.await;
             }
-            Some(pattern) => self.run_databases(&pattern, cancel).await?,
+            Some(pattern) => self.run_databases(&pattern, firsts, cancel.clone()).await?,
+        }
+        for task in tasks {
+            let _ = task.await;
         }
         self.shared.health.running(false);
         info!("fleet stopped");
         Ok(())
+    }
+
+    /// The listed outboxes in the database of `pg`.
+    fn listed_in(&self, pg: &PgConfig) -> Vec<Listed> {
+        self.shared
+            .config
+            .listed
+            .iter()
+            .filter(|l| same_database(&l.pg, pg))
+            .cloned()
+            .collect()
     }
 
     fn ready(&self) {
@@ -310,7 +408,12 @@ impl Fleet {
 
     /// One hub per database matching `pattern`, started and stopped as
     /// databases come and go.
-    async fn run_databases(&self, pattern: &str, cancel: CancellationToken) -> Result<(), RelayError> {
+    async fn run_databases(
+        &self,
+        pattern: &str,
+        mut firsts: Vec<tokio::sync::oneshot::Receiver<()>>,
+        cancel: CancellationToken,
+    ) -> Result<(), RelayError> {
         let mut hubs: std::collections::BTreeMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
             Default::default();
         let mut client = None;
@@ -353,7 +456,6 @@ impl Fleet {
                 }
                 keep
             });
-            let mut firsts = Vec::new();
             for name in found {
                 if hubs.contains_key(&name) {
                     continue;
@@ -363,12 +465,14 @@ impl Fleet {
                 let stop = cancel.child_token();
                 let (first, ticked) = tokio::sync::oneshot::channel();
                 firsts.push(ticked);
-                let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name.clone(), true);
+                let listed = self.listed_in(&pg);
+                let schemas = self.shared.config.schemas.clone();
+                let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name.clone(), true, schemas, listed);
                 let task = tokio::spawn(hub.run(stop.clone(), Some(first)));
                 hubs.insert(name, (stop, task));
             }
             if !readied {
-                let all = futures::future::join_all(firsts);
+                let all = futures::future::join_all(std::mem::take(&mut firsts));
                 tokio::select! {
                     _ = all => {}
                     () = cancel.cancelled() => break,
@@ -382,5 +486,54 @@ impl Fleet {
             let _ = task.await;
         }
         Ok(())
+    }
+}
+
+/// The database `pg` names.
+fn dbname(pg: &PgConfig) -> &str {
+    pg.postgres().get_dbname().unwrap_or("postgres")
+}
+
+/// Whether `a` and `b` connect to one database (hosts, ports, database).
+fn same_database(a: &PgConfig, b: &PgConfig) -> bool {
+    let (a, b) = (a.postgres(), b.postgres());
+    a.get_hosts() == b.get_hosts() && a.get_ports() == b.get_ports() && a.get_dbname() == b.get_dbname()
+}
+
+/// SQL's `LIKE` (`%` any run, `_` any one character, `\` escapes), for
+/// telling whether `--databases` covers a listed outbox's database as the
+/// server would.
+fn like(pattern: &str, name: &str) -> bool {
+    fn matches(p: &[char], n: &[char]) -> bool {
+        match p.split_first() {
+            None => n.is_empty(),
+            Some(('%', rest)) => (0..=n.len()).any(|i| matches(rest, &n[i..])),
+            Some(('_', rest)) => !n.is_empty() && matches(rest, &n[1..]),
+            Some(('\\', rest)) if !rest.is_empty() => {
+                n.first() == Some(&rest[0]) && matches(&rest[1..], &n[1..])
+            }
+            Some((c, rest)) => n.first() == Some(c) && matches(rest, &n[1..]),
+        }
+    }
+    let p: Vec<char> = pattern.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    matches(&p, &n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::like;
+
+    #[test]
+    fn like_matches_as_sql_does() {
+        assert!(like("app_%", "app_1"));
+        assert!(like("app_%", "app_"));
+        assert!(!like("app_%", "app"));
+        assert!(like("a_c", "abc"));
+        assert!(!like("a_c", "ac"));
+        assert!(like("%", ""));
+        assert!(like("a\\_c", "a_c"));
+        assert!(!like("a\\_c", "abc"));
+        assert!(like("%tenant%", "my_tenant_db"));
     }
 }

@@ -96,6 +96,18 @@ pub async fn tenant_outboxes(
         .collect()
 }
 
+/// The lock key of the outbox `config` ([`TenantOutbox::key`]), for one
+/// listed by name rather than found by a pattern: the same hash.
+pub async fn outbox_key(client: &impl GenericClient, config: &Config) -> Result<i32, Error> {
+    client
+        .query_typed_one(
+            "SELECT hashtext($1 || '.' || $2) & 2147483647",
+            &[typed(&config.schema.as_str()), typed(&config.table.as_str())],
+        )
+        .await?
+        .try_get(0)
+}
+
 /// `$1` a `LIKE` pattern, `$2` the identifier rule: the schemas matching it,
 /// but PostgreSQL's own.
 const MATCHING_SCHEMAS: &str = "SELECT nspname::text FROM pg_namespace \
