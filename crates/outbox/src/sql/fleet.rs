@@ -493,4 +493,22 @@ mod tests {
         );
         assert_eq!(due_statement(&[]), "");
     }
+
+    #[test]
+    fn the_summaries_statement_reads_each_outbox_and_its_ledger_in_order() {
+        let a = Config::new("t1", "outbox").unwrap();
+        let b = Config::new("t2", "outbox").unwrap();
+        let sql = summaries_statement(&[a, b]);
+        assert!(
+            sql.starts_with("WITH now AS (SELECT clock_timestamp() AS at) SELECT 0::int4, "),
+            "{sql}"
+        );
+        assert!(sql.contains("FROM \"t1\".\"outbox_migrations\")"), "{sql}");
+        assert!(sql.contains(" UNION ALL SELECT 1::int4, "), "{sql}");
+        assert!(
+            sql.contains("FROM \"t2\".\"outbox\" WHERE published_at IS NULL"),
+            "{sql}"
+        );
+        assert!(sql.ends_with(" ORDER BY 1"), "{sql}");
+    }
 }
