@@ -204,8 +204,11 @@ fn mac(key: &[u8], label: &[u8], data: &[u8]) -> Vec<u8> {
 /// Finds what the request may do and puts it in the request's extensions;
 /// refuses it (401) when a token is set and the request proves none. The
 /// login page and the stylesheet are open.
-pub(crate) async fn guard(State(state): State<crate::State>, mut request: Request, next: Next) -> Response {
-    let auth = &state.auth;
+pub(crate) async fn guard(
+    State(auth): State<std::sync::Arc<Auth>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let path = request.uri().path();
     if path == "/login" || path == "/admin.css" {
         return next.run(request).await;
@@ -236,24 +239,17 @@ pub(crate) async fn guard(State(state): State<crate::State>, mut request: Reques
 }
 
 /// Checks that `access` may change rows with this form: a token is set,
-/// and a browser session posted its CSRF token. Some: the refusal to send.
-pub(crate) fn refusal(state: &crate::AppState, access: &Access, form: &Params) -> Option<Response> {
-    let refuse = |message: &str| {
-        view::message_page(
-            StatusCode::FORBIDDEN,
-            "Refused",
-            access,
-            &state.outbox.display_name(),
-            message,
-        )
-    };
+/// and a browser session posted its CSRF token. Some: the refusal to send,
+/// on a page framed by `frame`.
+pub(crate) fn refusal(auth: &Auth, frame: &view::Frame, access: &Access, form: &Params) -> Option<Response> {
+    let refuse = |message: &str| view::message_page(StatusCode::FORBIDDEN, "Refused", access, frame, message);
     match access {
         Access::ReadOnly => Some(refuse(
             "This console is read-only: start `outbox admin` with --admin-token (or OUTBOX_ADMIN_TOKEN) to requeue or give up on dead letters.",
         )),
         Access::Bearer => None,
         Access::Session { session, .. } => {
-            if state.auth.csrf_holds(session, form.get("csrf").unwrap_or("")) {
+            if auth.csrf_holds(session, form.get("csrf").unwrap_or("")) {
                 None
             } else {
                 tracing::warn!("admin: mutation refused: missing or wrong CSRF token");
@@ -284,8 +280,8 @@ fn cookie(request: &Request) -> Option<&str> {
 }
 
 /// `GET /login`.
-pub(crate) async fn login_page(State(state): State<crate::State>) -> Response {
-    if state.auth.token_tag.is_none() {
+pub(crate) async fn login_page(State(auth): State<std::sync::Arc<Auth>>) -> Response {
+    if auth.token_tag.is_none() {
         return Redirect::to("/").into_response();
     }
     login_form(StatusCode::OK, None)
@@ -305,8 +301,7 @@ fn login_form(status: StatusCode, problem: Option<&str>) -> Response {
 }
 
 /// `POST /login`: the token from the form; a session cookie if it is right.
-pub(crate) async fn login(State(state): State<crate::State>, body: axum::body::Bytes) -> Response {
-    let auth = &state.auth;
+pub(crate) async fn login(State(auth): State<std::sync::Arc<Auth>>, body: axum::body::Bytes) -> Response {
     if auth.token_tag.is_none() {
         return Redirect::to("/").into_response();
     }
@@ -328,15 +323,20 @@ pub(crate) async fn login(State(state): State<crate::State>, body: axum::body::B
 /// stays valid until it expires or the console restarts (nothing is stored
 /// to revoke), so the form needs the CSRF token like any mutation.
 pub(crate) async fn logout(
-    State(state): State<crate::State>,
+    State(auth): State<std::sync::Arc<Auth>>,
     axum::Extension(access): axum::Extension<Access>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(refused) = refusal(&state, &access, &Params::parse(&body)) {
+    let frame = view::Frame {
+        label: String::new(),
+        base: None,
+        fleet: false,
+    };
+    if let Some(refused) = refusal(&auth, &frame, &access, &Params::parse(&body)) {
         return refused;
     }
     let mut response = Redirect::to("/login").into_response();
-    if let Ok(value) = HeaderValue::from_str(&state.auth.cookie("", 0)) {
+    if let Ok(value) = HeaderValue::from_str(&auth.cookie("", 0)) {
         response.headers_mut().insert(header::SET_COOKIE, value);
     }
     response

@@ -167,7 +167,7 @@ fn bad_request(state: &crate::AppState, access: &Access, message: &str) -> Respo
         StatusCode::BAD_REQUEST,
         "Bad request",
         access,
-        &state.outbox.display_name(),
+        &state.frame,
         message,
     )
 }
@@ -228,23 +228,23 @@ pub(crate) async fn list(
         pairs.push(("after", last.id.to_string()));
         pairs.push(("limit", limit.to_string()));
         let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        format!("/dead?{}", query(&pairs))
+        state.frame.href(&format!("/dead?{}", query(&pairs)))
     });
     let body = html! {
-        form.filters method="get" action="/dead" {
+        form.filters method="get" action=(state.frame.href("/dead")) {
             label { "aggregate type" input name="aggregate_type" value=(typed("aggregate_type")); }
             label { "event type" input name="event_type" value=(typed("event_type")); }
             label { "error contains" input name="error" value=(typed("error")); }
             label { "dead for at least" input name="older_than" placeholder="5m" value=(typed("older_than")); }
             label { "dead for at most" input name="newer_than" placeholder="1h" value=(typed("newer_than")); }
             button type="submit" { "Filter" }
-            a href="/dead" { "Clear" }
+            a href=(state.frame.href("/dead")) { "Clear" }
         }
         p #dead-count { (view::dead_letters(total)) " match (" (selection.describe()) ")" @if after_id > 0 { ", after id " (after_id) } "." }
         @if rows.is_empty() {
             p.muted { "No dead letters here." }
         } @else {
-            form #dead-form method="get" action="/dead/confirm" {
+            form #dead-form method="get" action=(state.frame.href("/dead/confirm")) {
                 (selection.hidden())
                 div.actions {
                     button type="submit" name="action" value="requeue-selected" { "Requeue selected…" }
@@ -261,7 +261,7 @@ pub(crate) async fn list(
                         @for d in &rows {
                             tr.dead #(format!("dead-{}", d.id)) {
                                 td { input type="checkbox" name="id" value=(d.id) aria-label=(format!("select {}", d.id)); }
-                                td { a href=(format!("/event?id={}", d.id)) { (d.id) } }
+                                td { a href=(state.frame.href(&format!("/event?id={}", d.id))) { (d.id) } }
                                 td { (d.aggregate_type) " / " (d.aggregate_id) }
                                 td { (d.event_type) }
                                 td.num { (d.attempts) }
@@ -292,7 +292,7 @@ pub(crate) async fn list(
             @if let Some(next) = next { p { a #next-page href=(next) { "Next page →" } } }
         }
     };
-    Ok(view::layout("Dead letters", &access, &state.outbox.display_name(), body).into_response())
+    Ok(view::layout("Dead letters", &access, &state.frame, body).into_response())
 }
 
 /// `GET /dead/confirm`: the dry run. Counts what the action would change
@@ -327,12 +327,12 @@ pub(crate) async fn confirm(
         Action::RequeueSelected | Action::RequeueFiltered => (
             state.sql.count_dead(&*client, &selection.filter()).await,
             ("requeue", "requeued"),
-            "/dead/requeue",
+            state.frame.href("/dead/requeue"),
         ),
         Action::GiveUpSelected => (
             state.sql.count_give_up(&*client, &selection.ids).await,
             ("give up on", "given up on"),
-            "/dead/give-up",
+            state.frame.href("/dead/give-up"),
         ),
     };
     let count = count.map_err(|e| Failure("counting dead letters".into(), e))?;
@@ -353,18 +353,18 @@ pub(crate) async fn confirm(
                 (selection.hidden())
                 div.actions {
                     button #confirm type="submit" { "Yes, " (verb) " " (view::dead_letters(count)) }
-                    a href="/dead" { "Cancel" }
+                    a href=(state.frame.href("/dead")) { "Cancel" }
                 }
             }
         }
-        p { a href="/dead" { "Back to the dead letters" } }
+        p { a href=(state.frame.href("/dead")) { "Back to the dead letters" } }
     };
     let title = if action == Action::GiveUpSelected {
         "Give up?"
     } else {
         "Requeue?"
     };
-    Ok(view::layout(title, &access, &state.outbox.display_name(), body).into_response())
+    Ok(view::layout(title, &access, &state.frame, body).into_response())
 }
 
 /// `POST /dead/requeue`.
@@ -374,7 +374,7 @@ pub(crate) async fn requeue(
     body: axum::body::Bytes,
 ) -> Result<Response, Failure> {
     let p = Params::parse(&body);
-    if let Some(refused) = auth::refusal(&state, &access, &p) {
+    if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
         return Ok(refused);
     }
     // An explicit scope, so a body that lost its ids never widens to
@@ -404,6 +404,7 @@ pub(crate) async fn requeue(
     wake_relays(&state, &client, n).await?;
     tracing::info!(
         action = "requeue",
+        outbox = %state.outbox.display_name(),
         requeued = n,
         selection = %selection.describe(),
         by = access.who(),
@@ -436,7 +437,7 @@ pub(crate) async fn give_up(
     body: axum::body::Bytes,
 ) -> Result<Response, Failure> {
     let p = Params::parse(&body);
-    if let Some(refused) = auth::refusal(&state, &access, &p) {
+    if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
         return Ok(refused);
     }
     let selection = match Selection::selected(&p) {
@@ -457,6 +458,7 @@ pub(crate) async fn give_up(
     wake_relays(&state, &client, n).await?;
     tracing::info!(
         action = "give-up",
+        outbox = %state.outbox.display_name(),
         given_up = n,
         selection = %selection.describe(),
         by = access.who(),
@@ -472,7 +474,7 @@ pub(crate) async fn give_up(
 fn done(state: &crate::AppState, access: &Access, message: &str) -> Response {
     let body = html! {
         p.message #result { (message) }
-        p { a href="/" { "Overview" } " · " a href="/dead" { "Dead letters" } }
+        p { a href=(state.frame.href("/")) { "Overview" } " · " a href=(state.frame.href("/dead")) { "Dead letters" } }
     };
-    view::layout("Done", access, &state.outbox.display_name(), body).into_response()
+    view::layout("Done", access, &state.frame, body).into_response()
 }

@@ -1,8 +1,11 @@
-//! `outbox admin`: a server-rendered web console for one outbox table.
+//! `outbox admin`: a server-rendered web console for one outbox table, or
+//! for every tenant outbox of a fleet (`--schemas`): a list of them, each
+//! with the one-outbox pages under `/o/<schema>/`.
 //!
 //! | module | owns |
 //! |---|---|
 //! | [`auth`](crate::auth) | the token, browser sessions, CSRF tokens, the security headers |
+//! | `fleet` | the list of a fleet's outboxes and the routing of `/o/<schema>/…` to one |
 //! | `db` | the one PostgreSQL connection, reopened when it drops |
 //! | `overview` | backlog per aggregate type, throughput chart, dead letters per error, relays |
 //! | `dead` | the dead-letter list and its actions: requeue and give up, each after a dry run |
@@ -34,6 +37,7 @@ pub mod auth;
 mod chart;
 mod db;
 mod dead;
+mod fleet;
 mod form;
 mod overview;
 mod story;
@@ -46,13 +50,30 @@ pub use auth::Token;
 pub struct Admin {
     /// Where PostgreSQL is.
     pub pg: outbox_relay::pg::PgConfig,
-    /// Which outbox table.
-    pub outbox: outbox::Config,
+    /// Which outbox table, or which tenant outboxes.
+    pub scope: Scope,
     /// The token mutations (and, when set, every page) need. None: read-only.
     pub token: Option<Token>,
     /// Whether the session cookie gets `Secure` (false on a loopback
     /// address, where tests and SSH tunnels speak plain HTTP).
     pub secure_cookie: bool,
+}
+
+/// The outboxes a console shows.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Scope {
+    /// One outbox, its pages at `/`.
+    One(outbox::Config),
+    /// The tenant outboxes of the URL's database (what `relay --schemas`
+    /// serves): their list at `/`, each one's pages at `/o/<schema>/`.
+    Fleet {
+        /// The `LIKE` pattern of the schemas (`--schemas`).
+        schemas: String,
+        /// The outbox settings every tenant shares (table, channel); its
+        /// schema is replaced by each tenant's.
+        template: outbox::Config,
+    },
 }
 
 /// What can stop the console.
@@ -64,12 +85,15 @@ pub enum Error {
     Serve(#[source] std::io::Error),
 }
 
-/// Shared by every handler.
+/// Shared by every handler of one outbox's pages.
 pub(crate) struct AppState {
-    pub(crate) db: db::Db,
+    /// Shared by every outbox of a fleet: one connection per console.
+    pub(crate) db: Arc<db::Db>,
     pub(crate) sql: outbox::sql::OutboxSql,
     pub(crate) outbox: outbox::Config,
-    pub(crate) auth: auth::Auth,
+    /// Shared by every outbox of a fleet: one session signs in to all.
+    pub(crate) auth: Arc<auth::Auth>,
+    pub(crate) frame: view::Frame,
 }
 
 pub(crate) type State = Arc<AppState>;
@@ -77,19 +101,35 @@ pub(crate) type State = Arc<AppState>;
 /// Serves the console on `listener` until `cancel`, then lets requests in
 /// flight finish.
 pub async fn serve(admin: Admin, listener: TcpListener, cancel: CancellationToken) -> Result<(), Error> {
-    let state = Arc::new(AppState {
-        db: db::Db::new(admin.pg),
-        sql: outbox::sql::OutboxSql::new(&admin.outbox),
-        outbox: admin.outbox,
-        auth: auth::Auth::new(admin.token, admin.secure_cookie),
-    });
-    axum::serve(listener, router(state))
+    let db = Arc::new(db::Db::new(admin.pg));
+    let auth = Arc::new(auth::Auth::new(admin.token, admin.secure_cookie));
+    let pages = match admin.scope {
+        Scope::One(outbox) => pages(Arc::new(AppState {
+            frame: view::Frame {
+                label: outbox.display_name(),
+                base: Some(String::new()),
+                fleet: false,
+            },
+            db,
+            sql: outbox::sql::OutboxSql::new(&outbox),
+            outbox,
+            auth: Arc::clone(&auth),
+        })),
+        Scope::Fleet { schemas, template } => fleet::routes(Arc::new(fleet::FleetState {
+            db,
+            auth: Arc::clone(&auth),
+            schemas,
+            template,
+        })),
+    };
+    axum::serve(listener, guarded(pages, auth))
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await
         .map_err(Error::Serve)
 }
 
-fn router(state: State) -> Router {
+/// One outbox's pages, paths relative to where they are served.
+fn pages(state: State) -> Router {
     Router::new()
         .route("/", get(overview::page))
         .route("/dead", get(dead::list))
@@ -97,13 +137,21 @@ fn router(state: State) -> Router {
         .route("/dead/requeue", post(dead::requeue))
         .route("/dead/give-up", post(dead::give_up))
         .route("/event", get(story::page))
+        .with_state(state)
+}
+
+/// `pages` with signing in and out and the stylesheet, every request
+/// through the token guard, every response with the security headers: the
+/// same for one outbox and for a fleet, so every page and action of a
+/// tenant is guarded exactly as the one outbox's are.
+fn guarded(pages: Router, auth: Arc<auth::Auth>) -> Router {
+    let open = Router::new()
         .route("/login", get(auth::login_page).post(auth::login))
         .route("/logout", post(auth::logout))
         .route("/admin.css", get(view::stylesheet))
-        .layer(axum::middleware::from_fn_with_state(
-            Arc::clone(&state),
-            auth::guard,
-        ))
+        .with_state(Arc::clone(&auth));
+    pages
+        .merge(open)
+        .layer(axum::middleware::from_fn_with_state(auth, auth::guard))
         .layer(axum::middleware::from_fn(auth::security_headers))
-        .with_state(state)
 }

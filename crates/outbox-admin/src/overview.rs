@@ -124,7 +124,7 @@ pub(crate) async fn page(
                             td { @if let Some(t) = s.oldest_unpublished { (view::relative(t, now)) } @else { "–" } }
                             td.num {
                                 @if s.dead_letters > 0 {
-                                    a href=(format!("/dead?{}", query(&[("aggregate_type", &s.aggregate_type)]))) { (s.dead_letters) }
+                                    a href=(state.frame.href(&format!("/dead?{}", query(&[("aggregate_type", &s.aggregate_type)])))) { (s.dead_letters) }
                                 } @else { "0" }
                             }
                             td.num { (s.given_up) }
@@ -149,7 +149,7 @@ pub(crate) async fn page(
                             td { (d.aggregate_type) }
                             td.error { (d.last_error) }
                             td.num {
-                                a href=(format!("/dead?{}", query(&[("aggregate_type", &d.aggregate_type), ("error", &d.last_error)]))) { (d.count) }
+                                a href=(state.frame.href(&format!("/dead?{}", query(&[("aggregate_type", &d.aggregate_type), ("error", &d.last_error)])))) { (d.count) }
                             }
                         }
                     }
@@ -189,7 +189,7 @@ pub(crate) async fn page(
         }
         p.muted { (partitions.len()) " partitions. Reload the page to refresh." }
     };
-    Ok(view::layout("Overview", &access, &state.outbox.display_name(), body).into_response())
+    Ok(view::layout("Overview", &access, &state.frame, body).into_response())
 }
 
 /// A query string, percent-encoded.

@@ -84,9 +84,10 @@ pub(crate) async fn page(
 ) -> Result<Response, Failure> {
     let p = Params::query(raw.as_deref());
     let table = state.outbox.display_name();
+    let frame = &state.frame;
     let Some(key) = p.get("id") else {
         let body = html! { p { "Give an event id (UUID) or a row id in the search box above." } };
-        return Ok(view::layout("Event story", &access, &table, body).into_response());
+        return Ok(view::layout("Event story", &access, frame, body).into_response());
     };
     let (id, event_id) = match (key.parse::<i64>(), key.parse::<Uuid>()) {
         (Ok(id), _) => (Some(id), None),
@@ -96,7 +97,7 @@ pub(crate) async fn page(
                 StatusCode::BAD_REQUEST,
                 "Event story",
                 &access,
-                &table,
+                frame,
                 &format!("{key:?} is neither a row id (a number) nor an event id (a UUID)."),
             ));
         }
@@ -116,17 +117,17 @@ pub(crate) async fn page(
             StatusCode::NOT_FOUND,
             "Event story",
             &access,
-            &table,
+            frame,
             &format!(
                 "No event {key} in {table}: never written, or delivered and removed by `outbox cleanup`."
             ),
         ));
     };
     let title = format!("Event {}", story.event.id);
-    Ok(view::layout(&title, &access, &table, render(&story)).into_response())
+    Ok(view::layout(&title, &access, frame, render(&story, frame)).into_response())
 }
 
-fn render(s: &EventStory) -> Markup {
+fn render(s: &EventStory, frame: &view::Frame) -> Markup {
     let e = &s.event;
     let now = s.now;
     let reasons = reasons(s);
@@ -154,14 +155,14 @@ fn render(s: &EventStory) -> Markup {
                             Reason::Dead { since } => {
                                 span.error { "Dead letter" } " since " (view::when(*since, now)) " after " (e.attempts) " attempts. "
                                 "It waits for a requeue or a give-up: "
-                                a href=(format!("/dead?{}", query(&[("aggregate_type", &e.aggregate_type), ("event_type", &e.event_type)]))) { "dead letters like it" } "."
+                                a href=(frame.href(&format!("/dead?{}", query(&[("aggregate_type", &e.aggregate_type), ("event_type", &e.event_type)])))) { "dead letters like it" } "."
                             },
                             Reason::WaitingForRetry { at } => {
                                 "Waiting for its retry at " (view::when(*at, now)) ", after " (e.attempts) " failed attempts."
                             },
                             Reason::HeldBehind { id } => {
                                 "Held behind an earlier event of aggregate " (e.aggregate_type) " / " (e.aggregate_id) ": "
-                                a #held-behind href=(format!("/event?id={id}")) { "event " (id) }
+                                a #held-behind href=(frame.href(&format!("/event?id={id}"))) { "event " (id) }
                                 " is not delivered (and nobody gave up on it). Relays with --ordering strict (or --ordering-for "
                                 (e.aggregate_type) "=strict) deliver this one only after it."
                             },

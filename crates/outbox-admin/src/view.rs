@@ -48,8 +48,29 @@ pub(crate) fn bare(title: &str, body: Markup) -> Markup {
     }
 }
 
+/// Where a page sits: the outbox it is about and where that outbox's
+/// pages are, or the list of a fleet's outboxes.
+#[derive(Debug, Clone)]
+pub(crate) struct Frame {
+    /// What the header names: `schema.table`, or the fleet's `--schemas`
+    /// pattern on its list.
+    pub(crate) label: String,
+    /// The prefix of the outbox's pages: "" for the console of one outbox,
+    /// `/o/<schema>` for one of a fleet's; None on the fleet's list.
+    pub(crate) base: Option<String>,
+    /// Whether `/` lists many outboxes (each outbox's pages link back).
+    pub(crate) fleet: bool,
+}
+
+impl Frame {
+    /// The path of this outbox's page `path` (which starts with `/`).
+    pub(crate) fn href(&self, path: &str) -> String {
+        format!("{}{path}", self.base.as_deref().unwrap_or(""))
+    }
+}
+
 /// A page of the console: navigation, the table it shows, who is signed in.
-pub(crate) fn layout(title: &str, access: &Access, table: &str, body: Markup) -> Markup {
+pub(crate) fn layout(title: &str, access: &Access, frame: &Frame, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -58,12 +79,15 @@ pub(crate) fn layout(title: &str, access: &Access, table: &str, body: Markup) ->
                 header {
                     nav {
                         a.brand href="/" { "outbox admin" }
-                        span.table { (table) }
-                        a href="/" { "Overview" }
-                        a href="/dead" { "Dead letters" }
-                        form.lookup method="get" action="/event" {
-                            input type="search" name="id" placeholder="event id or row id" aria-label="event id or row id";
-                            button type="submit" { "Story" }
+                        @if frame.fleet { a #fleet-list href="/" { "All outboxes" } }
+                        span.table #outbox-label { (frame.label) }
+                        @if frame.base.is_some() {
+                            a #overview-link href=(frame.href("/")) { "Overview" }
+                            a href=(frame.href("/dead")) { "Dead letters" }
+                            form.lookup method="get" action=(frame.href("/event")) {
+                                input type="search" name="id" placeholder="event id or row id" aria-label="event id or row id";
+                                button type="submit" { "Story" }
+                            }
                         }
                     }
                     div.who {
@@ -91,11 +115,12 @@ pub(crate) fn message_page(
     status: StatusCode,
     title: &str,
     access: &Access,
-    table: &str,
+    frame: &Frame,
     message: &str,
 ) -> Response {
-    let body = html! { p.message #message { (message) } p { a href="/" { "Back to the overview" } } };
-    (status, layout(title, access, table, body)).into_response()
+    let body =
+        html! { p.message #message { (message) } p { a href=(frame.href("/")) { "Back to the overview" } } };
+    (status, layout(title, access, frame, body)).into_response()
 }
 
 /// A failed page: the error chain (escaped) and a 500, also logged.
@@ -114,7 +139,7 @@ impl IntoResponse for Failure {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -180,7 +205,11 @@ mod tests {
         let page = layout(
             "<script>alert(1)</script>",
             &Access::ReadOnly,
-            "\"><img src=x onerror=alert(1)>",
+            &Frame {
+                label: "\"><img src=x onerror=alert(1)>".into(),
+                base: Some(String::new()),
+                fleet: false,
+            },
             html! {},
         )
         .into_string();

@@ -703,6 +703,15 @@ pub(crate) struct AdminArgs {
     /// variable: arguments show in `ps`.
     #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
     pub(crate) admin_token: Option<String>,
+    /// Serve every tenant outbox of the URL's database in a schema matching
+    /// this LIKE pattern (`tenant_%`), what `relay --schemas` serves: `/`
+    /// lists them by backlog, each one's pages are under `/o/<schema>/`.
+    #[arg(long, value_name = "PATTERN", conflicts_with = "schema")]
+    pub(crate) schemas: Option<String>,
+    /// Not supported by the console: run one `outbox admin --schemas` per
+    /// database (refused with exit 2).
+    #[arg(long, value_name = "PATTERN", requires = "schemas", hide = true)]
+    pub(crate) databases: Option<String>,
 }
 
 /// `TYPE=MODE` of `--ordering-for`.

@@ -1,5 +1,7 @@
 //! `outbox admin`: checks the flags (a token, or a loopback address), binds,
-//! and hands over to `outbox_admin` until SIGINT/SIGTERM.
+//! and hands over to `outbox_admin` until SIGINT/SIGTERM. With `--schemas`
+//! the console serves a fleet's tenant outboxes of the URL's database; each
+//! is checked when its page is asked for, as tenants come and go.
 
 use anyhow::Context;
 
@@ -25,6 +27,13 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
+    if let Some(databases) = &args.databases {
+        return Err(ConfigError(format!(
+            "outbox admin serves the outboxes of one database: --databases {databases:?} is not supported; \
+             run one `outbox admin --schemas` per database (its URL names it)"
+        ))
+        .into());
+    }
     let config = super::outbox_config(g)?;
     let pg = super::pg_config(g)?;
     let client = super::connect(&pg).await?;
@@ -34,8 +43,33 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
     } else {
         outbox::privileges::Role::AdminRead
     };
-    super::require(&client, &config, &[role]).await?;
-    outbox::check(&client, &config).await?;
+    let (scope, serving) = match args.schemas {
+        None => {
+            super::require(&client, &config, &[role]).await?;
+            outbox::check(&client, &config).await?;
+            (outbox_admin::Scope::One(config.clone()), config.display_name())
+        }
+        Some(schemas) => {
+            // clap refuses --schema beside --schemas, but not before the
+            // subcommand (see `fleet_ops::Scope::new`).
+            super::fleet_ops::Scope::new(g, &schemas, None)?;
+            let found = outbox::sql::fleet::tenant_outboxes(&client, &schemas, &config.table)
+                .await
+                .context("listing the tenant outboxes")?;
+            if found.is_empty() {
+                tracing::warn!(
+                    schemas,
+                    "admin: no schema matching --schemas holds an outbox yet (`outbox migrate --schemas`)"
+                );
+            }
+            let serving = format!("{} in schemas {schemas}", config.table);
+            let scope = outbox_admin::Scope::Fleet {
+                schemas,
+                template: config,
+            };
+            (scope, serving)
+        }
+    };
     drop(client);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -46,11 +80,11 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
     } else {
         "read-only: no --admin-token"
     };
-    tracing::info!(listen = %args.listen, table = %config.display_name(), "admin console on http://{} ({mode})", args.listen);
+    tracing::info!(listen = %args.listen, outboxes = %serving, "admin console on http://{} ({mode})", args.listen);
     outbox::notify::send("READY=1\nSTATUS=admin console ready");
     let admin = outbox_admin::Admin {
         pg,
-        outbox: config,
+        scope,
         token,
         // Browsers drop `Secure` cookies over plain HTTP, which loopback
         // (tests, an SSH tunnel) speaks; anywhere else a TLS proxy is

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use crate::support::{Db, LONG, outbox_cmd, run_cli, start_relay, stop_relay, text, wait_until};
 
-const TOKEN: &str = "test-admin-token-0123456789";
+pub(crate) const TOKEN: &str = "test-admin-token-0123456789";
 const SCRIPT: &str = "<script>alert(1)</script>";
 const IMG: &str = "\"><img src=x onerror=alert(1)>";
 
@@ -34,7 +34,7 @@ pub async fn start_admin(url: &str, token: Option<&str>) -> (Spawned, String) {
     (admin, format!("http://127.0.0.1:{port}"))
 }
 
-fn http() -> reqwest::Client {
+pub(crate) fn http() -> reqwest::Client {
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .timeout(Duration::from_secs(30))
@@ -58,7 +58,7 @@ fn artifacts() -> PathBuf {
 }
 
 /// chromedriver on a free port, answering `/status` with ready.
-async fn start_chromedriver() -> (Spawned, String) {
+pub(crate) async fn start_chromedriver() -> (Spawned, String) {
     let driver = ["chromedriver", "/usr/lib/chromium/chromedriver"]
         .into_iter()
         .find(|c| {
@@ -86,7 +86,7 @@ async fn start_chromedriver() -> (Spawned, String) {
     (spawned, url)
 }
 
-async fn browser(webdriver: &str) -> Client {
+pub(crate) async fn browser(webdriver: &str) -> Client {
     // fantoccini's rustls connector needs a process-wide provider; two are
     // compiled in (ring, aws-lc through other crates), so name one. Another
     // test may have installed it already.
@@ -107,7 +107,7 @@ async fn browser(webdriver: &str) -> Client {
         .expect("a WebDriver session in headless chromium")
 }
 
-async fn text_of(b: &Client, css: &str) -> String {
+pub(crate) async fn text_of(b: &Client, css: &str) -> String {
     match b.find(Locator::Css(css)).await {
         Ok(element) => element.text().await.unwrap(),
         Err(e) => panic!("{css} on {:?}: {e}", b.current_url().await),
@@ -116,7 +116,7 @@ async fn text_of(b: &Client, css: &str) -> String {
 
 /// No alert is open and the page has no element an injected payload would
 /// have made.
-async fn assert_inert(b: &Client) {
+pub(crate) async fn assert_inert(b: &Client) {
     let alert = b.get_alert_text().await;
     assert!(
         alert.as_ref().is_err_and(|e| e.is_no_such_alert()),
@@ -132,7 +132,7 @@ async fn assert_inert(b: &Client) {
     }
 }
 
-async fn screenshot(b: &Client, name: &str) -> PathBuf {
+pub(crate) async fn screenshot(b: &Client, name: &str) -> PathBuf {
     let png = b.screenshot().await.unwrap();
     assert!(
         png.starts_with(b"\x89PNG") && png.len() > 10_000,

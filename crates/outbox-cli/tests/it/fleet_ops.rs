@@ -12,7 +12,7 @@ use crate::fleet::{holders, migrate_tenant, start_fleet, stop_fleet, tenants};
 use crate::support::{LONG, run_cli, text, wait_until};
 
 /// Writes `n` events to `config`'s outbox; ids 1..=n in a fresh outbox.
-async fn write(client: &Client, config: &Config, n: usize) {
+pub(crate) async fn write(client: &Client, config: &Config, n: usize) {
     let events: Vec<Event> = (0..n)
         .map(|i| Event::new("orders", format!("o{i}"), "Created", json!({"i": i})))
         .collect();
@@ -23,7 +23,7 @@ async fn write(client: &Client, config: &Config, n: usize) {
 }
 
 /// Runs `UPDATE <outbox> SET <set> WHERE id = ANY(ids)`; asserts the rows.
-async fn update(client: &Client, config: &Config, set: &str, ids: &[i64]) {
+pub(crate) async fn update(client: &Client, config: &Config, set: &str, ids: &[i64]) {
     let n = client
         .execute(
             &format!("UPDATE {} SET {set} WHERE id = ANY($1)", config.qualified()),
@@ -34,7 +34,7 @@ async fn update(client: &Client, config: &Config, set: &str, ids: &[i64]) {
     assert_eq!(n, ids.len() as u64, "{set}");
 }
 
-const DEAD: &str = "dead_at = now(), attempts = 5, last_error = 'x'";
+pub(crate) const DEAD: &str = "dead_at = now(), attempts = 5, last_error = 'x'";
 
 /// The CLI against `url`: stdout, asserting exit 0.
 async fn ok(url: &str, args: &[&str]) -> String {

@@ -5,6 +5,7 @@
 #![allow(unreachable_pub, missing_docs)]
 
 mod admin;
+mod admin_fleet;
 mod amqp;
 mod cli;
 mod config;

@@ -340,6 +340,118 @@ pub async fn summary(client: &impl GenericClient, outbox: &Config) -> Result<Sum
     })
 }
 
+/// `{i}` a position, `{t}` the outbox, `{l}` its migration ledger: one
+/// outbox's part of a [`summaries_statement`], [`SUMMARY`]'s counts with
+/// the ledger's version, at the statement's one instant.
+const SUMMARY_PART: &str = "SELECT {i}::int4, (SELECT coalesce(max(version), 0) FROM {l})::int4, \
+            count(*) FILTER (WHERE dead_at IS NULL), \
+            count(*) FILTER (WHERE dead_at IS NULL AND next_attempt_at <= (SELECT at FROM now)), \
+            count(*) FILTER (WHERE dead_at IS NULL AND next_attempt_at > (SELECT at FROM now)), \
+            count(*) FILTER (WHERE dead_at IS NOT NULL AND given_up_at IS NULL), \
+            count(*) FILTER (WHERE given_up_at IS NOT NULL), \
+            min(created_at) FILTER (WHERE dead_at IS NULL), \
+            extract(epoch FROM (SELECT at FROM now) - min(created_at) FILTER (WHERE dead_at IS NULL))::float8 \
+       FROM {t} WHERE published_at IS NULL";
+
+/// One outbox's backlog as [`summaries`] reads it, with its schema version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listed {
+    /// The outbox's schema version (its ledger's highest): a list compares
+    /// it with [`crate::OUTBOX_VERSION`] rather than running
+    /// [`crate::check`] once per outbox.
+    pub version: i32,
+    /// Its backlog.
+    pub summary: Summary,
+}
+
+/// The statement [`summaries`] runs for `outboxes`: [`SUMMARY`] of each,
+/// `UNION ALL`, one instant for all. One round trip for many outboxes, as
+/// [`due_statement`] does for the due probe; each part scans its outbox's
+/// unpublished rows only (`<table>_unpublished_idx`).
+pub fn summaries_statement(outboxes: &[Config]) -> String {
+    let parts = outboxes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            // The table is an Ident ([a-z0-9_]), so the ledger's quoted
+            // name needs no escaping.
+            let ledger = format!("{}.\"{}_migrations\"", c.schema.quoted(), c.table.as_str());
+            SUMMARY_PART
+                .replace("{i}", &i.to_string())
+                .replace("{l}", &ledger)
+                .replace("{t}", &c.qualified())
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ");
+    format!("WITH now AS (SELECT clock_timestamp() AS at) {parts} ORDER BY 1")
+}
+
+/// The backlog and schema version of each of `outboxes`, in their order, in
+/// one statement ([`summaries_statement`]): what the admin console's list
+/// of a fleet reads. One outbox the statement cannot read (a schema too old
+/// for a column) fails the statement; the caller reads those one at a time.
+pub async fn summaries(client: &impl GenericClient, outboxes: &[Config]) -> Result<Vec<Listed>, Error> {
+    if outboxes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = client.query_typed(&summaries_statement(outboxes), &[]).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(Listed {
+                version: row.try_get(1)?,
+                summary: Summary {
+                    backlog: row.try_get(2)?,
+                    due_now: row.try_get(3)?,
+                    waiting: row.try_get(4)?,
+                    dead_letters: row.try_get(5)?,
+                    given_up: row.try_get(6)?,
+                    oldest_unpublished: row.try_get(7)?,
+                    oldest_unpublished_age_seconds: row.try_get(8)?,
+                },
+            })
+        })
+        .collect()
+}
+
+/// `$1` a `LIKE` pattern, `$2` the table, `$3` its ledger, `$4` the
+/// identifier rule, `$5` a schema: [`TENANT_SCHEMAS`] for that one schema.
+const TENANT_SCHEMA: &str = "SELECT n.nspname::text, hashtext(n.nspname || '.' || $2) & 2147483647 \
+       FROM pg_namespace AS n \
+      WHERE n.nspname = $5 AND n.nspname LIKE $1 AND n.nspname ~ $4 \
+        AND EXISTS (SELECT 1 FROM pg_class AS t WHERE t.relnamespace = n.oid AND t.relname = $2 AND t.relkind IN ('r', 'p')) \
+        AND EXISTS (SELECT 1 FROM pg_class AS l WHERE l.relnamespace = n.oid AND l.relname = $3 AND l.relkind = 'r')";
+
+/// The tenant outbox named `table` in `schema`, if `schema` matches the
+/// `LIKE` pattern `pattern` and holds one: whether [`tenant_outboxes`]
+/// would list it, without listing the others.
+pub async fn tenant_outbox(
+    client: &impl GenericClient,
+    pattern: &str,
+    schema: &Ident,
+    table: &Ident,
+) -> Result<Option<TenantOutbox>, Error> {
+    let ledger = format!("{}_migrations", table.as_str());
+    let row = client
+        .query_typed_opt(
+            TENANT_SCHEMA,
+            &[
+                typed(&pattern),
+                typed(&table.as_str()),
+                typed(&ledger.as_str()),
+                typed(&IDENT_RE),
+                typed(&schema.as_str()),
+            ],
+        )
+        .await?;
+    row.map(|row| {
+        Ok(TenantOutbox {
+            schema: schema.clone(),
+            key: row.try_get(1)?,
+        })
+    })
+    .transpose()
+}
+
 /// A fleet process as PostgreSQL sees it: its control session in one
 /// database.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -410,5 +522,23 @@ mod tests {
             "{sql}"
         );
         assert_eq!(due_statement(&[]), "");
+    }
+
+    #[test]
+    fn the_summaries_statement_reads_each_outbox_and_its_ledger_in_order() {
+        let a = Config::new("t1", "outbox").unwrap();
+        let b = Config::new("t2", "outbox").unwrap();
+        let sql = summaries_statement(&[a, b]);
+        assert!(
+            sql.starts_with("WITH now AS (SELECT clock_timestamp() AS at) SELECT 0::int4, "),
+            "{sql}"
+        );
+        assert!(sql.contains("FROM \"t1\".\"outbox_migrations\")"), "{sql}");
+        assert!(sql.contains(" UNION ALL SELECT 1::int4, "), "{sql}");
+        assert!(
+            sql.contains("FROM \"t2\".\"outbox\" WHERE published_at IS NULL"),
+            "{sql}"
+        );
+        assert!(sql.ends_with(" ORDER BY 1"), "{sql}");
     }
 }
