@@ -55,11 +55,12 @@ pub struct TenantOutbox {
 const IDENT_RE: &str = "^[a-z_][a-z0-9_]{0,62}$";
 
 /// `$1` a `LIKE` pattern, `$2` the table, `$3` its ledger, `$4` the
-/// identifier rule. Schemas matching the pattern that hold the table and
-/// its migration ledger (an outbox `outbox migrate` made).
+/// identifier rule, `$5` one schema or NULL. Schemas matching the pattern
+/// (only `$5`, if given) that hold the table and its migration ledger (an
+/// outbox `outbox migrate` made).
 const TENANT_SCHEMAS: &str = "SELECT n.nspname::text, hashtext(n.nspname || '.' || $2) & 2147483647 \
        FROM pg_namespace AS n \
-      WHERE n.nspname LIKE $1 AND n.nspname ~ $4 \
+      WHERE n.nspname LIKE $1 AND n.nspname ~ $4 AND ($5::text IS NULL OR n.nspname = $5) \
         AND EXISTS (SELECT 1 FROM pg_class AS t WHERE t.relnamespace = n.oid AND t.relname = $2 AND t.relkind IN ('r', 'p')) \
         AND EXISTS (SELECT 1 FROM pg_class AS l WHERE l.relnamespace = n.oid AND l.relname = $3 AND l.relkind = 'r') \
       ORDER BY 1";
@@ -72,6 +73,16 @@ pub async fn tenant_outboxes(
     pattern: &str,
     table: &Ident,
 ) -> Result<Vec<TenantOutbox>, Error> {
+    tenants(client, pattern, table, None).await
+}
+
+/// [`TENANT_SCHEMAS`], of every matching schema or of `only`.
+async fn tenants(
+    client: &impl GenericClient,
+    pattern: &str,
+    table: &Ident,
+    only: Option<&Ident>,
+) -> Result<Vec<TenantOutbox>, Error> {
     let ledger = format!("{}_migrations", table.as_str());
     let rows = client
         .query_typed(
@@ -81,6 +92,7 @@ pub async fn tenant_outboxes(
                 typed(&table.as_str()),
                 typed(&ledger.as_str()),
                 typed(&IDENT_RE),
+                typed(&only.map(Ident::as_str)),
             ],
         )
         .await?;
@@ -413,14 +425,6 @@ pub async fn summaries(client: &impl GenericClient, outboxes: &[Config]) -> Resu
         .collect()
 }
 
-/// `$1` a `LIKE` pattern, `$2` the table, `$3` its ledger, `$4` the
-/// identifier rule, `$5` a schema: [`TENANT_SCHEMAS`] for that one schema.
-const TENANT_SCHEMA: &str = "SELECT n.nspname::text, hashtext(n.nspname || '.' || $2) & 2147483647 \
-       FROM pg_namespace AS n \
-      WHERE n.nspname = $5 AND n.nspname LIKE $1 AND n.nspname ~ $4 \
-        AND EXISTS (SELECT 1 FROM pg_class AS t WHERE t.relnamespace = n.oid AND t.relname = $2 AND t.relkind IN ('r', 'p')) \
-        AND EXISTS (SELECT 1 FROM pg_class AS l WHERE l.relnamespace = n.oid AND l.relname = $3 AND l.relkind = 'r')";
-
 /// The tenant outbox named `table` in `schema`, if `schema` matches the
 /// `LIKE` pattern `pattern` and holds one: whether [`tenant_outboxes`]
 /// would list it, without listing the others.
@@ -430,26 +434,7 @@ pub async fn tenant_outbox(
     schema: &Ident,
     table: &Ident,
 ) -> Result<Option<TenantOutbox>, Error> {
-    let ledger = format!("{}_migrations", table.as_str());
-    let row = client
-        .query_typed_opt(
-            TENANT_SCHEMA,
-            &[
-                typed(&pattern),
-                typed(&table.as_str()),
-                typed(&ledger.as_str()),
-                typed(&IDENT_RE),
-                typed(&schema.as_str()),
-            ],
-        )
-        .await?;
-    row.map(|row| {
-        Ok(TenantOutbox {
-            schema: schema.clone(),
-            key: row.try_get(1)?,
-        })
-    })
-    .transpose()
+    Ok(tenants(client, pattern, table, Some(schema)).await?.pop())
 }
 
 /// A fleet process as PostgreSQL sees it: its control session in one
