@@ -229,6 +229,16 @@ impl Relay {
             config.outbox.display_name().to_string(),
             Signals::Process,
         );
+        Self::with_context(pg, sink, config, ctx, false)
+    }
+
+    fn with_context(
+        pg: PgConfig,
+        sink: Arc<dyn Sink>,
+        config: RelayConfig,
+        ctx: RelayContext,
+        in_fleet: bool,
+    ) -> Self {
         Self {
             pg,
             metrics: DeliveryMetrics::new(&ctx, sink.as_ref()),
@@ -236,7 +246,7 @@ impl Relay {
             sink,
             config,
             lanes: Vec::new(),
-            in_fleet: false,
+            in_fleet,
         }
     }
 
@@ -246,15 +256,7 @@ impl Relay {
     pub(crate) fn for_fleet(pg: PgConfig, sink: Arc<dyn Sink>, config: RelayConfig, label: String) -> Self {
         let (signals, _) = Signals::channel();
         let ctx = RelayContext::new(Some(label.clone()), label, signals);
-        Self {
-            pg,
-            metrics: DeliveryMetrics::new(&ctx, sink.as_ref()),
-            ctx,
-            sink,
-            config,
-            lanes: Vec::new(),
-            in_fleet: true,
-        }
+        Self::with_context(pg, sink, config, ctx, true)
     }
 
     /// Runs one outbox of a fleet until `cancel` fires: the relay's cycle
