@@ -375,7 +375,11 @@ impl FleetScratch {
         let sampler = Sampler::start(&self.pg, Process::Fleet).await?;
         let received = Arc::new(AtomicU64::new(0));
         let stop = CancellationToken::new();
-        let consumer = tokio::spawn(consume(self.redis().await?, Arc::clone(&received), stop.clone()));
+        let consumer = tokio::spawn(consume(
+            self.consumer_redis().await?,
+            Arc::clone(&received),
+            stop.clone(),
+        ));
 
         let seconds = window.as_secs_f64().round().max(1.0) as usize;
         let n = self.tenants.len();
@@ -570,6 +574,19 @@ impl FleetScratch {
     async fn redis(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
         redis::Client::open(self.redis_url.as_str())?
             .get_multiplexed_async_connection()
+            .await
+            .context("connecting to Redis")
+    }
+
+    /// A connection for the consumer: at N events per second on 2 cores an
+    /// `XREAD` reply can outlast the client's default response timeout,
+    /// which would fail the run rather than slow it.
+    async fn consumer_redis(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(10)))
+            .set_response_timeout(Some(Duration::from_secs(10)));
+        redis::Client::open(self.redis_url.as_str())?
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .context("connecting to Redis")
     }
