@@ -14,9 +14,11 @@
 //!    As in `idle.rs`, PostgreSQL publishes a backend's counters lazily
 //!    but surely when it exits, so each figure is the difference of two
 //!    whole lifetimes read once the process's backends are gone: one that
-//!    settles (its sessions idle) and idles the window, one that settles
-//!    and stops. Start-up cancels out, and so do the bench's own reads but
-//!    its probes, which are counted and taken off;
+//!    settles (its sessions idle, no autovacuum worker at work) and idles
+//!    the window, one that settles and stops. Start-up cancels out, and so
+//!    do the bench's own reads but its probes, which are counted and taken
+//!    off. The tables are emptied, vacuumed and analysed first, so
+//!    autovacuum has nothing to do in them;
 //! 2. **latency**: every tenant gets one event per second (N per second in
 //!    all, spread evenly over the second by four writers, one per
 //!    transaction) for `--fleet-duration`; commit (the row's `created_at`)
@@ -282,11 +284,20 @@ impl FleetScratch {
         Ok(self.db.query_one(sql, &[&process.app()]).await?.get(0))
     }
 
+    /// Autovacuum workers of the server at work now.
+    async fn autovacuum_workers(&self) -> anyhow::Result<i64> {
+        let sql = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'";
+        Ok(self.db.query_one(sql, &[]).await?.get(0))
+    }
+
     /// Transactions per second of the whole server while `process` idles
     /// `window` (see the module docs).
     async fn idle(&self, process: Process, window: Duration) -> anyhow::Result<IdleRun> {
-        self.truncate(std::slice::from_ref(&self.single)).await?;
-        self.truncate(&self.tenants).await?;
+        // Vacuumed and analysed by the bench, so autovacuum finds nothing
+        // to do in the window: after a throughput run it would visit every
+        // tenant's table, a transaction or two each.
+        self.fresh(std::slice::from_ref(&self.single)).await?;
+        self.fresh(&self.tenants).await?;
         let idled = self.lifetime_transactions(process, window).await?;
         let baseline = self.lifetime_transactions(process, Duration::ZERO).await?;
         let transactions = idled - baseline;
@@ -325,16 +336,18 @@ impl FleetScratch {
         Ok(self.server_transactions().await? - before - 2 * probes)
     }
 
-    /// Waits until none of `process`'s sessions is busy at three looks in
-    /// a row, 100 ms apart: the fleet's first claim of every outbox comes
-    /// after READY. Returns how many looks it took.
+    /// Waits until none of `process`'s sessions is busy, nor an autovacuum
+    /// worker, at three looks in a row, 100 ms apart: the fleet's first
+    /// claim of every outbox comes after READY. Returns how many looks it
+    /// took.
     async fn settle(&self, process: Process) -> anyhow::Result<i64> {
         let mut probes = 0_i64;
         let mut quiet = 0;
         let deadline = Instant::now() + START;
         while quiet < 3 {
-            probes += 1;
-            quiet = if self.backends(process, true).await? == 0 {
+            // Two queries a look.
+            probes += 2;
+            quiet = if self.backends(process, true).await? == 0 && self.autovacuum_workers().await? == 0 {
                 quiet + 1
             } else {
                 0
