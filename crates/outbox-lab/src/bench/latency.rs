@@ -134,16 +134,16 @@ pub(super) async fn measure_on(
 }
 
 /// One stream entry as the consumer saw it.
-struct Arrival {
-    outbox_id: i64,
-    event_id: String,
+pub(super) struct Arrival {
+    pub(super) outbox_id: i64,
+    pub(super) event_id: String,
     /// Epoch seconds.
-    at: f64,
+    pub(super) at: f64,
 }
 
 /// Reads the stream from the start until `stop`, noting each entry's ids
 /// and arrival time.
-async fn consume(
+pub(super) async fn consume(
     mut redis: redis::aio::MultiplexedConnection,
     received: Arc<AtomicU64>,
     stop: CancellationToken,

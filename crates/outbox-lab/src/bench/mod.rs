@@ -27,6 +27,12 @@
 //!    default): chunk after chunk drained by a running relay, polling and
 //!    WAL source, clean and while another session holds a `REPEATABLE
 //!    READ` snapshot for the whole run.
+//! 8. fleet (`fleet.rs`, `--phases fleet`, not run by default): one `outbox
+//!    relay --schemas` process serving `--tenants` outboxes in a scratch
+//!    database of its own: its connections, idle cost beside a single
+//!    relay's, latency at 1 event/s per tenant, and throughput of a backlog
+//!    in every tenant beside a single relay draining as many from one
+//!    outbox, each beside the issue's target.
 //!
 //! Without `DATABASE_URL` it starts a throwaway PostgreSQL and redis-server
 //! (the testkit's: `fsync=off`, so commits are cheaper than on a durable
@@ -40,6 +46,8 @@
 
 mod cost;
 pub(crate) mod dead_tuples;
+mod fleet;
+mod fleet_results;
 pub(crate) mod held_snapshot;
 mod idle;
 mod latency;
@@ -137,6 +145,19 @@ pub struct BenchArgs {
     /// Events per chunk of the held-snapshot phase (one transaction each).
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub held_snapshot_events: u32,
+    /// Tenant outboxes of the fleet phase [default: 1000; with --quick:
+    /// 20].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub tenants: Option<u32>,
+    /// How long the fleet phase watches the idle fleet, and writes 1 event
+    /// per second to every tenant [with --quick: 2s].
+    #[arg(long, default_value = "30s", value_parser = crate::positive_duration)]
+    pub fleet_duration: Duration,
+    /// Events pre-written in every tenant for the fleet phase's throughput
+    /// (the single relay drains as many in all from one outbox) [with
+    /// --quick: 10].
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub fleet_backlog: u32,
 }
 
 /// What `outbox-lab bench` measures (`--source`).
@@ -178,6 +199,10 @@ pub enum Phase {
     /// transaction mode: throughput at batch 1 and 100, latency polling or
     /// with --listen-url (the bench's own PostgreSQL only).
     Pooled,
+    /// One `outbox relay --schemas` process serving --tenants outboxes
+    /// (issue 33): connections, idle cost, latency at 1 event/s per
+    /// tenant, throughput beside a single relay; in a scratch database.
+    Fleet,
 }
 
 impl Phase {
@@ -204,6 +229,7 @@ struct Plan {
     outage_rate: u32,
     held_chunks: usize,
     held_events: usize,
+    fleet: fleet::FleetPlan,
 }
 
 impl Plan {
@@ -223,6 +249,11 @@ impl Plan {
             (true, Measured::Poll, false) => vec![1, 10, 100, 1000],
         };
         if args.quick {
+            let fleet = fleet::FleetPlan {
+                tenants: args.tenants.map_or(20, |n| n as usize),
+                window: Duration::from_secs(2),
+                backlog: 10,
+            };
             return Self {
                 source: args.source,
                 events: 300,
@@ -239,6 +270,7 @@ impl Plan {
                 outage_rate: 500,
                 held_chunks: 3,
                 held_events: 500,
+                fleet,
             };
         }
         Self {
@@ -257,6 +289,11 @@ impl Plan {
             outage_rate: args.outage_rate,
             held_chunks: args.held_snapshot_chunks as usize,
             held_events: args.held_snapshot_events as usize,
+            fleet: fleet::FleetPlan {
+                tenants: args.tenants.map_or(1000, |n| n as usize),
+                window: args.fleet_duration,
+                backlog: args.fleet_backlog as usize,
+            },
         }
     }
 
@@ -297,6 +334,7 @@ impl Plan {
                 POOLED_CLAIMS.len() * pooled::Route::ALL.len() * self.pooled_batch_sizes.len()
                     + pooled::Waking::ALL.len()
             }
+            Phase::Fleet => fleet::STEPS,
         };
         (phases.iter().map(per_phase).sum::<usize>() * self.reps) as u64
     }
@@ -507,6 +545,16 @@ async fn measure(
                     }
                     report.add_outage(strategy, runs);
                 }
+            }
+            Phase::Fleet => {
+                let f = &plan.fleet;
+                let runs = fleet::measure(scratch, f, reps, progress).await?;
+                report.add_fleet(fleet_results::FleetRow::new(
+                    f.tenants,
+                    f.window.as_secs_f64(),
+                    f.backlog,
+                    runs,
+                ));
             }
             Phase::HeldSnapshot => {
                 let logical = held_snapshot::logical(scratch).await?;

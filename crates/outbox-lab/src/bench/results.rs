@@ -8,6 +8,7 @@ use anyhow::bail;
 use serde::Serialize;
 
 use super::Measured;
+use super::fleet_results::FleetRow;
 use super::held_snapshot::HeldRow;
 use super::idle::IdleRun;
 use super::latency::{Clock, LatencyRun};
@@ -160,6 +161,8 @@ pub(super) struct Report {
     pub(super) pooled: Vec<PooledRow>,
     /// The pooled phase's latency, each way of waking.
     pub(super) pooled_latency: Vec<PooledLatencyRow>,
+    /// The fleet phase (`fleet_results.rs`).
+    pub(super) fleet: Option<FleetRow>,
 }
 
 impl Report {
@@ -182,6 +185,7 @@ impl Report {
             targets: Vec::new(),
             pooled: Vec::new(),
             pooled_latency: Vec::new(),
+            fleet: None,
         }
     }
 
@@ -396,6 +400,7 @@ impl Report {
         self.print_pooled();
         self.print_wal();
         self.print_held_snapshot();
+        self.print_fleet();
     }
 
     fn print_throughput(&self) {
@@ -530,6 +535,7 @@ impl Report {
             }
         }
         self.check_wal()?;
-        self.check_held_snapshot()
+        self.check_held_snapshot()?;
+        self.check_fleet()
     }
 }

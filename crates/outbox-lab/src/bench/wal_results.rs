@@ -75,13 +75,18 @@ pub(super) struct Target {
 
 /// Which side of the bound a target wants.
 #[derive(Clone, Copy)]
-enum Bound {
+pub(super) enum Bound {
     AtLeast(f64),
     AtMost(f64),
 }
 
 impl Target {
-    fn new(figure: String, measured: Option<f64>, shown: impl Fn(f64) -> String, bound: Bound) -> Self {
+    pub(super) fn new(
+        figure: String,
+        measured: Option<f64>,
+        shown: impl Fn(f64) -> String,
+        bound: Bound,
+    ) -> Self {
         let (target, met, verdict) = match (bound, measured) {
             (Bound::AtLeast(b), m) => (
                 format!("≥ {}", shown(b)),

@@ -274,3 +274,111 @@ async fn the_lab_names_the_outbox_binary_it_cannot_find() {
     assert!(stderr.contains("OUTBOX_BIN is /nonexistent/outbox"), "{stderr}");
     assert!(stderr.contains("cargo build -p outbox-cli"), "{stderr}");
 }
+
+/// `outbox-lab bench <args>` to completion, within 5 minutes.
+async fn run_bench(args: &[&str]) -> std::process::Output {
+    let mut cmd = lab_cmd();
+    cmd.arg("bench").args(args);
+    tokio::time::timeout(std::time::Duration::from_secs(300), cmd.output())
+        .await
+        .expect("outbox-lab bench within 5 minutes")
+        .unwrap()
+}
+
+/// `bench --phases fleet --tenants 20 --quick` (issue 33): one `outbox
+/// relay --schemas` process serving 20 tenant outboxes; the table has
+/// every figure beside its target, and every event written was delivered
+/// and marked, by the fleet and by the single relay beside it. Speeds are
+/// not judged.
+#[tokio::test]
+async fn issue_33_bench_fleet_quick_reports_every_figure_with_exact_counts() {
+    let out = run_bench(&["--phases", "fleet", "--tenants", "20", "--quick", "--json"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench --json");
+    assert!(
+        report["throughput"].as_array().unwrap().is_empty(),
+        "only the phase asked for"
+    );
+    let fleet = &report["fleet"];
+    assert_eq!(
+        (fleet["tenants"].as_u64(), fleet["sessions"].as_u64()),
+        (Some(20), Some(4))
+    );
+    let runs = fleet["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "--quick: one rep");
+    let run = &runs[0];
+    // A control session and at most 4 batch sessions, at least one used.
+    let connections = run["connections_max"].as_i64().unwrap();
+    assert!((2..=5).contains(&connections), "{connections} connections");
+    // Latency: 20 tenants, one event a second each, for 2 s.
+    let latency = &run["latency"];
+    assert_eq!(
+        (
+            latency["written"].as_u64(),
+            latency["received"].as_u64(),
+            latency["duplicates"].as_u64()
+        ),
+        (Some(40), Some(40), Some(0)),
+        "{latency}"
+    );
+    let (p50, p99, max) = (
+        latency["p50_ms"].as_f64().unwrap(),
+        latency["p99_ms"].as_f64().unwrap(),
+        latency["max_ms"].as_f64().unwrap(),
+    );
+    assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{latency}");
+    // Throughput: 10 events per tenant, and as many through one outbox.
+    for drain in ["drain_fleet", "drain_single"] {
+        let d = &run[drain];
+        assert_eq!(
+            ["events", "delivered", "marked", "duplicates"].map(|k| d[k].as_u64().unwrap()),
+            [200, 200, 200, 0],
+            "{drain}: {d}"
+        );
+        assert!(d["per_second"].as_f64().unwrap() > 0.0, "{drain}: {d}");
+    }
+    for idle in ["idle_fleet", "idle_single"] {
+        assert!(run[idle]["transactions"].is_i64(), "{idle}: {run}");
+    }
+    let targets: Vec<&str> = fleet["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            assert!(t["met"].is_boolean() && t["measured"].is_f64(), "{t}");
+            t["figure"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(
+        targets.len(),
+        4,
+        "connections, idle, latency, throughput: {targets:?}"
+    );
+
+    // The table: every figure, with the counts.
+    let out = run_bench(&["--phases", "fleet", "--tenants", "20", "--quick"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    let row = |label: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no row {label:?} in\n{table}"))
+            .to_owned()
+    };
+    assert!(row("connections, most seen").contains("≤ 20"), "{table}");
+    assert!(row("idle: server transactions/s").contains("≤ 1.00/s"), "{table}");
+    row("latency: events/s written");
+    row("latency p50, ms");
+    assert!(row("latency p99, ms").contains("≤ 50.0 ms"), "{table}");
+    row("latency max, ms");
+    assert!(row("latency: received").contains("40/40"), "{table}");
+    assert!(row("throughput, events/s").contains("≥ 80%"), "{table}");
+    let counts = row("throughput: delivered, marked");
+    assert_eq!(
+        counts.matches("200/200, 200 marked, 0 dup").count(),
+        2,
+        "fleet and single relay: {counts}"
+    );
+    row("peak RSS, draining");
+}
