@@ -306,8 +306,18 @@ impl Hub {
         Ok(())
     }
 
-    /// Finds the outboxes, then balances them (see the module docs).
+    /// Finds the outboxes, then balances them (see the module docs), in
+    /// one transaction, not one per statement: an idle fleet's cost is
+    /// counted in transactions. Session advisory locks taken in it outlive
+    /// its commit; a failure drops the session, which rolls it back.
     async fn discover(&mut self, client: &Client) -> Result<(), HubError> {
+        client.batch_execute("BEGIN").await?;
+        self.discover_and_balance(client).await?;
+        client.batch_execute("COMMIT").await?;
+        Ok(())
+    }
+
+    async fn discover_and_balance(&mut self, client: &Client) -> Result<(), HubError> {
         let shared = Arc::clone(&self.shared);
         let base = &shared.config.relay;
         // Found by the pattern, each with the fleet's settings.
@@ -368,7 +378,17 @@ impl Hub {
                     )
                 }
             };
-            if let Err(why) = servable(client, &relay.outbox).await {
+            // A check refused by the server must not abort the discovery's
+            // transaction.
+            client.batch_execute("SAVEPOINT servable").await?;
+            let checked = servable(client, &relay.outbox).await;
+            client
+                .batch_execute(match checked {
+                    Ok(()) => "RELEASE SAVEPOINT servable",
+                    Err(_) => "ROLLBACK TO SAVEPOINT servable",
+                })
+                .await?;
+            if let Err(why) = checked {
                 if self.refused.insert(name.clone()) {
                     warn!(outbox = %label, error = %why.error, "outbox not served: {}", why.reason);
                 }
