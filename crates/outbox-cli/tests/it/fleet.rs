@@ -565,7 +565,11 @@ async fn fifty_small_tenants_are_served_while_a_100k_backlog_drains() {
 async fn small_latency_p99(redis_url: &str, written: &HashMap<String, std::time::SystemTime>) -> Duration {
     use redis::AsyncCommands;
     let client = redis::Client::open(redis_url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(LONG));
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap();
     let reply: redis::streams::StreamRangeReply = conn.xrange_all(SMALL_STREAM).await.unwrap();
     let mut latencies: Vec<Duration> = reply
         .ids

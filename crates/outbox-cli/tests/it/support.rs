@@ -207,7 +207,13 @@ pub struct StreamEvent {
 pub async fn read_stream(redis_url: &str, stream: &str) -> Vec<StreamEvent> {
     use redis::AsyncCommands;
     let client = redis::Client::open(redis_url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // The default reply timeout is short for a stream of tens of thousands
+    // of entries on a loaded machine.
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(LONG));
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap();
     let reply: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.unwrap();
     reply
         .ids
