@@ -24,7 +24,7 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use maud::html;
-use outbox::sql::fleet::{self, Listed};
+use outbox::sql::fleet::{self, VersionedSummary};
 use tower::ServiceExt;
 
 use crate::auth::{Access, Auth};
@@ -60,7 +60,7 @@ pub(crate) fn routes(state: Arc<FleetState>) -> axum::Router {
 struct Row {
     schema: String,
     label: String,
-    listed: Listed,
+    listed: VersionedSummary,
     served_by: Option<String>,
 }
 

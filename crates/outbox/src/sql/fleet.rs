@@ -367,7 +367,7 @@ const SUMMARY_PART: &str = "SELECT {i}::int4, (SELECT coalesce(max(version), 0) 
 
 /// One outbox's backlog as [`summaries`] reads it, with its schema version.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Listed {
+pub struct VersionedSummary {
     /// The outbox's schema version (its ledger's highest): a list compares
     /// it with [`crate::OUTBOX_VERSION`] rather than running
     /// [`crate::check`] once per outbox.
@@ -402,14 +402,17 @@ pub fn summaries_statement(outboxes: &[Config]) -> String {
 /// one statement ([`summaries_statement`]): what the admin console's list
 /// of a fleet reads. One outbox the statement cannot read (a schema too old
 /// for a column) fails the statement; the caller reads those one at a time.
-pub async fn summaries(client: &impl GenericClient, outboxes: &[Config]) -> Result<Vec<Listed>, Error> {
+pub async fn summaries(
+    client: &impl GenericClient,
+    outboxes: &[Config],
+) -> Result<Vec<VersionedSummary>, Error> {
     if outboxes.is_empty() {
         return Ok(Vec::new());
     }
     let rows = client.query_typed(&summaries_statement(outboxes), &[]).await?;
     rows.iter()
         .map(|row| {
-            Ok(Listed {
+            Ok(VersionedSummary {
                 version: row.try_get(1)?,
                 summary: Summary {
                     backlog: row.try_get(2)?,
