@@ -1085,3 +1085,55 @@ async fn listed_outboxes_take_settings_of_their_own_beside_the_found_ones() {
     .await;
     stop_fleet(fleet).await;
 }
+
+/// A fleet's `/metrics` has each served outbox's backlog, dead letters and
+/// oldest age (all aggregate types in one series), read by its one scan
+/// statement per poll, and `/readyz` answers for the fleet.
+#[tokio::test]
+async fn each_served_outbox_has_its_backlog_gauges() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", 2, true).await;
+    let client = pg.connect("app_0").await.unwrap();
+    // tenant_0: 3 rows waiting an hour for a retry, 1 dead letter;
+    // tenant_1: nothing.
+    client
+        .batch_execute(
+            "INSERT INTO tenant_0.outbox (aggregate_type, aggregate_id, event_type, payload, next_attempt_at, created_at) \
+             SELECT 'orders', 'a' || g, 'E', '{}', now() + interval '1 hour', now() - interval '1 minute' \
+               FROM generate_series(1, 3) AS g; \
+             INSERT INTO tenant_0.outbox (aggregate_type, aggregate_id, event_type, payload, dead_at, attempts, last_error) \
+             VALUES ('orders', 'd', 'E', '{}', now(), 5, 'x');",
+        )
+        .await
+        .unwrap();
+    let addr = crate::metrics::http_addr();
+    let fleet = start_fleet(
+        &pg,
+        "fleet_a",
+        &redis,
+        &["--http", &addr, "--poll-interval", "200ms"],
+    )
+    .await;
+    let gauge = |outbox: &'static str, metric: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let (_, scrape) = crate::metrics::scrape(&addr).await;
+            crate::metrics::value(&scrape, metric, &[("outbox", outbox), ("aggregate_type", "")])
+        }
+    };
+    wait_until("tenant_0's backlog gauge", LONG, || async {
+        gauge("tenant_0.outbox", "outbox_backlog_events").await == Some(3.0)
+    })
+    .await;
+    assert_eq!(gauge("tenant_0.outbox", "outbox_dead_letters").await, Some(1.0));
+    let age = gauge("tenant_0.outbox", "outbox_oldest_unpublished_age_seconds")
+        .await
+        .unwrap();
+    assert!(age >= 60.0, "a minute old: {age}");
+    assert_eq!(gauge("tenant_1.outbox", "outbox_backlog_events").await, Some(0.0));
+    let (status, body) = crate::metrics::get(&addr, "/readyz").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    drop(configs);
+    stop_fleet(fleet).await;
+}

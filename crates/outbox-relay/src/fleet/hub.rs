@@ -75,9 +75,9 @@ pub(super) struct Hub {
     outboxes: BTreeMap<String, Entry>,
     /// Outboxes not served for their privileges or version: said once.
     refused: BTreeSet<String>,
-    /// The due statement over the served outboxes, and their names by
-    /// position.
-    due: (String, Vec<String>),
+    /// The served outboxes and their names, in one order: what the scan
+    /// reads.
+    due: (Vec<outbox::Config>, Vec<String>),
     /// An outbox taken over waits for the previous owner's batch, and the
     /// fleet said so.
     waiting: bool,
@@ -283,25 +283,37 @@ impl Hub {
         }
     }
 
-    /// Wakes the served outboxes with a row due.
+    /// Reads the served outboxes' backlogs, in one statement: wakes those
+    /// with a row due and sets their backlog gauges (the fleet's
+    /// `outbox_backlog_events`, `outbox_dead_letters` and
+    /// `outbox_oldest_unpublished_age_seconds`, per outbox, all aggregate
+    /// types in one series with `aggregate_type=""`).
     async fn scan(&mut self, client: &Client) -> Result<(), HubError> {
-        let (statement, names) = &self.due;
-        let due = match sql::due(client, statement).await {
-            Ok(due) => due,
+        let (configs, names) = &self.due;
+        let read = match sql::summaries(client, configs).await {
+            Ok(read) => read,
             Err(error) if error.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
                 // A tenant dropped since the last discovery: find out now.
                 return self.discover(client).await;
             }
             Err(error) => return Err(error.into()),
         };
-        for position in due {
-            let entry = usize::try_from(position)
-                .ok()
-                .and_then(|p| names.get(p))
-                .and_then(|name| self.outboxes.get(name));
-            if let Some(entry) = entry {
+        for (name, read) in names.iter().zip(read) {
+            let Some(entry) = self.outboxes.get(name) else {
+                continue;
+            };
+            let s = read.summary;
+            if s.due_now > 0 {
                 entry.tenant.wake();
             }
+            // Row counts: exact in an f64 up to 2^53.
+            #[allow(clippy::cast_precision_loss)]
+            gauges(
+                &entry.label,
+                s.backlog as f64,
+                s.dead_letters as f64,
+                s.oldest_unpublished_age_seconds.unwrap_or(0.0),
+            );
         }
         Ok(())
     }
@@ -523,8 +535,8 @@ impl Hub {
         Ok(())
     }
 
-    /// The due statement over the outboxes served now.
-    /// Returns whether the served set changed.
+    /// What the scan reads: the outboxes served now. Returns whether the
+    /// served set changed.
     fn rebuild_due(&mut self) -> bool {
         let served: Vec<(&String, &Entry)> = self
             .outboxes
@@ -535,10 +547,7 @@ impl Hub {
             return false;
         }
         let configs: Vec<outbox::Config> = served.iter().map(|(_, e)| e.config.clone()).collect();
-        self.due = (
-            sql::due_statement(&configs),
-            served.iter().map(|(s, _)| (*s).clone()).collect(),
-        );
+        self.due = (configs, served.iter().map(|(s, _)| (*s).clone()).collect());
         true
     }
 
@@ -594,6 +603,9 @@ impl Hub {
     /// barrier waits for that batch).
     fn stop(&mut self, entry: &mut Entry) {
         entry.tenant.serve(false);
+        // Whoever serves it next reports it: a sum over processes stays
+        // right.
+        gauges(&entry.label, 0.0, 0.0, 0.0);
         if let Some((stop, task)) = entry.running.take() {
             stop.cancel();
             // Not awaited here: it commits its batch and ends on its own.
@@ -615,4 +627,13 @@ impl Hub {
         }
         self.rebuild_due();
     }
+}
+
+/// One outbox's backlog gauges, all aggregate types together.
+fn gauges(outbox: &str, backlog: f64, dead: f64, age: f64) {
+    use crate::metric::{BACKLOG, DEAD_LETTERS, OLDEST_UNPUBLISHED_AGE};
+    let labels = [("outbox", outbox.to_owned()), ("aggregate_type", String::new())];
+    metrics::gauge!(BACKLOG, &labels).set(backlog);
+    metrics::gauge!(DEAD_LETTERS, &labels).set(dead);
+    metrics::gauge!(OLDEST_UNPUBLISHED_AGE, &labels).set(age);
 }

@@ -271,34 +271,6 @@ pub async fn fence(client: &impl GenericClient, key: i32, control_pid: i32) -> R
         .try_get(0)
 }
 
-/// The statement [`due`] runs for `outboxes`: which of them have a row due
-/// now, by position. One probe of each outbox's unpublished index, so the
-/// whole fleet of a database is one statement per poll, however many
-/// outboxes it has.
-pub fn due_statement(outboxes: &[Config]) -> String {
-    outboxes
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            format!(
-                "SELECT {i}::int4 WHERE EXISTS (SELECT 1 FROM {} WHERE published_at IS NULL AND dead_at IS NULL \
-                 AND next_attempt_at <= clock_timestamp())",
-                c.qualified()
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" UNION ALL ")
-}
-
-/// Runs a [`due_statement`]: the positions of the outboxes with a row due.
-pub async fn due(client: &impl GenericClient, statement: &str) -> Result<Vec<i32>, Error> {
-    if statement.is_empty() {
-        return Ok(Vec::new());
-    }
-    let rows = client.query_typed(statement, &[]).await?;
-    rows.iter().map(|row| row.try_get(0)).collect()
-}
-
 /// `{t}` the outbox. One outbox's backlog for `outbox stats --schemas`:
 /// `STATS`'s counts summed over aggregate types (pending rows, dead
 /// letters, given up, the oldest pending row), the pending rows split into
@@ -378,7 +350,7 @@ pub struct VersionedSummary {
 
 /// The statement [`summaries`] runs for `outboxes`: [`SUMMARY`] of each,
 /// `UNION ALL`, one instant for all. One round trip for many outboxes, as
-/// [`due_statement`] does for the due probe; each part scans its outbox's
+/// the fleet's scan does for its wake-ups and gauges; each part scans its outbox's
 /// unpublished rows only (`<table>_unpublished_idx`).
 pub fn summaries_statement(outboxes: &[Config]) -> String {
     let parts = outboxes
@@ -495,22 +467,6 @@ pub async fn current_database(client: &impl GenericClient) -> Result<String, Err
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_due_statement_names_each_outbox_quoted() {
-        let a = Config::new("t1", "outbox").unwrap();
-        let b = Config::new("t2", "outbox").unwrap();
-        let sql = due_statement(&[a, b]);
-        assert!(
-            sql.starts_with("SELECT 0::int4 WHERE EXISTS (SELECT 1 FROM \"t1\".\"outbox\""),
-            "{sql}"
-        );
-        assert!(
-            sql.contains(" UNION ALL SELECT 1::int4 WHERE EXISTS (SELECT 1 FROM \"t2\".\"outbox\""),
-            "{sql}"
-        );
-        assert_eq!(due_statement(&[]), "");
-    }
 
     #[test]
     fn the_summaries_statement_reads_each_outbox_and_its_ledger_in_order() {
