@@ -4,8 +4,9 @@
 //! database's fleet (membership lock) and, every discover interval, finds
 //! the tenant outboxes, lets go of the dropped ones and balances the served
 //! ones against the other fleet processes (see `outbox::sql::fleet`); every
-//! poll interval it asks which served outboxes have rows due, in one
-//! statement, and wakes those. A notification wakes the outbox it names.
+//! poll interval it reads the served outboxes' backlogs, in one statement,
+//! wakes those with rows due and sets their backlog gauges. A notification
+//! wakes the outbox it names.
 //!
 //! An outbox this process serves runs a relay loop of its own (spawned when
 //! served, cancelled when let go); one it does not serve costs nothing but

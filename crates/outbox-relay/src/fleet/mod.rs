@@ -6,7 +6,7 @@
 //! trigger names its outbox, migration 0009), finds the tenant outboxes
 //! every `discover_interval`, holds the advisory locks of the outboxes this
 //! process serves (`outbox::sql::fleet`), and once per poll asks which of
-//! them have rows due, in one statement; and a [`pool`] of batch sessions
+//! them have rows due (their backlogs, in one statement); and a [`pool`] of batch sessions
 //! the outboxes borrow a batch at a time, first come first served. So a
 //! process holds `1 + sessions` connections per database whatever the
 //! number of outboxes, and an idle fleet costs a few statements per
