@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 
 use crate::admin::{TOKEN, browser, http, screenshot, start_chromedriver, text_of};
 use crate::fleet::{migrate_tenant, tenants};
-use crate::fleet_ops::{DEAD, update, write};
+use crate::fleet_ops::{known_backlogs, write};
 use crate::support::{LONG, outbox_cmd, run_cli, text, wait_until};
 
 /// tenant_0: 5 events, one published, one waiting an hour for its retry
@@ -22,26 +22,7 @@ use crate::support::{LONG, outbox_cmd, run_cli, text, wait_until};
 async fn three_tenants(pg: &Postgres) -> (Client, Vec<Config>) {
     let configs = tenants(pg, "app_0", 3, true).await;
     let mut client = pg.connect("app_0").await.unwrap();
-    for (config, n) in configs.iter().zip([5, 6, 4]) {
-        write(&client, config, n).await;
-    }
-    update(&client, &configs[0], "published_at = now()", &[1]).await;
-    update(
-        &client,
-        &configs[0],
-        "attempts = 1, next_attempt_at = now() + interval '1 hour'",
-        &[2],
-    )
-    .await;
-    update(&client, &configs[1], DEAD, &[3]).await;
-    update(&client, &configs[2], DEAD, &[1, 2]).await;
-    update(
-        &client,
-        &configs[2],
-        &format!("{DEAD}, given_up_at = now()"),
-        &[3],
-    )
-    .await;
+    known_backlogs(&client, &configs).await;
     let other = Config::new("other_0", "outbox").unwrap();
     migrate_tenant(&mut client, &other).await;
     write(&client, &other, 3).await;

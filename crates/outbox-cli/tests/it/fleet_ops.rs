@@ -36,6 +36,27 @@ pub(crate) async fn update(client: &Client, config: &Config, set: &str, ids: &[i
 
 pub(crate) const DEAD: &str = "dead_at = now(), attempts = 5, last_error = 'x'";
 
+/// The three tenants' known backlogs: tenant_0 5 events, one published,
+/// one waiting an hour for its retry (backlog 4: 3 due, 1 waiting);
+/// tenant_1 6 events, one dead (backlog 5); tenant_2 4 events, two dead,
+/// one given up (backlog 1, 2 dead).
+pub(crate) async fn known_backlogs(client: &Client, configs: &[Config]) {
+    for (config, n) in configs.iter().zip([5, 6, 4]) {
+        write(client, config, n).await;
+    }
+    update(client, &configs[0], "published_at = now()", &[1]).await;
+    update(
+        client,
+        &configs[0],
+        "attempts = 1, next_attempt_at = now() + interval '1 hour'",
+        &[2],
+    )
+    .await;
+    update(client, &configs[1], DEAD, &[3]).await;
+    update(client, &configs[2], DEAD, &[1, 2]).await;
+    update(client, &configs[2], &format!("{DEAD}, given_up_at = now()"), &[3]).await;
+}
+
 /// The CLI against `url`: stdout, asserting exit 0.
 async fn ok(url: &str, args: &[&str]) -> String {
     ok_with_stderr(url, args).await.0
@@ -109,26 +130,7 @@ async fn fleet_stats_counts_each_tenant_outbox_and_totals_them() {
         )
         .await
         .unwrap();
-    for (config, n) in configs.iter().zip([5, 6, 4]) {
-        write(&client, config, n).await;
-    }
-    update(&client, &configs[0], "published_at = now()", &[1]).await;
-    update(
-        &client,
-        &configs[0],
-        "attempts = 1, next_attempt_at = now() + interval '1 hour'",
-        &[2],
-    )
-    .await;
-    update(&client, &configs[1], DEAD, &[3]).await;
-    update(&client, &configs[2], DEAD, &[1, 2]).await;
-    update(
-        &client,
-        &configs[2],
-        &format!("{DEAD}, given_up_at = now()"),
-        &[3],
-    )
-    .await;
+    known_backlogs(&client, &configs).await;
     write(&pg.connect("app_1").await.unwrap(), &other[0], 2).await;
     let url = pg.url("app_0");
 
