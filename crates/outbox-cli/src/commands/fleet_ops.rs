@@ -63,11 +63,15 @@ impl Database {
     }
 }
 
-/// The databases of the scope: the URL's, or every one matching
-/// `--databases`, by name.
-async fn databases(g: &Global, scope: &Scope<'_>) -> anyhow::Result<Vec<(Option<String>, PgConfig)>> {
+/// The databases `--databases` selects: the URL's (no pattern), or every
+/// one matching `pattern`, by name. `outbox migrate --schemas` walks them
+/// too.
+pub(crate) async fn databases(
+    g: &Global,
+    pattern: Option<&str>,
+) -> anyhow::Result<Vec<(Option<String>, PgConfig)>> {
     let pg = super::pg_config(g)?;
-    let Some(pattern) = scope.databases else {
+    let Some(pattern) = pattern else {
         return Ok(vec![(None, pg)]);
     };
     let client = super::connect(&pg).await?;
@@ -229,7 +233,7 @@ pub(crate) async fn stats(
 ) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut left_out = Vec::new();
-    for (name, pg) in databases(g, &scope).await? {
+    for (name, pg) in databases(g, scope.databases).await? {
         let db = open(g, &scope, name, &pg).await?;
         let served = served_by(&db.client).await?;
         for (tenant, config) in &db.outboxes {
@@ -351,7 +355,7 @@ pub(crate) async fn dead_letters(g: &Global, scope: Scope<'_>, limit: i64, json:
     let mut listed: Vec<LabelledDead> = Vec::new();
     let mut left_out = Vec::new();
     let mut outboxes = 0_u64;
-    'databases: for (name, pg) in databases(g, &scope).await? {
+    'databases: for (name, pg) in databases(g, scope.databases).await? {
         let db = open(g, &scope, name, &pg).await?;
         for (_, config) in &db.outboxes {
             let remaining = limit - listed.len() as i64;
@@ -436,7 +440,7 @@ struct DatabaseRelays {
 /// it needs no privilege on the outboxes.
 pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::Result<()> {
     let mut report = Vec::new();
-    for (name, pg) in databases(g, &scope).await? {
+    for (name, pg) in databases(g, scope.databases).await? {
         let db = open(g, &scope, name, &pg).await?;
         let database = match &db.name {
             Some(name) => name.clone(),

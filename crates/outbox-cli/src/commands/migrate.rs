@@ -85,26 +85,12 @@ async fn grant(g: &Global, args: &MigrateArgs, role: &str) -> anyhow::Result<()>
 /// schema of every matching database, one transaction each, one line per
 /// outbox that changed and a count at the end.
 async fn tenants(g: &Global, args: &MigrateArgs, schemas: &str) -> anyhow::Result<()> {
-    let pg = super::pg_config(g)?;
-    let databases = match &args.databases {
-        None => vec![None],
-        Some(pattern) => {
-            let client = super::connect(&pg).await?;
-            let found = outbox::sql::fleet::matching_databases(&client, pattern)
-                .await
-                .context("listing the databases")?;
-            found.into_iter().map(Some).collect()
-        }
-    };
+    let databases = super::fleet_ops::databases(g, args.databases.as_deref()).await?;
     let template = super::outbox_config(g)?
         .with_partitions(args.partitions)?
         .with_dead_after_attempts(g.max_attempts);
     let (mut changed, mut current) = (0_u64, 0_u64);
-    for database in databases {
-        let mut pg = pg.clone();
-        if let Some(name) = &database {
-            pg.postgres_mut().dbname(name);
-        }
+    for (database, pg) in databases {
         let prefix = database.as_ref().map(|d| format!("{d}/")).unwrap_or_default();
         let mut client = super::connect(&pg).await?;
         let found = outbox::sql::fleet::matching_schemas(&client, schemas)
