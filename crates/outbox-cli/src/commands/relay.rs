@@ -100,7 +100,7 @@ pub(crate) fn listed(layered: &Layered) -> anyhow::Result<Vec<outbox_relay::flee
             .outbox_span(&name)
             .map(|span| file.at(&span))
             .unwrap_or_default();
-        if !file.body().outbox_sets(&name, "schema") {
+        if file.body().own_setting(&name, "schema").is_none() {
             return Err(ConfigError(format!("--config {at}: [outboxes.{name}] needs schema = \"…\"")).into());
         }
         let mine = Layered::parse_for(std::env::args_os(), Some(&name))?;

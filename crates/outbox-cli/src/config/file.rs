@@ -587,31 +587,15 @@ impl RelayFile {
     }
 
     /// `key`'s value in `[outboxes.NAME]`, if that table sets it.
-    pub(super) fn own_setting(&self, name: &str, key: &str) -> Option<&Spanned<toml::Value>> {
+    pub(crate) fn own_setting(&self, name: &str, key: &str) -> Option<&Spanned<toml::Value>> {
         self.outboxes
             .get(name)
             .and_then(|table| table.get_ref().0.get(key))
-    }
-
-    /// Whether `[outboxes.NAME]` sets `key` itself.
-    pub(crate) fn outbox_sets(&self, name: &str, key: &str) -> bool {
-        self.outboxes
-            .get(name)
-            .is_some_and(|table| table.get_ref().0.contains_key(key))
     }
 
     /// Where `[outboxes.NAME]` stands, for messages.
     pub(crate) fn outbox_span(&self, name: &str) -> Option<std::ops::Range<usize>> {
         self.outboxes.get(name).map(Spanned::span)
-    }
-
-    /// `key`'s value where it stands: `outbox`'s table's if it sets it,
-    /// else the top-level one.
-    pub(super) fn setting(&self, outbox: Option<&str>, key: &str) -> Option<&Spanned<toml::Value>> {
-        outbox
-            .and_then(|name| self.outboxes.get(name))
-            .and_then(|table| table.get_ref().0.get(key))
-            .or_else(|| self.settings.get(key))
     }
 
     /// Whether the file has sink tables (the relay then runs a router).

@@ -118,10 +118,7 @@ impl Layered {
                         .map(|var| var.to_string_lossy().into_owned())
                         .unwrap_or_default(),
                 ),
-                _ => match file
-                    .as_ref()
-                    .and_then(|f| Some((f, f.body().setting(outbox, key)?)))
-                {
+                _ => match file.as_ref().and_then(|f| Some((f, f.body().settings.get(key)?))) {
                     Some((file, value)) => {
                         let at = file.at(&value.span());
                         let args = file_args(arg, value.get_ref()).map_err(|e| {
