@@ -554,11 +554,7 @@ impl Hub {
 
     /// `schema.table`, or `database/schema.table` across databases.
     fn label(&self, outbox: &outbox::Config) -> String {
-        if self.prefixed {
-            format!("{}/{}", self.name, outbox.display_name())
-        } else {
-            outbox.display_name()
-        }
+        super::label(self.prefixed.then_some(self.name.as_str()), outbox)
     }
 
     /// Starts serving the outbox `name`: its relay loop.

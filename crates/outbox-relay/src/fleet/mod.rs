@@ -161,10 +161,7 @@ pub async fn survey(pg: &PgConfig, config: &FleetConfig) -> Result<Vec<Surveyed>
         for tenant in outbox::sql::fleet::tenant_outboxes(client, pattern, table).await? {
             let mut outbox = config.relay.outbox.clone();
             outbox.schema = tenant.schema;
-            let label = match &database {
-                Some(name) => format!("{name}/{}", outbox.display_name()),
-                None => outbox.display_name(),
-            };
+            let label = label(database.as_deref(), &outbox);
             found.push(Surveyed {
                 outbox: label,
                 problem: hub::servable(client, &outbox)
@@ -486,6 +483,16 @@ impl Fleet {
             let _ = task.await;
         }
         Ok(())
+    }
+}
+
+/// An outbox found by the pattern as metrics and logs name it:
+/// `schema.table`, or `database/schema.table` when the fleet spans
+/// databases.
+fn label(database: Option<&str>, outbox: &outbox::Config) -> String {
+    match database {
+        Some(name) => format!("{name}/{}", outbox.display_name()),
+        None => outbox.display_name(),
     }
 }
 
