@@ -133,6 +133,7 @@ impl Topology {
                     event_id: body["event_id"].as_str().unwrap().to_owned(),
                     aggregate_id: body["aggregate_id"].as_str().unwrap().to_owned(),
                     outbox_id: body["outbox_id"].as_i64().unwrap(),
+                    outbox: None,
                 },
                 properties: d.properties.clone(),
             });

@@ -281,7 +281,8 @@ async fn two_fleet_processes_serve_200_tenants_in_5_databases_through_a_sigkill(
 
 /// Each first delivery of an aggregate carries the next step (what
 /// `first_delivery_violations` checks by outbox id, here by the writer's
-/// own count, across tenants whose ids are separate sequences).
+/// own count, across tenants whose ids are separate sequences), and names
+/// the outbox it came from.
 fn check_steps(events: &[StreamEvent], written: &HashMap<String, (String, usize)>) {
     let mut seen = HashSet::new();
     let mut next: HashMap<&str, usize> = HashMap::new();
@@ -290,6 +291,15 @@ fn check_steps(events: &[StreamEvent], written: &HashMap<String, (String, usize)
             continue;
         }
         let (aggregate, step) = &written[&e.event_id];
+        // `database.schema.wN.aN`: the fleet names its outbox
+        // `database/schema.outbox` in the `outbox` header.
+        let mut parts = aggregate.split('.');
+        let (db, schema) = (parts.next().unwrap(), parts.next().unwrap());
+        assert_eq!(
+            e.outbox.as_deref(),
+            Some(format!("{db}/{schema}.outbox").as_str()),
+            "the outbox header of {aggregate}"
+        );
         let expected = next.entry(aggregate.as_str()).or_default();
         assert_eq!(
             *step, *expected,
@@ -491,6 +501,62 @@ async fn a_takeover_waits_for_the_previous_owners_batch() {
     let mut a = a;
     a.signal(Signal::SIGTERM).unwrap();
     a.wait(LONG).await.unwrap();
+}
+
+/// The fence a batch runs before its claim passes while the control
+/// session it names lives, and fails once that session is gone, even for
+/// a session that draws a tag afterwards: tags are drawn among keys no
+/// live session holds.
+#[tokio::test]
+async fn a_batch_fence_passes_only_while_its_control_session_holds_its_tag() {
+    use outbox::sql::fleet;
+    let pg = Postgres::start().await.unwrap();
+    let control = pg.connect("postgres").await.unwrap();
+    let other = pg.connect("postgres").await.unwrap();
+    let batch = pg.connect("postgres").await.unwrap();
+    let tag = fleet::take_tag(&control).await.unwrap();
+    let other_tag = fleet::take_tag(&other).await.unwrap();
+    assert!(tag > 0 && other_tag > 0);
+    assert_ne!(tag, other_tag, "one tag per live session");
+    let fenced = |tag: i32| {
+        let batch = &batch;
+        async move {
+            batch.batch_execute("BEGIN").await.unwrap();
+            let passed = fleet::fence(batch, 7, tag).await.unwrap();
+            batch.batch_execute("ROLLBACK").await.unwrap();
+            passed
+        }
+    };
+    assert!(fenced(tag).await, "the control session holds its tag");
+
+    // The barrier of a process taking the outbox over holds the batch
+    // lock exclusively for a moment: a fence then fails too.
+    other
+        .execute("SELECT pg_advisory_lock($1, 7)", &[&fleet::BATCH_LOCK])
+        .await
+        .unwrap();
+    assert!(!fenced(tag).await, "the batch lock is taken exclusively");
+    other
+        .execute("SELECT pg_advisory_unlock($1, 7)", &[&fleet::BATCH_LOCK])
+        .await
+        .unwrap();
+    assert!(fenced(tag).await);
+
+    let admin = pg.connect("postgres").await.unwrap();
+    let (pid, _) = outbox::sql::backend_identity(&control).await.unwrap();
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    wait_until("the control session gone", LONG, || async {
+        let rows = admin
+            .query("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&pid])
+            .await
+            .unwrap();
+        rows.is_empty()
+    })
+    .await;
+    assert!(!fenced(tag).await, "its tag went with the control session");
 }
 
 /// Fairness: one tenant with a backlog of 100,000 events and 50 tenants

@@ -201,6 +201,8 @@ pub struct StreamEvent {
     pub event_id: String,
     pub aggregate_id: String,
     pub outbox_id: i64,
+    /// The `outbox` header a fleet sets (from the entry's `headers` field).
+    pub outbox: Option<String>,
 }
 
 /// Every entry of `stream`, in stream order.
@@ -222,6 +224,10 @@ pub async fn read_stream(redis_url: &str, stream: &str) -> Vec<StreamEvent> {
             event_id: e.get("event_id").unwrap(),
             aggregate_id: e.get("aggregate_id").unwrap(),
             outbox_id: e.get::<String>("outbox_id").unwrap().parse().unwrap(),
+            outbox: e.get::<String>("headers").and_then(|h| {
+                let h: serde_json::Value = serde_json::from_str(&h).unwrap();
+                h["outbox"].as_str().map(str::to_owned)
+            }),
         })
         .collect()
 }

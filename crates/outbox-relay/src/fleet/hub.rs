@@ -151,6 +151,7 @@ impl Hub {
             db: Arc::new(Database {
                 pool,
                 control_pid: Default::default(),
+                tag: Default::default(),
             }),
             outboxes: BTreeMap::new(),
             refused: BTreeSet::new(),
@@ -231,7 +232,9 @@ impl Hub {
         let pattern = config.schemas.as_deref().unwrap_or_default();
         sql::join(&client, pattern, &config.relay.outbox.table).await?;
         let (pid, _) = outbox::sql::backend_identity(&client).await?;
+        let tag = sql::take_tag(&client).await?;
         self.db.control_pid.store(pid, Ordering::Release);
+        self.db.tag.store(tag, Ordering::Release);
         self.shared.health.postgres(&self.name, None);
         info!(pid, "fleet control session up");
         Ok((client, rx))
@@ -366,6 +369,7 @@ impl Hub {
             info!(outbox = %entry.label, "outbox gone; let go");
             self.stop(&mut entry);
             if entry.own != Own::No {
+                entry.tenant.quiesce().await;
                 sql::disown(client, &[entry.tenant.key]).await?;
             }
         }
@@ -464,6 +468,7 @@ impl Hub {
             for name in over {
                 let mut entry = self.outboxes.remove(&name).expect("known");
                 self.stop(&mut entry);
+                entry.tenant.quiesce().await;
                 entry.own = Own::No;
                 keys.push(entry.tenant.key);
                 debug!(outbox = %entry.label, members, "outbox handed over to another fleet process");
@@ -615,6 +620,7 @@ impl Hub {
     /// it, so nothing is served until it is back.
     async fn lost(&mut self) {
         self.db.control_pid.store(0, Ordering::Release);
+        self.db.tag.store(0, Ordering::Release);
         let names: Vec<String> = self.outboxes.keys().cloned().collect();
         for name in names {
             let mut entry = self.outboxes.remove(&name).expect("known");

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, RwLock, RwLockReadGuard};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -191,6 +191,10 @@ pub(crate) struct Tenant {
     pub(crate) key: i32,
     wake: Notify,
     served: AtomicBool,
+    /// Read by a batch from its look at `served` to its fence; written by
+    /// the hub before it lets go of the own lock (see
+    /// `outbox::sql::fleet`'s module docs).
+    gate: RwLock<()>,
 }
 
 impl Tenant {
@@ -199,6 +203,7 @@ impl Tenant {
             key,
             wake: Notify::new(),
             served: AtomicBool::new(false),
+            gate: RwLock::new(()),
         }
     }
 
@@ -217,6 +222,22 @@ impl Tenant {
         self.served.load(Ordering::Acquire)
     }
 
+    /// A batch's look at whether the outbox is served: Some while it is,
+    /// to be held until the batch's fence ran. The hub lets go of the
+    /// outbox only after every look taken before it stopped serving it
+    /// ended, so a fence that passes on a live control session's tag is
+    /// one whose process still meant to serve the outbox.
+    pub(crate) async fn look(&self) -> Option<RwLockReadGuard<'_, ()>> {
+        let look = self.gate.read().await;
+        self.served().then_some(look)
+    }
+
+    /// Until no batch is between its look and its fence. After
+    /// `serve(false)`, before the own lock is let go of.
+    async fn quiesce(&self) {
+        drop(self.gate.write().await);
+    }
+
     fn serve(&self, served: bool) {
         self.served.store(served, Ordering::Release);
         if served {
@@ -230,6 +251,9 @@ pub(crate) struct Database {
     pool: Arc<Pool>,
     /// The control session's backend pid, 0 while it is not connected.
     control_pid: AtomicI32,
+    /// The control session's tag (`outbox::sql::fleet::take_tag`), 0
+    /// while it is not connected.
+    tag: AtomicI32,
 }
 
 impl Database {
@@ -238,12 +262,20 @@ impl Database {
         &self.pool
     }
 
-    /// The control session's backend pid: what a batch's fence checks
-    /// holds the outbox's lock. None while it is reconnecting.
+    /// The control session's backend pid. None while it is reconnecting.
     pub(crate) fn control_pid(&self) -> Option<i32> {
         match self.control_pid.load(Ordering::Acquire) {
             0 => None,
             pid => Some(pid),
+        }
+    }
+
+    /// The control session's tag: what a batch's fence checks is still
+    /// held. None while it is reconnecting.
+    pub(crate) fn tag(&self) -> Option<i32> {
+        match self.tag.load(Ordering::Acquire) {
+            0 => None,
+            tag => Some(tag),
         }
     }
 }

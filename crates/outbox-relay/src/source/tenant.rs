@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use outbox::OutboxRow;
 use outbox::sql::{ClaimParams, ClaimScope, MarkFailedParams, RelayStatements};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -138,14 +139,20 @@ impl TenantSource {
     }
 
     /// Claims one batch, or None when the fence or the claim found nothing.
-    async fn claim_once(&mut self, lent: Lent, control_pid: i32) -> Result<Option<Batch>, SourceError> {
-        let client = lent.client();
-        self.statements.begin(client).await?;
+    /// `tag` is the control session's, read under the look that saw the
+    /// outbox served.
+    async fn claim_once(&mut self, lent: Lent, tag: i32) -> Result<Option<Batch>, SourceError> {
         // The session is the batch's from BEGIN on: a failure below is
         // rolled back by `recover`.
         self.session = Some(lent);
         let client = self.session.as_ref().expect("just set").client();
-        if !outbox::sql::fleet::fence(client, self.tenant.key, control_pid).await? {
+        // Pipelined: one round trip.
+        let (begun, fenced) = tokio::join!(
+            self.statements.begin(client),
+            outbox::sql::fleet::fence(client, self.tenant.key, tag)
+        );
+        begun?;
+        if !fenced? {
             // Taken over, or let go of since the wake-up: the hub knows.
             self.roll_back().await?;
             return Ok(None);
@@ -166,20 +173,44 @@ impl TenantSource {
             return Ok(None);
         }
         let full = claimed.rows.len() == self.config.batch_size as usize || claimed.cut;
+        let mut rows = claimed.rows;
+        for row in &mut rows {
+            name_the_outbox(row, self.ctx.outbox());
+        }
         self.idle = !full;
         self.at_sink = Some(AtSink {
             batch: self.receipts.next_batch(),
-            rows: claimed.rows.len(),
+            rows: rows.len(),
             started: Instant::now(),
         });
         Ok(Some(Batch {
-            rows: claimed.rows.into(),
+            rows: rows.into(),
             unreadable: claimed.unreadable,
             full,
             overlapped: false,
         }))
     }
 }
+
+/// Consumers of a sink many outboxes share must tell their events apart:
+/// every event a fleet delivers carries the header [`OUTBOX_HEADER`] naming
+/// its outbox (its `outbox` label), in every format and sink that carries
+/// the row's headers. It replaces a header of that name the writer set, so
+/// a consumer can trust it.
+fn name_the_outbox(row: &mut OutboxRow, label: &str) {
+    let value = serde_json::Value::String(label.to_owned());
+    match row.headers.as_object_mut() {
+        Some(headers) => {
+            headers.insert(OUTBOX_HEADER.to_owned(), value);
+        }
+        // The table's contract makes headers an object; anything else was
+        // never one a consumer could read.
+        None => row.headers = serde_json::json!({ OUTBOX_HEADER: value }),
+    }
+}
+
+/// See [`name_the_outbox`].
+pub(crate) const OUTBOX_HEADER: &str = "outbox";
 
 impl Source for TenantSource {
     async fn claim(&mut self, cancel: &CancellationToken) -> Result<Claim, SourceError> {
@@ -194,16 +225,19 @@ impl Source for TenantSource {
                 }
             }
             self.idle = true;
-            let Some(control_pid) = self.database.control_pid() else {
-                continue;
-            };
             if !self.tenant.served() {
                 continue;
             }
             let Some(lent) = self.database.pool().lend(cancel).await? else {
                 return Ok(Claim::Cancelled);
             };
-            if let Some(batch) = self.claim_once(lent, control_pid).await? {
+            let tenant = Arc::clone(&self.tenant);
+            // Held until the fence ran (see `Tenant::look`).
+            let (Some(_look), Some(tag)) = (tenant.look().await, self.database.tag()) else {
+                lent.restore();
+                continue;
+            };
+            if let Some(batch) = self.claim_once(lent, tag).await? {
                 return Ok(Claim::Batch(batch));
             }
         }
