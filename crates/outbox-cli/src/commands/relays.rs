@@ -1,7 +1,8 @@
 //! `outbox relays`: the live relays, the partitions each holds, and the
 //! backlog of every partition; with log tailing set up, the replication
-//! slot and who reads it (the WAL source holds no partitions). With
-//! --schemas, the fleet processes instead (`super::fleet_ops`).
+//! slot and who reads it (the WAL source holds no partitions); of
+//! `--outbox NAME`'s. With --schemas or --all, the fleet processes instead
+//! (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -36,12 +37,11 @@ struct Relays {
 }
 
 pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
-    if let Some(schemas) = &args.fleet.schemas {
-        let scope = super::fleet_ops::Scope::new(g, schemas, args.fleet.databases.as_deref())?;
-        return super::fleet_ops::relays(g, scope, args.json).await;
+    if let Some(selection) = super::fleet_ops::many(g, &args.fleet).await? {
+        return super::fleet_ops::relays(selection, args.json).await;
     }
-    let config = super::outbox_config(g)?;
-    let client = super::connect(&super::pg_config(g)?).await?;
+    let super::selection::Chosen { pg, config } = super::fleet_ops::one(g, &args.fleet).await?;
+    let client = super::connect(&pg).await?;
     super::require(&client, &config, &[outbox::privileges::Role::AdminRead]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
