@@ -272,10 +272,18 @@ impl Fleet {
         Ok(found)
     }
 
-    /// The outbox named `name`: a listed one without connecting, else the
-    /// one found under that label; exit 2 naming the closest otherwise.
+    /// The outbox named `name`: a listed one without connecting (by its
+    /// name, or by the label it would have if the pattern had found it),
+    /// else the one found under that label; exit 2 naming the closest
+    /// otherwise.
     async fn find(&self, name: &str) -> anyhow::Result<Chosen> {
-        if let Some(listed) = self.listed.iter().find(|l| l.name == name) {
+        let listed = self.listed.iter().find(|l| l.name == name).or_else(|| {
+            self.listed.iter().find(|l| {
+                let database = (!same_database(&self.pg, &l.pg)).then(|| dbname(&l.pg));
+                label(database.as_deref(), &l.config) == name
+            })
+        });
+        if let Some(listed) = listed {
             return Ok(Chosen {
                 pg: listed.pg.clone(),
                 config: listed.config.clone(),
