@@ -55,7 +55,7 @@ pub(crate) struct LeftOut {
 
 /// The fleet process serving an outbox.
 #[derive(Debug, Clone, Serialize)]
-struct ServedBy {
+pub(crate) struct ServedBy {
     pid: i32,
     application_name: String,
 }
@@ -94,6 +94,15 @@ async fn served_by(client: &Client) -> anyhow::Result<HashMap<i32, ServedBy>> {
             )
         })
         .collect())
+}
+
+/// The fleet process serving the one outbox `config`, if one does: the
+/// single-outbox `relays` says so, as a fleet holds no partitions.
+pub(crate) async fn serving(client: &Client, config: &outbox::Config) -> anyhow::Result<Option<ServedBy>> {
+    let key = fleet::outbox_key(client, config)
+        .await
+        .context("reading the outbox's lock key")?;
+    Ok(served_by(client).await?.remove(&key))
 }
 
 #[derive(Debug, Serialize)]

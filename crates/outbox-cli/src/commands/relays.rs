@@ -34,6 +34,9 @@ struct Relays {
     by_partition: Vec<outbox::sql::PartitionRow>,
     /// The replication slot of `relay --source wal`; null without one.
     slot: Option<outbox::sql::SlotState>,
+    /// The fleet process serving the outbox (`relay --schemas`, or
+    /// `[outboxes.NAME]`), which holds no partitions; null when none does.
+    fleet_process: Option<super::fleet_ops::ServedBy>,
 }
 
 pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
@@ -76,7 +79,9 @@ pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
     let slot = outbox::wal::slot_state(&client, &config)
         .await
         .context("reading the replication slot")?;
+    let fleet_process = super::fleet_ops::serving(&client, &config).await?;
     let report = Relays {
+        fleet_process,
         table: config.display_name(),
         partitions: by_partition.len(),
         unowned,
@@ -94,6 +99,9 @@ pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
         super::counted(report.partitions as u64, "partition", "partitions"),
         super::counted(report.relays.len() as u64, "live relay", "live relays")
     );
+    if let Some(process) = &report.fleet_process {
+        println!("served by the fleet process {process}, which holds no partitions");
+    }
     if let Some(slot) = &report.slot {
         // A relay reading the slot is the backend streaming it; standbys
         // wait for its turn and show nowhere.

@@ -9,9 +9,9 @@ use outbox_testkit::{Postgres, Redis};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 
-use crate::fleet::{migrate_tenant, tenants};
+use crate::fleet::{holders, migrate_tenant, start_fleet, stop_fleet, tenants};
 use crate::fleet_ops::{DEAD, update};
-use crate::support::{read_stream, run_cli, text};
+use crate::support::{LONG, read_stream, run_cli, text, wait_until};
 
 /// Writes `n` events to `config`'s outbox, aggregate ids `<schema>-<i>`;
 /// ids 1..=n in a fresh outbox.
@@ -382,6 +382,32 @@ async fn replay_and_relays_by_outbox_name() {
         out.starts_with("database app_0: 3 outboxes of the fleet, 0 fleet processes\n"),
         "{out}"
     );
+
+    // A fleet of the pattern alone serves the tenants, not acme: `relays
+    // --all` counts it against the fleet of the file, and `relays
+    // --outbox` names it for a tenant, nobody for acme.
+    let fleet = start_fleet(&f.pg, "fleet_a", &redis, &[]).await;
+    wait_until("the two tenants served", LONG, || async {
+        holders(&f.app).await == [2]
+    })
+    .await;
+    let relays = f.json(&["relays", "--all", "--json"]).await;
+    assert_eq!(
+        (
+            &relays[0]["outboxes"],
+            &relays[0]["unserved"],
+            &relays[0]["processes"][0]["serves"]
+        ),
+        (&json!(3), &json!(1), &json!(2)),
+        "{relays:#}"
+    );
+    let one = f.json(&["relays", "--outbox", "tenant_1.outbox", "--json"]).await;
+    assert_eq!(one["fleet_process"]["application_name"], "fleet_a", "{one:#}");
+    let out = f.ok(&["relays", "--outbox", "tenant_1.outbox"]).await;
+    assert!(out.contains("served by the fleet process fleet_a (pid "), "{out}");
+    let one = f.json(&["relays", "--outbox", "acme", "--json"]).await;
+    assert_eq!(one["fleet_process"], Value::Null, "{one:#}");
+    stop_fleet(fleet).await;
 }
 
 /// A listed outbox the pattern also finds is served as the listed one, so
