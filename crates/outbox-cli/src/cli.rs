@@ -583,9 +583,9 @@ impl InboxTableArgs {
 pub(crate) struct FleetScope {
     /// Every outbox named --table in a schema whose name matches this LIKE
     /// pattern (`tenant_%`) that `outbox migrate` made: what `relay
-    /// --schemas` serves. Labels are `schema.table`. With --all, the
-    /// fleet's pattern, over --config's `schemas`.
-    #[arg(long, value_name = "PATTERN", conflicts_with_all = ["schema", "outbox"])]
+    /// --schemas` serves. Labels are `schema.table`. With --all or
+    /// --outbox, the fleet's pattern, over --config's `schemas`.
+    #[arg(long, value_name = "PATTERN", conflicts_with = "schema")]
     pub(crate) schemas: Option<String>,
     /// With --schemas: in every database of the server whose name matches
     /// this LIKE pattern, not only the URL's. Labels are
@@ -645,7 +645,8 @@ pub(crate) struct DlqArgs {
     /// `dlq list` only: the dead letters of every outbox named --table in a
     /// schema matching this LIKE pattern (`tenant_%`), each line labelled
     /// with its outbox. The other subcommands change one outbox: name it
-    /// with --outbox or --schema.
+    /// with --outbox or --schema. With --outbox or `list --all`, the
+    /// fleet's pattern, over --config's `schemas`.
     #[arg(long, value_name = "PATTERN", global = true, conflicts_with = "schema")]
     pub(crate) schemas: Option<String>,
     /// With --schemas: in every database of the server whose name matches
@@ -655,7 +656,7 @@ pub(crate) struct DlqArgs {
     /// The outbox of a fleet to read or change: the name of an
     /// `[outboxes.NAME]` table of --config, or a label a fleet prints
     /// (`schema.table`, `database/schema.table`). An unknown name is exit 2.
-    #[arg(long, value_name = "NAME", global = true, conflicts_with_all = ["schema", "schemas"])]
+    #[arg(long, value_name = "NAME", global = true, conflicts_with = "schema")]
     pub(crate) outbox: Option<String>,
     /// The relay's configuration file, whose fleet --outbox and `list
     /// --all` name.

@@ -48,8 +48,14 @@ pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
     {
         refuse_fleet_requeue(g, file)?;
     }
-    let super::selection::Chosen { pg, config } =
-        super::selection::one(g, args.outbox.as_deref(), file).await?;
+    let super::selection::Chosen { pg, config } = super::selection::one(
+        g,
+        args.outbox.as_deref(),
+        file,
+        args.schemas.as_deref(),
+        args.databases.as_deref(),
+    )
+    .await?;
     let client = super::connect(&pg).await?;
     super::require(&client, &config, &[super::dlq_role(&command)]).await?;
     outbox::check(&client, &config).await?;

@@ -441,18 +441,25 @@ pub(crate) async fn relays(selection: Selection, json: bool) -> anyhow::Result<(
 }
 
 /// The outboxes `--schemas` or `--all` select, connected; None for one
-/// outbox ([`one`]).
+/// outbox ([`one`]: `--outbox`, whose fleet `--schemas` may give).
 pub(crate) async fn many(g: &Global, scope: &FleetScope) -> anyhow::Result<Option<Selection>> {
     let config = scope.config.as_deref();
     let databases = scope.databases.as_deref();
-    Ok(match (&scope.schemas, scope.named.all) {
-        (schemas, true) => Some(super::selection::all(g, config, schemas.as_deref(), databases).await?),
-        (Some(schemas), false) => Some(super::selection::pattern(g, schemas, databases).await?),
-        (None, false) => None,
+    Ok(match (&scope.schemas, scope.named.all, &scope.named.outbox) {
+        (schemas, true, _) => Some(super::selection::all(g, config, schemas.as_deref(), databases).await?),
+        (Some(schemas), false, None) => Some(super::selection::pattern(g, schemas, databases).await?),
+        _ => None,
     })
 }
 
 /// The one outbox of `--outbox NAME`, or of --schema and --table.
 pub(crate) async fn one(g: &Global, scope: &FleetScope) -> anyhow::Result<super::selection::Chosen> {
-    super::selection::one(g, scope.named.outbox.as_deref(), scope.config.as_deref()).await
+    super::selection::one(
+        g,
+        scope.named.outbox.as_deref(),
+        scope.config.as_deref(),
+        scope.schemas.as_deref(),
+        scope.databases.as_deref(),
+    )
+    .await
 }

@@ -82,9 +82,16 @@ struct Fleet {
     listed: Vec<Listed>,
 }
 
-/// The one outbox `--outbox NAME` names, or without it the one of
-/// `--schema`, `--table` and `DATABASE_URL`.
-pub(crate) async fn one(g: &Global, name: Option<&str>, config: Option<&Path>) -> anyhow::Result<Chosen> {
+/// The one outbox `--outbox NAME` names in the fleet of `config` (and
+/// `--schemas`, `--databases` over its `schemas`, `databases`), or
+/// without it the one of `--schema`, `--table` and `DATABASE_URL`.
+pub(crate) async fn one(
+    g: &Global,
+    name: Option<&str>,
+    config: Option<&Path>,
+    schemas: Option<&str>,
+    databases: Option<&str>,
+) -> anyhow::Result<Chosen> {
     let Some(name) = name else {
         return Ok(Chosen {
             pg: super::pg_config(g)?,
@@ -92,7 +99,7 @@ pub(crate) async fn one(g: &Global, name: Option<&str>, config: Option<&Path>) -
         });
     };
     no_schema_beside(g, &format!("--outbox {name:?}"))?;
-    Fleet::configured(config, None, None)?.find(name).await
+    Fleet::configured(config, schemas, databases)?.find(name).await
 }
 
 /// `--all`: every outbox of the fleet `config` (and `--schemas`,
@@ -302,7 +309,14 @@ impl Fleet {
                 known.push(m.label);
             }
         }
-        Err(unknown(name, &known).into())
+        let mut error = unknown(name, &known);
+        if self.schemas.is_none() && self.listed.is_empty() {
+            error.0.push_str(
+                " (a fleet's outboxes are --config's [outboxes.NAME] tables and those its `schemas` pattern \
+                 finds, or --schemas'; one outbox by its schema is --schema)",
+            );
+        }
+        Err(error.into())
     }
 }
 

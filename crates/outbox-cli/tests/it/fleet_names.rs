@@ -447,6 +447,35 @@ async fn a_listed_outbox_the_pattern_finds_too_is_reported_once_by_its_name() {
         );
     }
 
+    // No file: --schemas is the fleet's pattern; without one, a label is
+    // refused, saying where a fleet's outboxes come from.
+    let one = json_of(
+        &url,
+        &[
+            "stats",
+            "--outbox",
+            "tenant_0.outbox",
+            "--schemas",
+            "tenant_%",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(
+        (&one["table"], &one["unpublished"]),
+        (&json!("tenant_0.outbox"), &json!(1))
+    );
+    let out = run_cli(
+        &["dlq", "--outbox", "tenant_0.outbox", "list"],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("its outboxes: public.outbox (a fleet's outboxes are --config's"),
+        "{}",
+        text(&out.stderr)
+    );
     // No file: the relay of DATABASE_URL and --schema serves one outbox,
     // here public.outbox, which was never migrated: left out.
     let none = json_of(&url, &["stats", "--all", "--json"]).await;

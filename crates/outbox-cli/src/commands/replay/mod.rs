@@ -54,7 +54,14 @@ pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
         let selection = super::selection::all(g, args.config.as_deref(), None, None).await?;
         return list_all(selection, args.json).await;
     }
-    let chosen = super::selection::one(g, args.named.outbox.as_deref(), args.config.as_deref()).await?;
+    let chosen = super::selection::one(
+        g,
+        args.named.outbox.as_deref(),
+        args.config.as_deref(),
+        None,
+        None,
+    )
+    .await?;
     if args.list {
         let client = connected(&chosen).await?;
         return list(&client, &ReplaySql::new(&chosen.config)?, args.json).await;
