@@ -77,11 +77,13 @@ pub(crate) enum Command {
     Migrate(MigrateArgs),
     /// Deliver unpublished events to a sink until SIGINT/SIGTERM.
     Relay(RelayArgs),
-    /// Backlog, dead letters and oldest unpublished age, per aggregate type;
-    /// with --schemas, one row per tenant outbox and who serves it.
+    /// Backlog, dead letters and oldest unpublished age, per aggregate type
+    /// (of --outbox NAME's outbox); with --schemas or --all, one row per
+    /// outbox of a fleet and who serves it.
     Stats(StatsArgs),
     /// The live relays, the partitions each holds, and per-partition backlog;
-    /// with --schemas, the fleet processes and the outboxes each serves.
+    /// with --schemas or --all, the fleet processes and the outboxes each
+    /// serves.
     Relays(RelaysArgs),
     /// Delete published rows (or, with --inbox, processed-event records)
     /// older than --older-than, in short batches. Never touches unpublished
@@ -475,7 +477,7 @@ pub(crate) struct ReplayArgs {
     /// (redis://…, http://…, nats://…, amqp://…, kafka://…), or
     /// route:<aggregate_type> / route:default for a sink table of --config.
     /// With --resume, needed again only if the job's URL held a password.
-    #[arg(long, required_unless_present_any = ["resume", "list"])]
+    #[arg(long, required_unless_present_any = ["resume", "list", "all"])]
     pub(crate) to: Option<String>,
     /// The routes file `route:<name>` refers to (the relay's --config).
     #[arg(long, env = "OUTBOX_CONFIG")]
@@ -507,9 +509,12 @@ pub(crate) struct ReplayArgs {
     /// Continue job ID from its cursor, with its filter, target and format.
     #[arg(long, value_name = "ID", conflicts_with_all = ["filter", "list"])]
     pub(crate) resume: Option<i64>,
-    /// List the replay jobs, newest first.
+    /// List the replay jobs, newest first (with --all: of every outbox
+    /// of the fleet, labelled).
     #[arg(long)]
     pub(crate) list: bool,
+    #[command(flatten)]
+    pub(crate) named: OutboxNames,
     /// With --list, print JSON instead of a table.
     #[arg(long, requires = "list")]
     pub(crate) json: bool,
@@ -574,10 +579,12 @@ impl InboxTableArgs {
 
 /// The outboxes of a fleet, for the commands that report on many at once.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("many").multiple(true).args(["schemas", "all"])))]
 pub(crate) struct FleetScope {
     /// Every outbox named --table in a schema whose name matches this LIKE
     /// pattern (`tenant_%`) that `outbox migrate` made: what `relay
-    /// --schemas` serves. Labels are `schema.table`.
+    /// --schemas` serves. Labels are `schema.table`. With --all or
+    /// --outbox, the fleet's pattern, over --config's `schemas`.
     #[arg(long, value_name = "PATTERN", conflicts_with = "schema")]
     pub(crate) schemas: Option<String>,
     /// With --schemas: in every database of the server whose name matches
@@ -585,6 +592,30 @@ pub(crate) struct FleetScope {
     /// `database/schema.table`.
     #[arg(long, value_name = "PATTERN", requires = "schemas")]
     pub(crate) databases: Option<String>,
+    #[command(flatten)]
+    pub(crate) named: OutboxNames,
+    /// The relay's configuration file: its `[outboxes.NAME]` tables and
+    /// its fleet settings (`schemas`, `databases`, `table`,
+    /// `database_url`) are what --outbox and --all name.
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub(crate) config: Option<std::path::PathBuf>,
+}
+
+/// `--outbox NAME` and `--all`: outboxes of the fleet the relay's
+/// configuration (--config, flags, environment) describes, by name.
+#[derive(Debug, Args)]
+pub(crate) struct OutboxNames {
+    /// One outbox of the fleet, with its own connection settings: the
+    /// name of an `[outboxes.NAME]` table of --config, or the label a
+    /// fleet prints for an outbox it found (`schema.table`,
+    /// `database/schema.table`). An unknown name is exit 2.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["schema", "all"])]
+    pub(crate) outbox: Option<String>,
+    /// Every outbox the fleet of this configuration serves: --config's
+    /// `[outboxes.NAME]` tables and the outboxes its `schemas` pattern
+    /// (or --schemas) finds, one report labelled by outbox.
+    #[arg(long, conflicts_with = "schema")]
+    pub(crate) all: bool,
 }
 
 #[derive(Debug, Args)]
@@ -594,9 +625,9 @@ pub(crate) struct StatsArgs {
     pub(crate) json: bool,
     #[command(flatten)]
     pub(crate) fleet: FleetScope,
-    /// With --schemas: only the N outboxes with the largest backlog (the
-    /// totals still count every outbox).
-    #[arg(long, value_name = "N", requires = "schemas")]
+    /// With --schemas or --all: only the N outboxes with the largest
+    /// backlog (the totals still count every outbox).
+    #[arg(long, value_name = "N", requires = "many")]
     pub(crate) top: Option<usize>,
 }
 
@@ -614,13 +645,23 @@ pub(crate) struct DlqArgs {
     /// `dlq list` only: the dead letters of every outbox named --table in a
     /// schema matching this LIKE pattern (`tenant_%`), each line labelled
     /// with its outbox. The other subcommands change one outbox: name it
-    /// with --schema.
+    /// with --outbox or --schema. With --outbox or `list --all`, the
+    /// fleet's pattern, over --config's `schemas`.
     #[arg(long, value_name = "PATTERN", global = true, conflicts_with = "schema")]
     pub(crate) schemas: Option<String>,
     /// With --schemas: in every database of the server whose name matches
     /// this LIKE pattern, not only the URL's.
     #[arg(long, value_name = "PATTERN", global = true, requires = "schemas")]
     pub(crate) databases: Option<String>,
+    /// The outbox of a fleet to read or change: the name of an
+    /// `[outboxes.NAME]` table of --config, or a label a fleet prints
+    /// (`schema.table`, `database/schema.table`). An unknown name is exit 2.
+    #[arg(long, value_name = "NAME", global = true, conflicts_with = "schema")]
+    pub(crate) outbox: Option<String>,
+    /// The relay's configuration file, whose fleet --outbox and `list
+    /// --all` name.
+    #[arg(long, env = "OUTBOX_CONFIG", global = true)]
+    pub(crate) config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub(crate) command: DlqCommand,
 }
@@ -633,9 +674,14 @@ pub(crate) enum DlqCommand {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// At most this many rows (with --schemas: over all outboxes).
+        /// At most this many rows (with --schemas or --all: over all
+        /// outboxes).
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
+        /// Every outbox of the fleet --config describes, each line
+        /// labelled with its outbox.
+        #[arg(long, conflicts_with_all = ["schema", "outbox"])]
+        all: bool,
     },
     /// One event (a dead letter or not) by its row id: every column, the
     /// attempt history, payload and headers.
@@ -645,6 +691,9 @@ pub(crate) enum DlqCommand {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Refused with why: one event is in one outbox.
+        #[arg(long, hide = true)]
+        all: bool,
     },
     /// Requeue dead letters: attempts = 0, a new retry window, due now.
     #[command(alias = "retry")]
@@ -656,6 +705,9 @@ pub(crate) enum DlqCommand {
         /// These outbox ids.
         #[arg(long, num_args = 1.., required = true)]
         id: Vec<i64>,
+        /// Refused with why: ids name rows of one outbox.
+        #[arg(long, hide = true)]
+        all: bool,
     },
     /// Delete dead letters given up on longer ago than --older-than: the
     /// rows an operator decided will never be sent, kept until then for
@@ -667,6 +719,9 @@ pub(crate) enum DlqCommand {
         /// Only count what would be deleted.
         #[arg(long)]
         dry_run: bool,
+        /// Refused with why: a purge changes one outbox.
+        #[arg(long, hide = true)]
+        all: bool,
     },
 }
 

@@ -51,8 +51,8 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
         }
         Some(schemas) => {
             // clap refuses --schema beside --schemas, but not before the
-            // subcommand (see `fleet_ops::Scope::new`).
-            super::fleet_ops::Scope::new(g, &schemas, None)?;
+            // subcommand (see `selection::no_schema_beside`).
+            super::selection::no_schema_beside(g, &format!("--schemas {schemas:?}"))?;
             let found = outbox::sql::fleet::tenant_outboxes(&client, &schemas, &config.table)
                 .await
                 .context("listing the tenant outboxes")?;

@@ -1,7 +1,9 @@
 //! `outbox dlq`: list dead letters, show one with its attempt history,
 //! requeue them once the cause is fixed, or give up on them so they stop
 //! blocking their aggregate. Dead letters never expire on their own.
-//! `list --schemas` lists every tenant outbox's (`super::fleet_ops`).
+//! `--outbox NAME` names one outbox of a fleet (`super::selection`); `list
+//! --schemas` and `list --all` list every tenant outbox's
+//! (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -12,26 +14,54 @@ use crate::exit::ConfigError;
 
 pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
     let command = args.command;
+    let file = args.config.as_deref();
+    if let Some(all) = refused_all(&command) {
+        return Err(ConfigError(all).into());
+    }
+    if let DlqCommand::List {
+        json,
+        limit,
+        all: true,
+    } = command
+    {
+        let selection =
+            super::selection::all(g, file, args.schemas.as_deref(), args.databases.as_deref()).await?;
+        return super::fleet_ops::dead_letters(selection, limit, json).await;
+    }
     if let Some(schemas) = &args.schemas {
-        let DlqCommand::List { json, limit } = command else {
+        let DlqCommand::List { json, limit, .. } = command else {
             // Changing many outboxes at once is not offered yet: one
             // mistyped pattern would requeue or purge every tenant's.
             return Err(ConfigError(format!(
-                "`dlq {}` changes one outbox: name it with --schema (--schemas is for `dlq list` only)",
+                "`dlq {}` changes one outbox: name it with --outbox NAME or --schema (--schemas is for `dlq list` \
+                 only)",
                 name(&command)
             ))
             .into());
         };
-        let scope = super::fleet_ops::Scope::new(g, schemas, args.databases.as_deref())?;
-        return super::fleet_ops::dead_letters(g, scope, limit, json).await;
+        let selection = super::selection::pattern(g, schemas, args.databases.as_deref()).await?;
+        return super::fleet_ops::dead_letters(selection, limit, json).await;
     }
-    let config = super::outbox_config(g)?;
-    let client = super::connect(&super::pg_config(g)?).await?;
+    if let DlqCommand::Requeue(requeue) = &command
+        && requeue.all
+        && args.outbox.is_none()
+    {
+        refuse_fleet_requeue(g, file)?;
+    }
+    let super::selection::Chosen { pg, config } = super::selection::one(
+        g,
+        args.outbox.as_deref(),
+        file,
+        args.schemas.as_deref(),
+        args.databases.as_deref(),
+    )
+    .await?;
+    let client = super::connect(&pg).await?;
     super::require(&client, &config, &[super::dlq_role(&command)]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
     match command {
-        DlqCommand::List { json, limit } => {
+        DlqCommand::List { json, limit, .. } => {
             let dead = sql
                 .dead_letters(&client, limit)
                 .await
@@ -63,7 +93,7 @@ pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
                 }
             }
         }
-        DlqCommand::Show { id, json } => {
+        DlqCommand::Show { id, json, .. } => {
             let story = sql
                 .event_story(&client, Some(id), None)
                 .await
@@ -81,7 +111,7 @@ pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
             }
         }
         DlqCommand::Requeue(args) => requeue(&client, &sql, &config, args).await?,
-        DlqCommand::GiveUp { id } => {
+        DlqCommand::GiveUp { id, .. } => {
             let n = sql
                 .give_up(&client, &id)
                 .await
@@ -102,7 +132,9 @@ pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
                 config.display_name()
             );
         }
-        DlqCommand::Purge { older_than, dry_run } => {
+        DlqCommand::Purge {
+            older_than, dry_run, ..
+        } => {
             let age = humantime::format_duration(older_than);
             if dry_run {
                 let n = sql
@@ -135,6 +167,47 @@ pub(crate) async fn run(g: &Global, args: DlqArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--all` means every outbox of the fleet only for `dlq list`: the
+/// others read or change one outbox, and changing every tenant's at once
+/// is not offered (one mistyped command would requeue or purge them all).
+/// `requeue --all` is its own selector, every dead letter of one outbox.
+fn refused_all(command: &DlqCommand) -> Option<String> {
+    let (DlqCommand::Show { all: true, .. }
+    | DlqCommand::GiveUp { all: true, .. }
+    | DlqCommand::Purge { all: true, .. }) = command
+    else {
+        return None;
+    };
+    Some(format!(
+        "`dlq {} --all`: --all (every outbox of the fleet) is for `dlq list` only; `dlq {}` works on one outbox, \
+         so that one mistyped command cannot change every tenant's: name it with --outbox NAME",
+        name(command),
+        name(command)
+    ))
+}
+
+/// `dlq requeue --all` requeues every dead letter of one outbox. Given a
+/// --config that describes a fleet and no --outbox, it could be read as
+/// every outbox's: refused, rather than requeueing the --schema outbox
+/// (by default `public`) the operator may not have meant.
+fn refuse_fleet_requeue(g: &Global, file: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let Some(path) = file.filter(|_| g.schema == "public") else {
+        return Ok(());
+    };
+    let read = crate::config::ConfigFile::read(path)?;
+    let body = read.body();
+    if body.outbox_names().is_empty() && !body.sets("schemas") {
+        return Ok(());
+    }
+    Err(ConfigError(format!(
+        "`dlq requeue --all` requeues every dead letter of one outbox, and --config {} describes a fleet: name \
+         the outbox with --outbox NAME (`outbox stats --all` lists them), or --schema for one outside it; a \
+         requeue across every outbox at once is not offered",
+        path.display(),
+    ))
+    .into())
 }
 
 /// The subcommand's name, as typed.

@@ -1,8 +1,9 @@
-//! The `--schemas PATTERN [--databases PATTERN]` side of `outbox stats`,
-//! `outbox dlq list` and `outbox relays`: the same reports over every
-//! tenant outbox a fleet (`relay --schemas`) would serve, one database at
-//! a time, each outbox labelled `schema.table` (`database/schema.table`
-//! with --databases).
+//! The many-outbox side of `outbox stats`, `outbox dlq list` and `outbox
+//! relays` (`--schemas PATTERN [--databases PATTERN]`, or `--all`): the
+//! same reports over every outbox a fleet would serve, one database at a
+//! time, each outbox labelled as the fleet labels it (`schema.table`,
+//! `database/schema.table` with --databases, a listed outbox's name).
+//! Which outboxes those are is `super::selection`'s.
 //!
 //! Who serves an outbox is PostgreSQL's word, not a fleet's: the session
 //! holding its own lock (`outbox::sql::fleet`), a fleet process's control
@@ -15,140 +16,46 @@ use std::collections::HashMap;
 use anyhow::Context;
 use chrono::SecondsFormat;
 use outbox::sql::fleet::{self, FleetSession, Summary};
-use outbox_relay::pg::PgConfig;
 use serde::Serialize;
 use tokio_postgres::Client;
 
-use crate::cli::Global;
-use crate::exit::ConfigError;
-
-/// What `--schemas` and `--databases` select.
-pub(crate) struct Scope<'a> {
-    schemas: &'a str,
-    databases: Option<&'a str>,
-}
-
-impl<'a> Scope<'a> {
-    /// The scope of `--schemas schemas [--databases databases]`. clap
-    /// refuses `--schema` beside `--schemas` itself, except when `--schema`
-    /// comes before the subcommand (clap-rs/clap#1204: a parent's global
-    /// is not validated against the subcommand's conflicts), caught here
-    /// as a --schema other than the default.
-    pub(crate) fn new(g: &Global, schemas: &'a str, databases: Option<&'a str>) -> anyhow::Result<Self> {
-        if g.schema != "public" {
-            return Err(ConfigError(format!(
-                "--schemas {schemas:?} and --schema {:?} both name outboxes: give one of them",
-                g.schema
-            ))
-            .into());
-        }
-        Ok(Self { schemas, databases })
-    }
-}
-
-/// One database of the scope, connected: its name when the scope spans
-/// databases (what prefixes the labels), and its tenant outboxes.
-struct Database {
-    name: Option<String>,
-    client: Client,
-    outboxes: Vec<(fleet::TenantOutbox, outbox::Config)>,
-}
-
-impl Database {
-    fn label(&self, config: &outbox::Config) -> String {
-        match &self.name {
-            Some(db) => format!("{db}/{}", config.display_name()),
-            None => config.display_name(),
-        }
-    }
-}
-
-/// The databases `--databases` selects: the URL's (no pattern), or every
-/// one matching `pattern`, by name. `outbox migrate --schemas` walks them
-/// too.
-pub(crate) async fn databases(
-    g: &Global,
-    pattern: Option<&str>,
-) -> anyhow::Result<Vec<(Option<String>, PgConfig)>> {
-    let pg = super::pg_config(g)?;
-    let Some(pattern) = pattern else {
-        return Ok(vec![(None, pg)]);
-    };
-    let client = super::connect(&pg).await?;
-    let names = fleet::matching_databases(&client, pattern)
-        .await
-        .context("listing the databases")?;
-    Ok(names
-        .into_iter()
-        .map(|name| {
-            let mut pg = pg.clone();
-            pg.postgres_mut().dbname(&name);
-            (Some(name), pg)
-        })
-        .collect())
-}
-
-/// Connects to one database and finds its tenant outboxes named --table.
-async fn open(
-    g: &Global,
-    scope: &Scope<'_>,
-    name: Option<String>,
-    pg: &PgConfig,
-) -> anyhow::Result<Database> {
-    let client = super::connect(pg).await?;
-    let template = super::outbox_config(g)?;
-    let found = fleet::tenant_outboxes(&client, scope.schemas, &template.table)
-        .await
-        .context("listing the tenant outboxes")?;
-    let outboxes = found
-        .into_iter()
-        .map(|t| {
-            let mut config = template.clone();
-            config.schema = t.schema.clone();
-            (t, config)
-        })
-        .collect();
-    Ok(Database {
-        name,
-        client,
-        outboxes,
-    })
-}
+use super::selection::{Member, Selection};
+use crate::cli::{FleetScope, Global};
 
 /// Whether `outbox` can be read by this binary: the role's privileges
 /// (exit 2 if missing, as for one outbox) and its schema version. A schema
 /// at another version is a warning and `false`: the outbox is left out.
-async fn readable(
-    db: &Database,
-    config: &outbox::Config,
+pub(crate) async fn readable(
+    client: &Client,
+    member: &Member,
+    roles: &[outbox::privileges::Role],
     left_out: &mut Vec<LeftOut>,
 ) -> anyhow::Result<bool> {
-    super::require(&db.client, config, &[outbox::privileges::Role::Stats]).await?;
-    match outbox::check(&db.client, config).await {
+    super::require(client, &member.config, roles).await?;
+    match outbox::check(client, &member.config).await {
         Ok(()) => Ok(true),
         Err(e @ (outbox::Error::NotMigrated { .. } | outbox::Error::SchemaTooNew { .. })) => {
-            let outbox = db.label(config);
-            eprintln!("warning: {outbox} left out: {e}");
+            eprintln!("warning: {} left out: {e}", member.label);
             left_out.push(LeftOut {
-                outbox,
+                outbox: member.label.clone(),
                 reason: e.to_string(),
             });
             Ok(false)
         }
-        Err(e) => Err(e).with_context(|| format!("checking the outbox {}", db.label(config))),
+        Err(e) => Err(e).with_context(|| format!("checking the outbox {}", member.label)),
     }
 }
 
 /// An outbox the report could not read.
 #[derive(Debug, Serialize)]
-struct LeftOut {
+pub(crate) struct LeftOut {
     outbox: String,
     reason: String,
 }
 
 /// The fleet process serving an outbox.
 #[derive(Debug, Clone, Serialize)]
-struct ServedBy {
+pub(crate) struct ServedBy {
     pid: i32,
     application_name: String,
 }
@@ -189,6 +96,15 @@ async fn served_by(client: &Client) -> anyhow::Result<HashMap<i32, ServedBy>> {
         .collect())
 }
 
+/// The fleet process serving the one outbox `config`, if one does: the
+/// single-outbox `relays` says so, as a fleet holds no partitions.
+pub(crate) async fn serving(client: &Client, config: &outbox::Config) -> anyhow::Result<Option<ServedBy>> {
+    let key = fleet::outbox_key(client, config)
+        .await
+        .context("reading the outbox's lock key")?;
+    Ok(served_by(client).await?.remove(&key))
+}
+
 #[derive(Debug, Serialize)]
 struct OutboxStats {
     outbox: String,
@@ -224,32 +140,34 @@ struct FleetStats {
     left_out: Vec<LeftOut>,
 }
 
-/// `outbox stats --schemas`.
-pub(crate) async fn stats(
-    g: &Global,
-    scope: Scope<'_>,
-    top: Option<usize>,
-    json: bool,
-) -> anyhow::Result<()> {
+/// `outbox stats --schemas` and `--all`.
+pub(crate) async fn stats(selection: Selection, top: Option<usize>, json: bool) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut left_out = Vec::new();
-    for (name, pg) in databases(g, scope.databases).await? {
-        let db = open(g, &scope, name, &pg).await?;
+    for db in &selection.databases {
         let served = served_by(&db.client).await?;
-        for (tenant, config) in &db.outboxes {
-            if !readable(&db, config, &mut left_out).await? {
+        for member in &db.outboxes {
+            if !readable(
+                &db.client,
+                member,
+                &[outbox::privileges::Role::Stats],
+                &mut left_out,
+            )
+            .await?
+            {
                 continue;
             }
+            let config = &member.config;
             let summary = fleet::summary(&db.client, config)
                 .await
-                .with_context(|| format!("reading the backlog of {}", db.label(config)))?;
+                .with_context(|| format!("reading the backlog of {}", member.label))?;
             rows.push(OutboxStats {
-                outbox: db.label(config),
+                outbox: member.label.clone(),
                 database: db.name.clone(),
                 schema: config.schema.as_str().to_owned(),
                 table: config.table.as_str().to_owned(),
                 summary,
-                served_by: served.get(&tenant.key).cloned(),
+                served_by: served.get(&member.key).cloned(),
             });
         }
     }
@@ -349,30 +267,35 @@ struct LabelledDead {
     dead: outbox::sql::DeadLetter,
 }
 
-/// `outbox dlq list --schemas`: by outbox label, then oldest first, at
-/// most `limit` over all outboxes.
-pub(crate) async fn dead_letters(g: &Global, scope: Scope<'_>, limit: i64, json: bool) -> anyhow::Result<()> {
+/// `outbox dlq list --schemas` and `--all`: by outbox label, then oldest
+/// first, at most `limit` over all outboxes.
+pub(crate) async fn dead_letters(selection: Selection, limit: i64, json: bool) -> anyhow::Result<()> {
     let mut listed: Vec<LabelledDead> = Vec::new();
     let mut left_out = Vec::new();
     let mut outboxes = 0_u64;
-    'databases: for (name, pg) in databases(g, scope.databases).await? {
-        let db = open(g, &scope, name, &pg).await?;
-        for (_, config) in &db.outboxes {
+    'databases: for db in &selection.databases {
+        for member in &db.outboxes {
             let remaining = limit - listed.len() as i64;
             if remaining <= 0 {
                 break 'databases;
             }
-            if !readable(&db, config, &mut left_out).await? {
+            if !readable(
+                &db.client,
+                member,
+                &[outbox::privileges::Role::Stats],
+                &mut left_out,
+            )
+            .await?
+            {
                 continue;
             }
             outboxes += 1;
-            let dead = outbox::sql::OutboxSql::new(config)
+            let dead = outbox::sql::OutboxSql::new(&member.config)
                 .dead_letters(&db.client, remaining)
                 .await
-                .with_context(|| format!("listing the dead letters of {}", db.label(config)))?;
-            let outbox = db.label(config);
+                .with_context(|| format!("listing the dead letters of {}", member.label))?;
             listed.extend(dead.into_iter().map(|dead| LabelledDead {
-                outbox: outbox.clone(),
+                outbox: member.label.clone(),
                 dead,
             }));
         }
@@ -383,9 +306,9 @@ pub(crate) async fn dead_letters(g: &Global, scope: Scope<'_>, limit: i64, json:
     }
     if listed.is_empty() {
         println!(
-            "no dead letters in {} matching {:?}",
+            "no dead letters in {} {}",
             super::counted(outboxes, "outbox", "outboxes"),
-            scope.schemas
+            selection.what
         );
         return Ok(());
     }
@@ -436,12 +359,11 @@ struct DatabaseRelays {
     unserved: usize,
 }
 
-/// `outbox relays --schemas`: reads locks and `pg_stat_activity` only, so
-/// it needs no privilege on the outboxes.
-pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::Result<()> {
+/// `outbox relays --schemas` and `--all`: reads locks and
+/// `pg_stat_activity` only, so it needs no privilege on the outboxes.
+pub(crate) async fn relays(selection: Selection, json: bool) -> anyhow::Result<()> {
     let mut report = Vec::new();
-    for (name, pg) in databases(g, scope.databases).await? {
-        let db = open(g, &scope, name, &pg).await?;
+    for db in &selection.databases {
         let database = match &db.name {
             Some(name) => name.clone(),
             None => fleet::current_database(&db.client)
@@ -458,14 +380,14 @@ pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::
             .context("reading the fleet processes")?;
         // Only the matching outboxes count: a process may serve others
         // (another pattern or --table) in the same database.
-        let owner_of = |t: &fleet::TenantOutbox| owners.get(&t.key).copied();
+        let owner_of = |t: &Member| owners.get(&t.key).copied();
         let processes = sessions
             .into_iter()
             .map(|session| Process {
                 serves: db
                     .outboxes
                     .iter()
-                    .filter(|(t, _)| owner_of(t) == Some(session.pid))
+                    .filter(|&t| owner_of(t) == Some(session.pid))
                     .count(),
                 session,
             })
@@ -474,7 +396,7 @@ pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::
             database,
             outboxes: db.outboxes.len(),
             processes,
-            unserved: db.outboxes.iter().filter(|(t, _)| owner_of(t).is_none()).count(),
+            unserved: db.outboxes.iter().filter(|&t| owner_of(t).is_none()).count(),
         });
     }
     if json {
@@ -486,10 +408,10 @@ pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::
             println!();
         }
         println!(
-            "database {}: {} matching {:?}, {}",
+            "database {}: {} {}, {}",
             d.database,
             super::counted(d.outboxes as u64, "outbox", "outboxes"),
-            scope.schemas,
+            selection.what,
             super::counted(d.processes.len() as u64, "fleet process", "fleet processes")
         );
         println!(
@@ -516,4 +438,28 @@ pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::
         );
     }
     Ok(())
+}
+
+/// The outboxes `--schemas` or `--all` select, connected; None for one
+/// outbox ([`one`]: `--outbox`, whose fleet `--schemas` may give).
+pub(crate) async fn many(g: &Global, scope: &FleetScope) -> anyhow::Result<Option<Selection>> {
+    let config = scope.config.as_deref();
+    let databases = scope.databases.as_deref();
+    Ok(match (&scope.schemas, scope.named.all, &scope.named.outbox) {
+        (schemas, true, _) => Some(super::selection::all(g, config, schemas.as_deref(), databases).await?),
+        (Some(schemas), false, None) => Some(super::selection::pattern(g, schemas, databases).await?),
+        _ => None,
+    })
+}
+
+/// The one outbox of `--outbox NAME`, or of --schema and --table.
+pub(crate) async fn one(g: &Global, scope: &FleetScope) -> anyhow::Result<super::selection::Chosen> {
+    super::selection::one(
+        g,
+        scope.named.outbox.as_deref(),
+        scope.config.as_deref(),
+        scope.schemas.as_deref(),
+        scope.databases.as_deref(),
+    )
+    .await
 }

@@ -85,7 +85,7 @@ async fn grant(g: &Global, args: &MigrateArgs, role: &str) -> anyhow::Result<()>
 /// schema of every matching database, one transaction each, one line per
 /// outbox that changed and a count at the end.
 async fn tenants(g: &Global, args: &MigrateArgs, schemas: &str) -> anyhow::Result<()> {
-    let databases = super::fleet_ops::databases(g, args.databases.as_deref()).await?;
+    let databases = super::selection::databases(&super::pg_config(g)?, args.databases.as_deref()).await?;
     let template = super::outbox_config(g)?
         .with_partitions(args.partitions)?
         .with_dead_after_attempts(g.max_attempts);

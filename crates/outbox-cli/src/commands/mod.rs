@@ -14,6 +14,7 @@ mod partitions;
 mod relay;
 mod relays;
 mod replay;
+mod selection;
 mod stats;
 
 use anyhow::Context;
@@ -50,9 +51,12 @@ pub(crate) fn outbox_config(g: &Global) -> anyhow::Result<outbox::Config> {
 }
 
 /// The sink flags' options, the CloudEvents source defaulting to the
-/// outbox's name: what `relay` and `replay` send with.
-pub(crate) fn sink_options(g: &Global, flags: crate::cli::SinkArgs) -> outbox_relay::SinkOptions {
-    flags.options(|| format!("/outbox/{}.{}", g.schema, g.table))
+/// name of `outbox`: what `relay` and `replay` send with.
+pub(crate) fn sink_options(
+    outbox: &outbox::Config,
+    flags: crate::cli::SinkArgs,
+) -> outbox_relay::SinkOptions {
+    flags.options(|| format!("/outbox/{}", outbox.display_name()))
 }
 
 /// `DATABASE_URL` parsed (TLS parameters included), with the connect

@@ -4,6 +4,7 @@
 //! exit 2 naming what is missing). `--check` checks the setup and exits
 //! (`check.rs`).
 
+use std::ffi::OsString;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -94,16 +95,7 @@ pub(crate) fn listed(layered: &Layered) -> anyhow::Result<Vec<outbox_relay::flee
         return Ok(Vec::new());
     };
     let mut listed = Vec::new();
-    for name in file.body().outbox_names() {
-        let at = file
-            .body()
-            .outbox_span(&name)
-            .map(|span| file.at(&span))
-            .unwrap_or_default();
-        if file.body().own_setting(&name, "schema").is_none() {
-            return Err(ConfigError(format!("--config {at}: [outboxes.{name}] needs schema = \"…\"")).into());
-        }
-        let mine = Layered::parse_for(std::env::args_os(), Some(&name))?;
+    for (name, at, mine) in each_listed(file, &std::env::args_os().collect::<Vec<_>>())? {
         let (g, args, file) = mine.into_relay();
         let pg = super::pg_config(&g).with_context(|| format!("[outboxes.{name}]"))?;
         let prepared = prepare(&g, args, file).with_context(|| format!("[outboxes.{name}]"))?;
@@ -124,6 +116,31 @@ pub(crate) fn listed(layered: &Layered) -> anyhow::Result<Vec<outbox_relay::flee
             relay: prepared.config,
             sink: Arc::from(sink),
         });
+    }
+    Ok(listed)
+}
+
+/// Each `[outboxes.NAME]` table of `file`: its name, where it stands
+/// (`path:line`), and the relay command line `argv` layered for it (its
+/// keys over the file's top-level ones, under flags and environment).
+/// The relay serves them; `--outbox NAME` and `--all` name them
+/// (`super::selection`).
+pub(crate) fn each_listed(
+    file: &ConfigFile,
+    argv: &[OsString],
+) -> anyhow::Result<Vec<(String, String, Layered)>> {
+    let mut listed = Vec::new();
+    for name in file.body().outbox_names() {
+        let at = file
+            .body()
+            .outbox_span(&name)
+            .map(|span| file.at(&span))
+            .unwrap_or_default();
+        if file.body().own_setting(&name, "schema").is_none() {
+            return Err(ConfigError(format!("--config {at}: [outboxes.{name}] needs schema = \"…\"")).into());
+        }
+        let mine = Layered::parse_for(argv.iter().cloned(), Some(&name))?;
+        listed.push((name, at, mine));
     }
     Ok(listed)
 }
@@ -224,7 +241,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         ))
         .into());
     }
-    let options = super::sink_options(g, *args.sink_options);
+    let options = super::sink_options(&outbox, *args.sink_options);
     let mut ordering_for = args.ordering_for;
     let file = file.map(ConfigFile::into_body).unwrap_or_default();
     // The file's [ordering] table wins over ordering_for.

@@ -1,7 +1,8 @@
 //! `outbox relays`: the live relays, the partitions each holds, and the
 //! backlog of every partition; with log tailing set up, the replication
-//! slot and who reads it (the WAL source holds no partitions). With
-//! --schemas, the fleet processes instead (`super::fleet_ops`).
+//! slot and who reads it (the WAL source holds no partitions); of
+//! `--outbox NAME`'s. With --schemas or --all, the fleet processes instead
+//! (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -33,15 +34,17 @@ struct Relays {
     by_partition: Vec<outbox::sql::PartitionRow>,
     /// The replication slot of `relay --source wal`; null without one.
     slot: Option<outbox::sql::SlotState>,
+    /// The fleet process serving the outbox (`relay --schemas`, or
+    /// `[outboxes.NAME]`), which holds no partitions; null when none does.
+    fleet_process: Option<super::fleet_ops::ServedBy>,
 }
 
 pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
-    if let Some(schemas) = &args.fleet.schemas {
-        let scope = super::fleet_ops::Scope::new(g, schemas, args.fleet.databases.as_deref())?;
-        return super::fleet_ops::relays(g, scope, args.json).await;
+    if let Some(selection) = super::fleet_ops::many(g, &args.fleet).await? {
+        return super::fleet_ops::relays(selection, args.json).await;
     }
-    let config = super::outbox_config(g)?;
-    let client = super::connect(&super::pg_config(g)?).await?;
+    let super::selection::Chosen { pg, config } = super::fleet_ops::one(g, &args.fleet).await?;
+    let client = super::connect(&pg).await?;
     super::require(&client, &config, &[outbox::privileges::Role::AdminRead]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);
@@ -76,7 +79,9 @@ pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
     let slot = outbox::wal::slot_state(&client, &config)
         .await
         .context("reading the replication slot")?;
+    let fleet_process = super::fleet_ops::serving(&client, &config).await?;
     let report = Relays {
+        fleet_process,
         table: config.display_name(),
         partitions: by_partition.len(),
         unowned,
@@ -94,6 +99,9 @@ pub(crate) async fn run(g: &Global, args: RelaysArgs) -> anyhow::Result<()> {
         super::counted(report.partitions as u64, "partition", "partitions"),
         super::counted(report.relays.len() as u64, "live relay", "live relays")
     );
+    if let Some(process) = &report.fleet_process {
+        println!("served by the fleet process {process}, which holds no partitions");
+    }
     if let Some(slot) = &report.slot {
         // A relay reading the slot is the backend streaming it; standbys
         // wait for its turn and show nowhere.

@@ -1,8 +1,8 @@
 //! `outbox stats`: what is waiting, what is dead, and how old the oldest is;
 //! what keeps vacuum from cleaning the table (its dead tuples, who holds
 //! the xmin horizon back); with log tailing set up, the replication slot
-//! too. With --schemas, one line per tenant outbox instead
-//! (`super::fleet_ops`).
+//! too; of `--outbox NAME`'s. With --schemas or --all, one line per outbox
+//! instead (`super::fleet_ops`).
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -33,12 +33,11 @@ struct Stats {
 }
 
 pub(crate) async fn run(g: &Global, args: StatsArgs) -> anyhow::Result<()> {
-    if let Some(schemas) = &args.fleet.schemas {
-        let scope = super::fleet_ops::Scope::new(g, schemas, args.fleet.databases.as_deref())?;
-        return super::fleet_ops::stats(g, scope, args.top, args.json).await;
+    if let Some(selection) = super::fleet_ops::many(g, &args.fleet).await? {
+        return super::fleet_ops::stats(selection, args.top, args.json).await;
     }
-    let config = super::outbox_config(g)?;
-    let client = super::connect(&super::pg_config(g)?).await?;
+    let super::selection::Chosen { pg, config } = super::fleet_ops::one(g, &args.fleet).await?;
+    let client = super::connect(&pg).await?;
     super::require(&client, &config, &[outbox::privileges::Role::Stats]).await?;
     outbox::check(&client, &config).await?;
     let sql = outbox::sql::OutboxSql::new(&config);

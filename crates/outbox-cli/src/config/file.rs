@@ -593,6 +593,11 @@ impl RelayFile {
             .and_then(|table| table.get_ref().0.get(key))
     }
 
+    /// Whether the file sets the top-level `key`.
+    pub(crate) fn sets(&self, key: &str) -> bool {
+        self.settings.contains_key(key)
+    }
+
     /// Where `[outboxes.NAME]` stands, for messages.
     pub(crate) fn outbox_span(&self, name: &str) -> Option<std::ops::Range<usize>> {
         self.outboxes.get(name).map(Spanned::span)

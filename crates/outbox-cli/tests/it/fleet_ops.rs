@@ -328,7 +328,7 @@ async fn fleet_dlq_list_labels_every_tenants_dead_letters() {
     ] {
         let err = usage_error(&url, args).await;
         assert!(
-            err.contains("changes one outbox: name it with --schema"),
+            err.contains("changes one outbox: name it with --outbox NAME or --schema"),
             "{args:?}: {err}"
         );
     }

@@ -16,6 +16,7 @@ use outbox_relay::sink::format::Formatter;
 use outbox_relay::{Backoff, Sink};
 use tokio_postgres::Client;
 
+use super::selection::{Chosen, Selection};
 use crate::cli::{Global, ReplayArgs};
 use crate::exit::ConfigError;
 
@@ -39,21 +40,43 @@ impl std::fmt::Display for Rate {
 }
 
 pub(crate) async fn run(g: &Global, args: ReplayArgs) -> anyhow::Result<()> {
-    let config = super::outbox_config(g)?;
+    if args.named.all {
+        if !args.list {
+            // A replay job is one outbox's: its cursor, filter and target.
+            return Err(ConfigError(
+                "replay --all: a replay re-delivers one outbox's events (one job, one cursor); starting one in \
+                 every outbox at once is not offered, as one mistyped command would re-send every tenant's \
+                 events: name the outbox with --outbox NAME (--all is for `replay --list --all`)"
+                    .to_owned(),
+            )
+            .into());
+        }
+        let selection = super::selection::all(g, args.config.as_deref(), None, None).await?;
+        return list_all(selection, args.json).await;
+    }
+    let chosen = super::selection::one(
+        g,
+        args.named.outbox.as_deref(),
+        args.config.as_deref(),
+        None,
+        None,
+    )
+    .await?;
     if args.list {
-        let client = connected(g, &config).await?;
-        return list(&client, &ReplaySql::new(&config)?, args.json).await;
+        let client = connected(&chosen).await?;
+        return list(&client, &ReplaySql::new(&chosen.config)?, args.json).await;
     }
     match args.resume {
-        Some(id) => resume(g, &config, id, args).await,
-        None => start(g, &config, args).await,
+        Some(id) => resume(g, &chosen, id, args).await,
+        None => start(g, &chosen, args).await,
     }
 }
 
 /// A new job: target and filter checked before PostgreSQL is touched, then
 /// counted, recorded and run (or, with `--dry-run`, only counted).
-async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow::Result<()> {
-    let options = super::sink_options(g, *args.sink_options);
+async fn start(g: &Global, chosen: &Chosen, args: ReplayArgs) -> anyhow::Result<()> {
+    let config = &chosen.config;
+    let options = super::sink_options(config, *args.sink_options);
     let Some(to) = args.to else {
         unreachable!("clap requires --to without --resume or --list");
     };
@@ -67,7 +90,7 @@ async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow:
         exclude_types: None,
     };
     let sink = target.sink(args.config.as_deref(), &options, Some(&mut filter))?;
-    let client = connected(g, config).await?;
+    let client = connected(chosen).await?;
     let sql = ReplaySql::new(config)?;
     if args.dry_run {
         return dry_run(&client, config, &sql, &filter, &target.stored()).await;
@@ -115,16 +138,17 @@ async fn start(g: &Global, config: &outbox::Config, args: ReplayArgs) -> anyhow:
 }
 
 /// A connection to a migrated outbox.
-async fn connected(g: &Global, config: &outbox::Config) -> anyhow::Result<Client> {
-    let client = super::connect(&super::pg_config(g)?).await?;
-    outbox::check(&client, config).await?;
+async fn connected(chosen: &Chosen) -> anyhow::Result<Client> {
+    let client = super::connect(&chosen.pg).await?;
+    outbox::check(&client, &chosen.config).await?;
     Ok(client)
 }
 
 /// Continues job `id` from its cursor, with its filter, target and format.
-async fn resume(g: &Global, config: &outbox::Config, id: i64, args: ReplayArgs) -> anyhow::Result<()> {
-    let mut options = super::sink_options(g, *args.sink_options);
-    let client = &connected(g, config).await?;
+async fn resume(g: &Global, chosen: &Chosen, id: i64, args: ReplayArgs) -> anyhow::Result<()> {
+    let config = &chosen.config;
+    let mut options = super::sink_options(config, *args.sink_options);
+    let client = &connected(chosen).await?;
     let sql = &ReplaySql::new(config)?;
     let job = sql
         .job(client, id)
@@ -294,29 +318,90 @@ async fn dry_run(
 
 /// `--list`: every job, newest first.
 async fn list(client: &Client, sql: &ReplaySql, json: bool) -> anyhow::Result<()> {
-    let mut jobs = sql.jobs(client).await.context("listing replay jobs")?;
-    for job in &mut jobs {
-        job.target = Target::shown(&job.target);
-    }
+    let jobs = jobs(client, sql).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&jobs)?);
         return Ok(());
     }
-    if jobs.is_empty() {
-        println!("no replay jobs");
+    print_jobs(jobs.into_iter().map(|job| (None, job)).collect());
+    Ok(())
+}
+
+/// A job with the outbox it replays, for `--list --all`.
+#[derive(serde::Serialize)]
+struct LabelledJob {
+    outbox: String,
+    #[serde(flatten)]
+    job: ReplayJob,
+}
+
+/// `--list --all`: every outbox's jobs, by outbox, newest first in each.
+async fn list_all(selection: Selection, json: bool) -> anyhow::Result<()> {
+    let mut listed = Vec::new();
+    let mut left_out = Vec::new();
+    for db in &selection.databases {
+        for member in &db.outboxes {
+            if !super::fleet_ops::readable(&db.client, member, &[], &mut left_out).await? {
+                continue;
+            }
+            let sql = ReplaySql::new(&member.config)?;
+            let jobs = jobs(&db.client, &sql)
+                .await
+                .with_context(|| format!("in {}", member.label))?;
+            listed.extend(jobs.into_iter().map(|job| LabelledJob {
+                outbox: member.label.clone(),
+                job,
+            }));
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&listed)?);
         return Ok(());
     }
+    print_jobs(listed.into_iter().map(|l| (Some(l.outbox), l.job)).collect());
+    Ok(())
+}
+
+/// The jobs of one outbox, newest first, targets as shown.
+async fn jobs(client: &Client, sql: &ReplaySql) -> anyhow::Result<Vec<ReplayJob>> {
+    let mut jobs = sql.jobs(client).await.context("listing replay jobs")?;
+    for job in &mut jobs {
+        job.target = Target::shown(&job.target);
+    }
+    Ok(jobs)
+}
+
+/// The jobs as a table, with an outbox column when they are labelled.
+fn print_jobs(jobs: Vec<(Option<String>, ReplayJob)>) {
+    if jobs.is_empty() {
+        println!("no replay jobs");
+        return;
+    }
+    let width = jobs
+        .iter()
+        .filter_map(|(outbox, _)| Some(outbox.as_ref()?.len()))
+        .max()
+        .map(|w| w.max("outbox".len()));
+    let column = |label: &str| width.map_or_else(String::new, |width| format!("{label:<width$}  "));
     println!(
-        "{:>6}  {:<18}  {:>15}  {:>12}  {:>8}  {:<20}  {:<32}  filter",
-        "id", "state", "sent/matched", "cursor", "removed", "created", "target"
+        "{}{:>6}  {:<18}  {:>15}  {:>12}  {:>8}  {:<20}  {:<32}  filter",
+        column("outbox"),
+        "id",
+        "state",
+        "sent/matched",
+        "cursor",
+        "removed",
+        "created",
+        "target"
     );
-    for j in &jobs {
+    for (label, j) in &jobs {
         let state = match (j.state, j.live) {
             (ReplayState::Running, false) => "running (no process)".to_owned(),
             (s, _) => s.as_str().to_owned(),
         };
         println!(
-            "{:>6}  {:<18}  {:>15}  {:>12}  {:>8}  {:<20}  {:<32}  {}{}",
+            "{}{:>6}  {:<18}  {:>15}  {:>12}  {:>8}  {:<20}  {:<32}  {}{}",
+            column(label.as_deref().unwrap_or_default()),
             j.id,
             state,
             format!("{}/{}", j.sent, j.matched),
@@ -331,7 +416,6 @@ async fn list(client: &Client, sql: &ReplaySql, json: bool) -> anyhow::Result<()
                 .unwrap_or_default()
         );
     }
-    Ok(())
 }
 
 /// The filter in the flags' words.
