@@ -70,6 +70,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "notify_names_the_outbox",
         template: include_str!("../migrations/outbox/0009_notify_names_the_outbox.sql"),
     },
+    Migration {
+        version: 10,
+        name: "contract_inline",
+        template: include_str!("../migrations/outbox/0010_contract_inline.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -88,6 +93,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[6],
     OUTBOX_MIGRATIONS[7],
     OUTBOX_MIGRATIONS[8],
+    OUTBOX_MIGRATIONS[9],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -97,7 +103,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 9;
+pub const OUTBOX_VERSION: i32 = 10;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 

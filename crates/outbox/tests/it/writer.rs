@@ -278,7 +278,7 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
              ALTER TABLE outbox DROP COLUMN claimed_until, DROP COLUMN claimed_by;
              DROP TABLE outbox_replays, outbox_removed;
              ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
-             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 7, 8, 9);
+             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 7, 8, 9, 10);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts)
              SELECT 'orders', g::text, 'E', '{}', g FROM generate_series(0, 6) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, published_at)
@@ -296,7 +296,8 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
             (6, "replays"),
             (7, "attempt_history"),
             (8, "table_contract"),
-            (9, "notify_names_the_outbox")
+            (9, "notify_names_the_outbox"),
+            (10, "contract_inline")
         ]
     );
     let dead: Vec<i32> = db
@@ -321,7 +322,7 @@ async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
                                 DROP CONSTRAINT outbox_headers_are_string_tokens;
              DROP FUNCTION outbox_is_name(text), outbox_headers_ok(jsonb);
              ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
-             DELETE FROM outbox_migrations WHERE version IN (7, 8, 9);
+             DELETE FROM outbox_migrations WHERE version IN (7, 8, 9, 10);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, last_error)
              SELECT 'orders', g::text, 'E', '{}', g, 'HTTP 500' FROM generate_series(0, 2) g;",
         )
@@ -338,7 +339,8 @@ async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
         [
             (7, "attempt_history"),
             (8, "table_contract"),
-            (9, "notify_names_the_outbox")
+            (9, "notify_names_the_outbox"),
+            (10, "contract_inline")
         ]
     );
     assert_eq!(report.version, outbox::OUTBOX_VERSION);
