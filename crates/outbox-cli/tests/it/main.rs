@@ -16,6 +16,7 @@ mod deadline_claim;
 mod deploy;
 mod failover;
 mod fleet;
+mod fleet_wal;
 mod fleet_ops;
 mod formats;
 mod held_snapshot;

@@ -82,6 +82,9 @@ pub(crate) struct Batch {
 pub(crate) struct Receipt {
     /// The batch's number in its source, from 1.
     pub(crate) batch: u64,
+    /// The outbox it came from, when a source reads several (a fleet's
+    /// WAL stream): its `outbox` label. None: the relay's own.
+    pub(crate) outbox: Option<String>,
     /// Rows claimed.
     pub(crate) claimed: usize,
     /// Rows marked published (or, for the WAL source, deleted).
@@ -125,8 +128,22 @@ impl Receipts {
 
     /// Batch `batch`'s `outcomes` are durable now.
     pub(crate) fn durable(&mut self, batch: u64, claimed: usize, claimed_at: Instant, outcomes: Outcomes) {
+        self.durable_of(None, batch, claimed, claimed_at, outcomes);
+    }
+
+    /// Batch `batch` of the outbox labelled `outbox` (None: the relay's
+    /// own) is durable now.
+    pub(crate) fn durable_of(
+        &mut self,
+        outbox: Option<String>,
+        batch: u64,
+        claimed: usize,
+        claimed_at: Instant,
+        outcomes: Outcomes,
+    ) {
         self.books.book(Receipt {
             batch,
+            outbox,
             claimed,
             published: outcomes.published,
             failures: outcomes.failures,
