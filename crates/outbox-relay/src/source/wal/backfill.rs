@@ -199,18 +199,10 @@ impl Backfill {
         sql: &Arc<WalSql>,
         client: &Client,
     ) -> Result<Backfill, tokio_postgres::Error> {
-        let part = Part::start(0, Arc::clone(sql), client).await?;
+        let backfill = Self::of_tables(why, vec![(0, Arc::clone(sql))], client).await?;
         Ok(Backfill {
-            why,
-            parts: VecDeque::from([part]),
-            read: false,
-            ids: HashSet::new(),
-            last_txn: None,
-            until: None,
             marked: true,
-            rows: 0,
-            skipped: 0,
-            started: Instant::now(),
+            ..backfill
         })
     }
 

@@ -425,6 +425,8 @@ impl WalSource {
                 from.timeline,
                 to.timeline
             ),
+            // A fleet's, which `prepare_fleet` handles.
+            Why::Tenants => {}
         }
         let client = self.client().await?;
         if why.recreates() {

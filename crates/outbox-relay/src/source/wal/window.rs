@@ -298,6 +298,7 @@ impl Window {
     }
 
     /// An event of outbox 0 (see [`Window::push_to`]).
+    #[cfg(test)]
     pub(crate) fn push(
         &mut self,
         row: OutboxRow,
