@@ -17,8 +17,8 @@ use tokio_postgres::Client;
 use crate::fleet::{migrate_tenant, stop_fleet, tenants};
 use crate::metrics::{http_addr, scrape, value};
 use crate::support::{
-    LONG, StreamEvent, connect, first_delivery_violations, read_stream, relay_without_postgres, start_relay,
-    text, wait_until,
+    LONG, StreamEvent, connect, first_delivery_violations, read_stream, relay_without_postgres, run_cli,
+    start_relay, text, wait_until,
 };
 
 const STREAM: &str = "outbox.event.orders";
@@ -150,6 +150,15 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
             written.insert(id.to_string(), (t, aggregate, step));
         }
     }
+    // The publication and the slot made ahead, as a deploy would.
+    let url = pg.url("app_0");
+    let out = run_cli(&["migrate", "--schemas", "tenant_%", "--wal"], &[("DATABASE_URL", &url)]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("slot app_0_fleet_tenant___outbox (created)"),
+        "{}",
+        text(&out.stdout)
+    );
     let addr = http_addr();
     let fleet = start_wal_fleet(&pg, "fleet_a", &redis, &["--http", &addr]).await;
     wait_until("the fleet streams the slot", LONG, || streaming(&client)).await;
