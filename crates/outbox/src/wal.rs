@@ -83,16 +83,19 @@ pub fn fleet_names(database: &str, schemas: &str, table: &str) -> Result<(String
             return clean;
         }
         // FNV-1a: stable across builds, unlike the std hasher.
-        let hash = raw
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let hash = raw.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
         let head: String = clean.chars().take(46).collect();
         format!("f_{head}_{hash:016x}")
     }
     let publication = name(&format!("fleet_{schemas}_{table}"));
     let slot = name(&format!("{database}_fleet_{schemas}_{table}"));
     let slot_ident = crate::Ident::new("--schemas", &slot)?;
-    Ok((slot_ident.as_str().to_owned(), crate::Ident::new("--schemas", &publication)?))
+    Ok((
+        slot_ident.as_str().to_owned(),
+        crate::Ident::new("--schemas", &publication)?,
+    ))
 }
 
 /// Adds `sql`'s table to its fleet's publication, in one transaction that

@@ -125,7 +125,11 @@ async fn tenants(g: &Global, args: &MigrateArgs, schemas: &str) -> anyhow::Resul
             println!(
                 "{prefix}log tailing for the fleet: publication {}{}, slot {}{}",
                 setup.publication,
-                if setup.created_publication { " (created)" } else { "" },
+                if setup.created_publication {
+                    " (created)"
+                } else {
+                    ""
+                },
                 setup.slot,
                 if setup.created_slot { " (created)" } else { "" },
             );

@@ -62,7 +62,10 @@ async fn left(client: &Client, configs: &[Config]) -> i64 {
         .collect::<Vec<_>>()
         .join(" UNION ALL ");
     client
-        .query_one(&format!("SELECT coalesce(sum(n), 0)::int8 FROM ({sql}) AS u"), &[])
+        .query_one(
+            &format!("SELECT coalesce(sum(n), 0)::int8 FROM ({sql}) AS u"),
+            &[],
+        )
         .await
         .unwrap()
         .get(0)
@@ -84,7 +87,13 @@ type Written = HashMap<String, (usize, String, usize)>;
 /// One writer: `events` events, one transaction each, to tenants picked in
 /// a scattered order; aggregates are its own per tenant, so their order is
 /// the order it committed them.
-async fn writer(url: String, configs: Arc<Vec<Config>>, w: usize, events: usize, acked: Arc<AtomicUsize>) -> Written {
+async fn writer(
+    url: String,
+    configs: Arc<Vec<Config>>,
+    w: usize,
+    events: usize,
+    acked: Arc<AtomicUsize>,
+) -> Written {
     let mut client = connect(&url).await;
     let mut written = HashMap::new();
     let mut steps: HashMap<String, usize> = HashMap::new();
@@ -95,7 +104,10 @@ async fn writer(url: String, configs: Arc<Vec<Config>>, w: usize, events: usize,
         let event = Event::new("orders", aggregate.clone(), "Step", json!({"step": *step}));
         *step += 1;
         let tx = client.transaction().await.unwrap();
-        let id = Outbox::new(configs[t].clone()).enqueue(&tx, &event).await.unwrap();
+        let id = Outbox::new(configs[t].clone())
+            .enqueue(&tx, &event)
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         written.insert(id.to_string(), (t, aggregate, *step - 1));
         acked.fetch_add(1, Ordering::Relaxed);
@@ -119,7 +131,10 @@ fn check(events: &[StreamEvent], written: &Written) -> usize {
         }
         let (_, aggregate, step) = &written[&e.event_id];
         let expected = next.entry(aggregate.as_str()).or_default();
-        assert_eq!(*step, *expected, "{aggregate}: step {step} first when {expected} was next");
+        assert_eq!(
+            *step, *expected,
+            "{aggregate}: step {step} first when {expected} was next"
+        );
         *expected += 1;
     }
     events.len() - ids.len()
@@ -146,13 +161,20 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
         for step in 0..BEFORE {
             let aggregate = format!("{}.before", config.schema.as_str());
             let event = Event::new("orders", aggregate.clone(), "Step", json!({"step": step}));
-            let id = Outbox::new(config.clone()).enqueue(&client, &event).await.unwrap();
+            let id = Outbox::new(config.clone())
+                .enqueue(&client, &event)
+                .await
+                .unwrap();
             written.insert(id.to_string(), (t, aggregate, step));
         }
     }
     // The publication and the slot made ahead, as a deploy would.
     let url = pg.url("app_0");
-    let out = run_cli(&["migrate", "--schemas", "tenant_%", "--wal"], &[("DATABASE_URL", &url)]).await;
+    let out = run_cli(
+        &["migrate", "--schemas", "tenant_%", "--wal"],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
         text(&out.stdout).contains("slot app_0_fleet_tenant___outbox (created)"),
@@ -165,7 +187,15 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
 
     let acked = Arc::new(AtomicUsize::new(0));
     let writers: Vec<_> = (0..WRITERS)
-        .map(|w| tokio::spawn(writer(pg.url("app_0"), Arc::clone(&configs), w, EVENTS, Arc::clone(&acked))))
+        .map(|w| {
+            tokio::spawn(writer(
+                pg.url("app_0"),
+                Arc::clone(&configs),
+                w,
+                EVENTS,
+                Arc::clone(&acked),
+            ))
+        })
         .collect();
     for w in writers {
         written.extend(w.await.unwrap());
@@ -179,8 +209,16 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
     assert_eq!(check(&events, &written), 0, "duplicates without a crash");
     assert_eq!(events.len(), written.len());
 
-    assert_eq!(count(&client, "SELECT count(*) FROM pg_replication_slots").await, 1, "slots");
-    assert_eq!(count(&client, "SELECT count(*) FROM pg_publication").await, 1, "publications");
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pg_replication_slots").await,
+        1,
+        "slots"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pg_publication").await,
+        1,
+        "publications"
+    );
     let published = count(
         &client,
         &format!("SELECT count(*) FROM pg_publication_tables WHERE pubname = '{PUBLICATION}'"),
@@ -300,10 +338,12 @@ async fn a_tenant_joining_gets_the_rows_committed_before_and_a_dropped_one_is_le
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
-/// Writers commit to 20 tenants; the fleet is SIGKILLed mid-run and
-/// started again. Every event delivered, none invented, none overtaken by
-/// a later one of its aggregate; duplicates within the window (events read
-/// whose position the server had not been sent), the documented bound.
+/// Writers commit to 20 tenants; the fleet is SIGKILLed mid-run, a 21st
+/// tenant is migrated and written to while it is down, and it is started
+/// again. Every event delivered (the late tenant's from its table), none
+/// invented, none overtaken by a later one of its aggregate; duplicates
+/// within the window (events read whose position the server had not been
+/// sent), the documented bound.
 #[tokio::test]
 async fn a_fleet_killed_mid_run_loses_nothing_and_resends_at_most_its_window() {
     const TENANTS: usize = 20;
@@ -320,7 +360,15 @@ async fn a_fleet_killed_mid_run_loses_nothing_and_resends_at_most_its_window() {
     wait_until("the fleet streams the slot", LONG, || streaming(&client)).await;
     let acked = Arc::new(AtomicUsize::new(0));
     let writers: Vec<_> = (0..WRITERS)
-        .map(|w| tokio::spawn(writer(pg.url("app_0"), Arc::clone(&configs), w, EVENTS, Arc::clone(&acked))))
+        .map(|w| {
+            tokio::spawn(writer(
+                pg.url("app_0"),
+                Arc::clone(&configs),
+                w,
+                EVENTS,
+                Arc::clone(&acked),
+            ))
+        })
         .collect();
     wait_until("a third written and some delivered", LONG, || async {
         acked.load(Ordering::Relaxed) >= WRITERS * EVENTS / 3
@@ -330,13 +378,24 @@ async fn a_fleet_killed_mid_run_loses_nothing_and_resends_at_most_its_window() {
     fleet.kill().unwrap();
     fleet.wait(LONG).await.unwrap();
     let delivered_before = read_stream(&redis.url(), STREAM).await.len();
-    let fleet = start_wal_fleet(&pg, "fleet_a", &redis, &extra).await;
+    // A tenant migrated and written to while no fleet runs: the restarted
+    // one finds it before it streams, and reads its table.
+    let late = Config::new("tenant_late", "outbox").unwrap();
+    let mut admin = pg.connect("app_0").await.unwrap();
+    migrate_tenant(&mut admin, &late).await;
     let mut written = Written::new();
+    for step in 0..30 {
+        let event = Event::new("orders", "tenant_late.a", "Step", json!({"step": step}));
+        let id = Outbox::new(late.clone()).enqueue(&admin, &event).await.unwrap();
+        written.insert(id.to_string(), (TENANTS, "tenant_late.a".to_owned(), step));
+    }
+    let fleet = start_wal_fleet(&pg, "fleet_a", &redis, &extra).await;
     for w in writers {
         written.extend(w.await.unwrap());
     }
+    let all: Vec<Config> = configs.iter().cloned().chain([late]).collect();
     wait_until("every row delivered and deleted", LONG, || async {
-        left(&client, &configs).await == 0
+        left(&client, &all).await == 0
     })
     .await;
     stop_fleet(fleet).await;

@@ -273,7 +273,9 @@ impl Backfill {
                 match part.sql.backfill_page(client, &page).await {
                     Ok(found) => found,
                     // A tenant dropped meanwhile: nothing of it is owed.
-                    Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => Vec::new(),
+                    Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+                        Vec::new()
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -301,7 +303,13 @@ impl Backfill {
             // As the stream's decoder does: a row that breaks the table
             // contract is a dead letter naming the column.
             let unreadable = outbox::contract::check_row(&row).err().map(|v| v.to_string());
-            window.push_to(outbox, row, Some(id), unreadable, u64::try_from(size).unwrap_or(0));
+            window.push_to(
+                outbox,
+                row,
+                Some(id),
+                unreadable,
+                u64::try_from(size).unwrap_or(0),
+            );
         }
         // Position 0: confirming it moves nothing, and the window's order
         // keeps every later position behind this transaction.

@@ -265,7 +265,14 @@ impl Decoder {
         }
         let name = (schema.to_owned(), name.to_owned());
         let outbox = self.tables.get(&name).copied();
-        self.relations.insert(relid, Relation { name, outbox, columns });
+        self.relations.insert(
+            relid,
+            Relation {
+                name,
+                outbox,
+                columns,
+            },
+        );
         Ok(())
     }
 }
@@ -481,9 +488,15 @@ mod tests {
                 .unwrap()
                 .map(|e| e.outbox)
         };
-        assert_eq!((of(&mut d, 7), of(&mut d, 8), of(&mut d, 9)), (Some(5), Some(3), None));
+        assert_eq!(
+            (of(&mut d, 7), of(&mut d, 8), of(&mut d, 9)),
+            (Some(5), Some(3), None)
+        );
         let content = br#"{"aggregate_type":"a","aggregate_id":"1","event_type":"E","payload":{}}"#;
-        assert_eq!(d.message("outbox:tenant_3.outbox", content, 1).map(|e| e.outbox), Some(3));
+        assert_eq!(
+            d.message("outbox:tenant_3.outbox", content, 1).map(|e| e.outbox),
+            Some(3)
+        );
         assert!(d.message("outbox:tenant_9.outbox", content, 1).is_none());
     }
 

@@ -139,7 +139,10 @@ impl WalSource {
         let client = self.client().await?;
         if !sql.publication_exists(client).await? {
             sql.create_fleet_publication(client).await?;
-            info!(publication = sql.publication(), "log tailing for the fleet: publication created");
+            info!(
+                publication = sql.publication(),
+                "log tailing for the fleet: publication created"
+            );
         }
         self.find_tenants().await?;
         let live: Vec<u32> = self.live().map(|(n, _)| n).collect();
@@ -255,7 +258,11 @@ impl WalSource {
         let Some(tenants) = &self.tenants else {
             return Ok(Vec::new());
         };
-        let (pattern, database, prefixed) = (tenants.schemas.clone(), tenants.database.clone(), tenants.prefixed);
+        let (pattern, database, prefixed) = (
+            tenants.schemas.clone(),
+            tenants.database.clone(),
+            tenants.prefixed,
+        );
         let table = self.config.outbox.table.clone();
         self.client().await?;
         let client = self.client.as_ref().expect("connected");
@@ -264,13 +271,20 @@ impl WalSource {
         for t in self.tables.iter_mut().filter(|t| t.live) {
             if !schemas.contains(t.config.schema.as_str()) {
                 t.live = false;
-                info!(outbox = t.label.as_deref().unwrap_or_default(), "outbox gone; let go");
+                info!(
+                    outbox = t.label.as_deref().unwrap_or_default(),
+                    "outbox gone; let go"
+                );
             }
         }
         let publication = outbox::Ident::new("--schemas", self.sql.publication()).map_err(fatal)?;
         let mut added = Vec::new();
         for tenant in found {
-            if self.tables.iter().any(|t| t.live && t.config.schema == tenant.schema) {
+            if self
+                .tables
+                .iter()
+                .any(|t| t.live && t.config.schema == tenant.schema)
+            {
                 continue;
             }
             let mut config = self.config.outbox.clone();
@@ -284,7 +298,8 @@ impl WalSource {
                 continue;
             }
             refused.remove(&label);
-            let sql = WalSql::named(&config, self.sql.slot().to_owned(), publication.clone()).map_err(fatal)?;
+            let sql =
+                WalSql::named(&config, self.sql.slot().to_owned(), publication.clone()).map_err(fatal)?;
             added.push(u32::try_from(self.tables.len()).expect("fewer than 2^32 outboxes"));
             self.tables.push(Table {
                 sql: Arc::new(sql),
@@ -301,7 +316,11 @@ impl WalSource {
     /// table gone meanwhile is let go of.
     async fn publish(&mut self, outboxes: &[u32]) -> Result<(), SourceError> {
         let sql = Arc::clone(&self.sql);
-        let published: HashSet<String> = sql.published_tables(self.client().await?).await?.into_iter().collect();
+        let published: HashSet<String> = sql
+            .published_tables(self.client().await?)
+            .await?
+            .into_iter()
+            .collect();
         for &n in outboxes {
             let table = &self.tables[n as usize];
             if published.contains(&table.config.display_name()) {

@@ -52,10 +52,10 @@ use tracing::{debug, error, info, warn};
 
 use self::backfill::{Backfill, Server, Why};
 use self::decode::{Decoded, Decoder};
+pub(crate) use self::fleet::Tenants;
 use self::turn::{Timing, Turn};
 use self::watch::SlotWatch;
 use self::window::{Dead, Pending, Window, Writes};
-pub(crate) use self::fleet::Tenants;
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{RelayConfig, WalCleanup};
 use crate::context::RelayContext;
@@ -210,7 +210,16 @@ impl WalSource {
             label: None,
             live: true,
         };
-        Ok(Some(Self::assemble(config, pg, sql, vec![table], None, client, ctx, receipts)))
+        Ok(Some(Self::assemble(
+            config,
+            pg,
+            sql,
+            vec![table],
+            None,
+            client,
+            ctx,
+            receipts,
+        )))
     }
 
     /// The source, once its checks passed; watching the slot from now on
@@ -231,7 +240,13 @@ impl WalSource {
             .postgres_mut()
             .application_name("outbox-relay slot watch");
         let database = tenants.as_ref().map(Tenants::database);
-        let watch = SlotWatch::start(watch_pg, Arc::clone(&sql), config.wal.retained_warn, &ctx, database);
+        let watch = SlotWatch::start(
+            watch_pg,
+            Arc::clone(&sql),
+            config.wal.retained_warn,
+            &ctx,
+            database,
+        );
         WalSource {
             window: window(&config),
             config,
@@ -264,7 +279,12 @@ impl WalSource {
         let mut decoder = Decoder::default();
         for (n, t) in self.tables.iter().enumerate().filter(|(_, t)| t.live) {
             let n = u32::try_from(n).expect("fewer than 2^32 outboxes");
-            decoder.add(n, t.config.schema.as_str(), t.config.table.as_str(), t.sql.prefix());
+            decoder.add(
+                n,
+                t.config.schema.as_str(),
+                t.config.table.as_str(),
+                t.sql.prefix(),
+            );
         }
         decoder
     }
@@ -677,7 +697,11 @@ impl WalSource {
     async fn write_each(&mut self, writes: Pending) -> Result<Pending, SourceError> {
         let mut unfound = Pending::new();
         for (outbox, w) in writes {
-            let Some(table) = self.tables.get(outbox as usize).filter(|t| t.live && !w.is_empty()) else {
+            let Some(table) = self
+                .tables
+                .get(outbox as usize)
+                .filter(|t| t.live && !w.is_empty())
+            else {
                 continue;
             };
             let sql = Arc::clone(&table.sql);

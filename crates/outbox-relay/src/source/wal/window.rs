@@ -284,7 +284,10 @@ impl Window {
     /// Nothing read is unfinished, nothing is to be written, and no
     /// transaction is half read: the server's position may be confirmed.
     pub(crate) fn is_idle(&self) -> bool {
-        self.unfinished == 0 && !self.in_txn && self.txns.is_empty() && self.writes.values().all(Writes::is_empty)
+        self.unfinished == 0
+            && !self.in_txn
+            && self.txns.is_empty()
+            && self.writes.values().all(Writes::is_empty)
     }
 
     /// A transaction starts.
@@ -534,7 +537,10 @@ impl Window {
     /// position to be confirmed.
     pub(crate) fn should_flush(&self, rows: usize) -> bool {
         let deletes: usize = self.writes.values().map(|w| w.delete.len()).sum();
-        deletes == 0 || self.writes.values().any(|w| !w.dead.is_empty()) || deletes >= rows || !self.has_room()
+        deletes == 0
+            || self.writes.values().any(|w| !w.dead.is_empty())
+            || deletes >= rows
+            || !self.has_room()
     }
 
     /// The table's pending writes and the position that is confirmable once
@@ -633,7 +639,11 @@ mod tests {
         w.push_to(1, row(2, "a"), Some(2), None, 1);
         w.commit(10);
         let (rows, _) = w.next_batch(now, 10, u64::MAX);
-        assert_eq!((ids(&rows), w.out_outbox()), (vec![1, 2], Some(1)), "outbox 1's, in order");
+        assert_eq!(
+            (ids(&rows), w.out_outbox()),
+            (vec![1, 2], Some(1)),
+            "outbox 1's, in order"
+        );
         // Outbox 1's aggregate "a" fails; outbox 2's "a" is another aggregate.
         w.settle(&rows, &failed(&[0, 1], 50.0, false), now);
         let (rows, _) = w.next_batch(now, 10, u64::MAX);
