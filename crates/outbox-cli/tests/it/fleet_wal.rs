@@ -227,7 +227,7 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
     assert_eq!(published, TENANTS as i64, "tables published");
 
     // Each outbox's deliveries under its own label, exactly.
-    let mut per_tenant = vec![0_usize; TENANTS];
+    let mut per_tenant = [0_usize; TENANTS];
     for (t, ..) in written.values() {
         per_tenant[*t] += 1;
     }
