@@ -408,6 +408,60 @@ async fn a_fleet_killed_mid_run_loses_nothing_and_resends_at_most_its_window() {
     assert!(duplicates <= WINDOW + BATCH, "{duplicates} duplicates");
 }
 
+/// Two fleet processes on one database: one streams the slot, the other
+/// stands by; the reader is SIGKILLed mid-run and the standby takes over.
+/// Every event delivered, none invented, in order per aggregate.
+#[tokio::test]
+async fn a_standby_fleet_process_takes_the_slot_over_when_the_reader_dies() {
+    const WRITERS: usize = 2;
+    const EVENTS: usize = 300;
+    let pg = logical().await;
+    let redis = Redis::start().await.unwrap();
+    let configs = Arc::new(tenants(&pg, "app_0", 5, true).await);
+    let client = pg.connect("app_0").await.unwrap();
+    let extra = ["--lease-timeout", "3s"];
+    let mut a = start_wal_fleet(&pg, "fleet_a", &redis, &extra).await;
+    wait_until("fleet A streams the slot", LONG, || streaming(&client)).await;
+    let b = start_wal_fleet(&pg, "fleet_b", &redis, &extra).await;
+    assert_eq!(a.count_lines("streaming the slot"), 1);
+    let acked = Arc::new(AtomicUsize::new(0));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            tokio::spawn(writer(
+                pg.url("app_0"),
+                Arc::clone(&configs),
+                w,
+                EVENTS,
+                Arc::clone(&acked),
+            ))
+        })
+        .collect();
+    wait_until("a third written", LONG, || async {
+        acked.load(Ordering::Relaxed) >= WRITERS * EVENTS / 3
+    })
+    .await;
+    assert_eq!(b.count_lines("streaming the slot"), 0, "B stands by");
+    a.kill().unwrap();
+    a.wait(LONG).await.unwrap();
+    wait_until("fleet B streams the slot", LONG, || async {
+        b.count_lines("streaming the slot") == 1
+    })
+    .await;
+    let mut written = Written::new();
+    for w in writers {
+        written.extend(w.await.unwrap());
+    }
+    wait_until("every row delivered and deleted", LONG, || async {
+        left(&client, &configs).await == 0
+    })
+    .await;
+    stop_fleet(b).await;
+    let events = read_stream(&redis.url(), STREAM).await;
+    let duplicates = check(&events, &written);
+    eprintln!("{} events, {duplicates} delivered twice", written.len());
+    assert!(duplicates <= 5_000, "{duplicates} duplicates, over --wal-window");
+}
+
 /// What a WAL fleet does not serve yet is refused before it connects:
 /// exit 2 naming the flag.
 #[tokio::test]
