@@ -462,12 +462,84 @@ async fn a_standby_fleet_process_takes_the_slot_over_when_the_reader_dies() {
     assert!(duplicates <= 5_000, "{duplicates} duplicates, over --wal-window");
 }
 
+/// `--databases`: one slot per database (named after it), each event
+/// booked under `database/schema.table`, and a retained-WAL gauge per
+/// database.
+#[tokio::test]
+async fn with_databases_each_database_has_its_own_slot_and_labels() {
+    let pg = logical().await;
+    let redis = Redis::start().await.unwrap();
+    let mut dbs = Vec::new();
+    for d in 0..2 {
+        let name = format!("app_{d}");
+        dbs.push((name.clone(), tenants(&pg, &name, 3, true).await));
+    }
+    let addr = http_addr();
+    let fleet = start_wal_fleet(&pg, "fleet_a", &redis, &["--databases", "app_%", "--http", &addr]).await;
+    let server = pg.connect("postgres").await.unwrap();
+    wait_until("both databases streamed", LONG, || async {
+        count(&server, "SELECT count(*) FROM pg_replication_slots WHERE active").await == 2
+    })
+    .await;
+    let mut written = Written::new();
+    for (d, (db, configs)) in dbs.iter().enumerate() {
+        let client = pg.connect(db).await.unwrap();
+        for (t, config) in configs.iter().enumerate() {
+            let aggregate = format!("{db}/{}", config.schema.as_str());
+            for step in 0..5 {
+                let event = Event::new("orders", aggregate.clone(), "Step", json!({"step": step}));
+                let id = Outbox::new(config.clone())
+                    .enqueue(&client, &event)
+                    .await
+                    .unwrap();
+                written.insert(id.to_string(), (d * 3 + t, aggregate.clone(), step));
+            }
+        }
+    }
+    wait_until("30 events delivered", LONG, || async {
+        read_stream(&redis.url(), STREAM).await.len() >= 30
+    })
+    .await;
+    let events = read_stream(&redis.url(), STREAM).await;
+    assert_eq!(check(&events, &written), 0);
+    let slots: Vec<String> = server
+        .query("SELECT slot_name::text FROM pg_replication_slots ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        slots,
+        ["app_0_fleet_tenant___outbox", "app_1_fleet_tenant___outbox"]
+    );
+    wait_until(
+        "every outbox's deliveries and each database's gauge",
+        LONG,
+        || async {
+            let (_, s) = scrape(&addr).await;
+            let booked = dbs.iter().all(|(db, configs)| {
+                configs.iter().all(|c| {
+                    let label = format!("{db}/{}", c.display_name());
+                    value(&s, "outbox_events_delivered_total", &[("outbox", label.as_str())]) == Some(5.0)
+                })
+            });
+            booked
+                && ["app_0", "app_1"]
+                    .iter()
+                    .all(|db| value(&s, "outbox_wal_retained_bytes", &[("database", db)]).is_some())
+        },
+    )
+    .await;
+    stop_fleet(fleet).await;
+}
+
 /// What a WAL fleet does not serve yet is refused before it connects:
 /// exit 2 naming the flag.
 #[tokio::test]
-async fn a_wal_fleet_refuses_databases_and_cleanup_none_with_exit_2() {
+async fn a_wal_fleet_refuses_drain_and_cleanup_none_with_exit_2() {
     for (extra, named) in [
-        (&["--databases", "app_%"][..], "--databases with --source wal"),
+        (&["--drain"][..], "--drain"),
         (&["--wal-cleanup", "none"][..], "--wal-cleanup none"),
     ] {
         let args = [&["--source", "wal", "--schemas", "tenant_%"][..], extra].concat();

@@ -24,8 +24,8 @@
 //! one slot and one publication for every tenant outbox of it.
 //!
 //! Not (yet) in a fleet: deadline claims, strict order, retention and
-//! `--drain`; with `--source wal`, `--databases`, outboxes listed by name
-//! and `--wal-cleanup none` (refused by [`Fleet::new`]).
+//! `--drain`; with `--source wal`, outboxes listed by name and
+//! `--wal-cleanup none` (refused by [`Fleet::new`]).
 
 mod hub;
 mod pool;
@@ -104,9 +104,7 @@ impl FleetConfig {
     /// What a fleet cannot do yet, as the flag that asked for it.
     fn refused(&self) -> Option<&'static str> {
         if self.relay.source == SourceKind::Wal {
-            return if self.databases.is_some() {
-                Some("--databases with --source wal (start one fleet per database, named in its URL)")
-            } else if !self.listed.is_empty() {
+            return if !self.listed.is_empty() {
                 Some("outboxes listed by name ([outboxes.NAME]) with --source wal")
             } else if self.schemas.is_none() {
                 Some("--source wal without --schemas")
@@ -340,7 +338,10 @@ impl Fleet {
         drop(crate::pg::connect(&self.pg).await.map_err(RelayError::Connect)?);
         let config = &self.shared.config;
         if config.relay.source == SourceKind::Wal {
-            let result = wal::run(&self, cancel).await;
+            let result = match config.databases.clone() {
+                None => wal::run(&self, cancel).await,
+                Some(pattern) => self.run_databases(&pattern, Vec::new(), cancel).await,
+            };
             self.shared.health.running(false);
             info!("fleet stopped");
             return result;
@@ -411,6 +412,31 @@ impl Fleet {
         self.shared.health.running(false);
         info!("fleet stopped");
         Ok(())
+    }
+
+    /// Serves one database `--databases` found until `cancel` fires: its
+    /// hub, or with `--source wal` its log tailing. `first` is told once it
+    /// searched for outboxes (or, log tailing, opened its source).
+    fn spawn_database(
+        &self,
+        pg: PgConfig,
+        name: String,
+        cancel: CancellationToken,
+        first: tokio::sync::oneshot::Sender<()>,
+    ) -> tokio::task::JoinHandle<()> {
+        if self.shared.config.relay.source == SourceKind::Wal {
+            return tokio::spawn(wal::serve_database(
+                Arc::clone(&self.shared),
+                pg,
+                name,
+                cancel,
+                first,
+            ));
+        }
+        let listed = self.listed_in(&pg);
+        let schemas = self.shared.config.schemas.clone();
+        let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name, true, schemas, listed);
+        tokio::spawn(hub.run(cancel, Some(first)))
     }
 
     /// The listed outboxes in the database of `pg`.
@@ -489,10 +515,7 @@ impl Fleet {
                 let stop = cancel.child_token();
                 let (first, ticked) = tokio::sync::oneshot::channel();
                 firsts.push(ticked);
-                let listed = self.listed_in(&pg);
-                let schemas = self.shared.config.schemas.clone();
-                let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name.clone(), true, schemas, listed);
-                let task = tokio::spawn(hub.run(stop.clone(), Some(first)));
+                let task = self.spawn_database(pg, name.clone(), stop.clone(), first);
                 hubs.insert(name, (stop, task));
             }
             if !readied {
