@@ -178,6 +178,26 @@ pub async fn migrate_fleet_wal(
     })
 }
 
+/// The slot a fleet with `--source wal` reads the outboxes named like
+/// `template`'s table in the schemas `schemas` matches in `database`
+/// through (see [`fleet_names`]), as `outbox relays --schemas` reports it;
+/// `None` when there is none in this database.
+pub async fn fleet_slot_state(
+    client: &impl GenericClient,
+    database: &str,
+    schemas: &str,
+    template: &Config,
+) -> Result<Option<SlotState>, tokio_postgres::Error> {
+    let Ok((slot, publication)) = fleet_names(database, schemas, template.table.as_str()) else {
+        return Ok(None);
+    };
+    let Ok(sql) = WalSql::named(template, slot, publication) else {
+        return Ok(None);
+    };
+    let state = sql.slot_state(client).await?;
+    Ok(state.filter(|s| s.database == s.current_database))
+}
+
 /// What log tailing needs of the server and the role: `wal_level =
 /// logical`, and REPLICATION (or a superuser). Refused with the fix.
 pub async fn check_prerequisites(client: &Client, sql: &WalSql) -> Result<(), Error> {

@@ -434,11 +434,15 @@ struct DatabaseRelays {
     processes: Vec<Process>,
     /// Matching outboxes no fleet process serves.
     unserved: usize,
+    /// The slot a fleet with `--source wal` reads them through, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slot: Option<outbox::sql::SlotState>,
 }
 
 /// `outbox relays --schemas`: reads locks and `pg_stat_activity` only, so
 /// it needs no privilege on the outboxes.
 pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::Result<()> {
+    let template = super::outbox_config(g)?;
     let mut report = Vec::new();
     for (name, pg) in databases(g, scope.databases).await? {
         let db = open(g, &scope, name, &pg).await?;
@@ -470,7 +474,11 @@ pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::
                 session,
             })
             .collect();
+        let slot = outbox::wal::fleet_slot_state(&db.client, &database, scope.schemas, &template)
+            .await
+            .context("reading the fleet's replication slot")?;
         report.push(DatabaseRelays {
+            slot,
             database,
             outboxes: db.outboxes.len(),
             processes,
@@ -514,6 +522,9 @@ pub(crate) async fn relays(g: &Global, scope: Scope<'_>, json: bool) -> anyhow::
             "  {:>8}  {:<24}  {:<16}  {:<20}  {:>7}",
             "", "(nobody)", "", "", d.unserved
         );
+        if let Some(slot) = &d.slot {
+            println!("  log tailing (--source wal): {slot}");
+        }
     }
     Ok(())
 }

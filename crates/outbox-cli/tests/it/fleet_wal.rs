@@ -237,6 +237,13 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
         let delivered = value(&s, "outbox_events_delivered_total", &[("outbox", label.as_str())]);
         assert_eq!(delivered, Some(per_tenant[t] as f64), "{label}");
     }
+    let out = run_cli(&["relays", "--schemas", "tenant_%"], &[("DATABASE_URL", &url)]).await;
+    let said = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        said.contains("log tailing (--source wal): slot app_0_fleet_tenant___outbox, read by pid"),
+        "{said}"
+    );
     wait_until("the retained WAL gauge of app_0", LONG, || async {
         let (_, s) = scrape(&addr).await;
         value(&s, "outbox_wal_retained_bytes", &[("database", "app_0")]).is_some()

@@ -105,6 +105,8 @@ impl WalSource {
         let (slot, publication) =
             outbox::wal::fleet_names(&tenants.database, &tenants.schemas, config.outbox.table.as_str())
                 .map_err(RelayError::Schema)?;
+        // The slot's and publication's statements; its table's (the fleet's
+        // settings name no schema) are never run: each tenant has its own.
         let sql = Arc::new(WalSql::named(&config.outbox, slot, publication).map_err(RelayError::Schema)?);
         let Some(client) = super::connect(&pg, &config, cancel).await? else {
             return Ok(None);
