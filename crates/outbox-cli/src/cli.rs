@@ -186,8 +186,10 @@ pub(crate) struct MigrateArgs {
     pub(crate) dry_run: bool,
     /// Migrate the outbox (--table) in every existing schema whose name
     /// matches this LIKE pattern (`tenant_%`), each in a transaction of its
-    /// own: what `relay --schemas` serves. Idempotent.
-    #[arg(long, value_name = "PATTERN", conflicts_with_all = ["inbox", "wal", "grant"])]
+    /// own: what `relay --schemas` serves. Idempotent. With --wal, per
+    /// database one publication of every such outbox and one slot, as
+    /// `relay --source wal --schemas` reads them (docs/fleet.md).
+    #[arg(long, value_name = "PATTERN", conflicts_with_all = ["inbox", "recover", "grant"])]
     pub(crate) schemas: Option<String>,
     /// With --schemas: in every database of the server whose name matches
     /// this LIKE pattern, not only the URL's.

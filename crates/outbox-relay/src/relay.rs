@@ -158,6 +158,32 @@ impl Book for Books {
     }
 }
 
+/// The books of a source that reads several outboxes (a fleet's WAL
+/// stream): each receipt booked under its outbox's label, as the polling
+/// fleet's relay of that outbox would book it; a receipt of no outbox under
+/// the relay's own.
+struct Routed {
+    own: Books,
+    sink: Arc<dyn Sink>,
+    by_outbox: std::collections::HashMap<String, Books>,
+}
+
+impl Book for Routed {
+    fn book(&mut self, r: Receipt) {
+        let Some(label) = r.outbox.clone() else {
+            self.own.book(r);
+            return;
+        };
+        let books = self.by_outbox.entry(label).or_insert_with_key(|label| {
+            // Its signals go nowhere: the fleet signals for the process.
+            let (signals, _) = Signals::channel();
+            let ctx = RelayContext::new(Some(label.clone()), label.clone(), signals);
+            Books::new(&ctx, Arc::clone(&self.sink))
+        });
+        books.book(r);
+    }
+}
+
 /// The line of a durable batch in which rows failed (an attempt spent):
 /// `8 delivered, 1 will be retried at <time>, 1 dead-lettered`. Every row
 /// not delivered is either given back (retried, at its own time: the
@@ -283,6 +309,52 @@ impl Relay {
         ctx.health().running(false);
         relay_up.set(0.0);
         debug!("relay stopped");
+        result
+    }
+
+    /// Runs the log tailing of one database of a fleet until `cancel`
+    /// fires: the relay's cycle over a WAL source reading every tenant
+    /// outbox `tenants` finds (see `source::wal::fleet`), its batches
+    /// booked under their outboxes' labels. `ready` is called once the
+    /// source is open (a standby is ready too: it waits for its turn).
+    pub(crate) async fn run_wal_fleet(
+        self,
+        tenants: crate::source::wal::Tenants,
+        ready: impl FnOnce() + Send,
+        cancel: CancellationToken,
+    ) -> Result<(), RelayError> {
+        self.sink.bind(&self.ctx);
+        let books = Routed {
+            own: Books::new(&self.ctx, Arc::clone(&self.sink)),
+            sink: Arc::clone(&self.sink),
+            by_outbox: Default::default(),
+        };
+        let source = WalSource::open_fleet(
+            self.config.clone(),
+            self.pg.clone(),
+            tenants,
+            self.ctx.clone(),
+            Receipts::new(books),
+            &cancel,
+        );
+        let Some(source) = source.await? else {
+            return Ok(());
+        };
+        info!(
+            table = %self.config.outbox.table.as_str(),
+            sink = %self.sink.describe(),
+            source = "wal",
+            slot = source.slot(),
+            batch_size = self.config.batch_size,
+            window = self.config.wal.window,
+            "fleet log tailing ready"
+        );
+        ready();
+        self.ctx.health().running(true);
+        self.metrics.relay_up.set(1.0);
+        let (ctx, relay_up) = (self.ctx.clone(), self.metrics.relay_up.clone());
+        let result = self.drive(source, cancel).await;
+        stopped(&ctx, &relay_up);
         result
     }
 

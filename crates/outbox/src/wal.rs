@@ -55,6 +55,155 @@ pub struct WalRecovery {
     pub reinserted: i64,
 }
 
+/// The slot and publication a fleet (`outbox relay --source wal --schemas
+/// PATTERN`) reads the outboxes named `table` of the schemas `schemas`
+/// matches in `database` through: `fleet_<pattern>_<table>` for the
+/// publication (publications are per database) and
+/// `<database>_fleet_<pattern>_<table>` for the slot (slots are per
+/// cluster), each character of the pattern that cannot be in a name
+/// (`%`) an `_`. A name longer than PostgreSQL's 63 bytes is cut and ends
+/// with a hash of the whole, so it stays one per pattern and database.
+///
+/// ```
+/// let (slot, publication) = outbox::wal::fleet_names("app", "tenant_%", "outbox").unwrap();
+/// assert_eq!(publication.as_str(), "fleet_tenant___outbox");
+/// assert_eq!(slot, "app_fleet_tenant___outbox");
+/// ```
+pub fn fleet_names(database: &str, schemas: &str, table: &str) -> Result<(String, crate::Ident), Error> {
+    fn name(raw: &str) -> String {
+        let clean: String = raw
+            .chars()
+            .map(|c| match c {
+                'a'..='z' | '0'..='9' | '_' => c,
+                'A'..='Z' => c.to_ascii_lowercase(),
+                _ => '_',
+            })
+            .collect();
+        if clean.len() <= 63 && !clean.starts_with(|c: char| c.is_ascii_digit()) {
+            return clean;
+        }
+        // FNV-1a: stable across builds, unlike the std hasher.
+        let hash = raw.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        let head: String = clean.chars().take(46).collect();
+        format!("f_{head}_{hash:016x}")
+    }
+    let publication = name(&format!("fleet_{schemas}_{table}"));
+    let slot = name(&format!("{database}_fleet_{schemas}_{table}"));
+    let slot_ident = crate::Ident::new("--schemas", &slot)?;
+    Ok((
+        slot_ident.as_str().to_owned(),
+        crate::Ident::new("--schemas", &publication)?,
+    ))
+}
+
+/// Adds `sql`'s table to its fleet's publication, in one transaction that
+/// first holds the table's writers off (`LOCK TABLE … IN SHARE ROW
+/// EXCLUSIVE MODE`, which waits for the inserts under way): every row then
+/// either committed before the table was published, so a backfill of the
+/// table finds it, or is decoded from the stream. A failure rolls back.
+pub async fn publish_tenant(client: &Client, sql: &WalSql) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute("BEGIN").await?;
+    let added = async {
+        sql.lock_writers(client).await?;
+        sql.add_to_publication(client).await?;
+        client.batch_execute("COMMIT").await
+    }
+    .await;
+    if added.is_err() {
+        // A session that cannot roll back is broken: the caller's next
+        // statement finds out.
+        let _ = client.batch_execute("ROLLBACK").await;
+    }
+    added
+}
+
+/// `outbox migrate --wal --schemas`: a fleet's publication (made if
+/// missing) with every table of `tenants` in it, and its slot (made if
+/// missing), in the database `client` is connected to, named by
+/// [`fleet_names`]. Idempotent. Rows written before are not decoded: the
+/// fleet reads every tenant's table when it starts reading.
+pub async fn migrate_fleet_wal(
+    client: &Client,
+    database: &str,
+    schemas: &str,
+    tenants: &[Config],
+) -> Result<WalSetup, Error> {
+    let Some(first) = tenants.first() else {
+        return Err(Error::WalNotSetUp {
+            what: format!("no outbox in a schema matching {schemas:?} to publish"),
+        });
+    };
+    let (slot_name, publication) = fleet_names(database, schemas, first.table.as_str())?;
+    let sql = WalSql::named(first, slot_name.clone(), publication.clone())?;
+    prerequisites(client, &sql).await?;
+    let created_publication = !sql
+        .publication_exists(client)
+        .await
+        .map_err(Error::pg("looking for the publication"))?;
+    if created_publication {
+        sql.create_fleet_publication(client)
+            .await
+            .map_err(Error::pg("creating the fleet's publication"))?;
+    }
+    let published = sql
+        .published_tables(client)
+        .await
+        .map_err(Error::pg("listing the publication's tables"))?;
+    for config in tenants {
+        if published.contains(&config.display_name()) {
+            continue;
+        }
+        let tenant = WalSql::named(config, slot_name.clone(), publication.clone())?;
+        publish_tenant(client, &tenant)
+            .await
+            .map_err(Error::pg("adding a tenant's outbox to the fleet's publication"))?;
+    }
+    let created_slot = match slot(client, &sql).await? {
+        Some(s) if s.is_lost() => return Err(Error::SlotInvalidated { slot: s.slot }),
+        Some(_) => false,
+        None => {
+            sql.create_slot(client)
+                .await
+                .map_err(Error::pg("creating the logical replication slot"))?;
+            true
+        }
+    };
+    Ok(WalSetup {
+        slot: slot_name,
+        publication: publication.as_str().to_owned(),
+        created_publication,
+        created_slot,
+    })
+}
+
+/// The slot a fleet with `--source wal` reads the outboxes named like
+/// `template`'s table in the schemas `schemas` matches in `database`
+/// through (see [`fleet_names`]), as `outbox relays --schemas` reports it;
+/// `None` when there is none in this database.
+pub async fn fleet_slot_state(
+    client: &impl GenericClient,
+    database: &str,
+    schemas: &str,
+    template: &Config,
+) -> Result<Option<SlotState>, tokio_postgres::Error> {
+    let Ok((slot, publication)) = fleet_names(database, schemas, template.table.as_str()) else {
+        return Ok(None);
+    };
+    let Ok(sql) = WalSql::named(template, slot, publication) else {
+        return Ok(None);
+    };
+    let state = sql.slot_state(client).await?;
+    Ok(state.filter(|s| s.database == s.current_database))
+}
+
+/// What log tailing needs of the server and the role: `wal_level =
+/// logical`, and REPLICATION (or a superuser). Refused with the fix.
+pub async fn check_prerequisites(client: &Client, sql: &WalSql) -> Result<(), Error> {
+    prerequisites(client, sql).await
+}
+
 async fn prerequisites(client: &Client, sql: &WalSql) -> Result<(), Error> {
     sql.prerequisites(client)
         .await

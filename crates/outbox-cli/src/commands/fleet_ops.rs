@@ -357,6 +357,9 @@ struct DatabaseRelays {
     processes: Vec<Process>,
     /// Matching outboxes no fleet process serves.
     unserved: usize,
+    /// The slot a fleet with `--source wal` reads them through, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slot: Option<outbox::sql::SlotState>,
 }
 
 /// `outbox relays --schemas` and `--all`: reads locks and
@@ -392,7 +395,16 @@ pub(crate) async fn relays(selection: Selection, json: bool) -> anyhow::Result<(
                 session,
             })
             .collect();
+        let slot = match &selection.schemas {
+            Some(schemas) => {
+                outbox::wal::fleet_slot_state(&db.client, &database, schemas, &selection.template)
+                    .await
+                    .context("reading the fleet's replication slot")?
+            }
+            None => None,
+        };
         report.push(DatabaseRelays {
+            slot,
             database,
             outboxes: db.outboxes.len(),
             processes,
@@ -436,6 +448,9 @@ pub(crate) async fn relays(selection: Selection, json: bool) -> anyhow::Result<(
             "  {:>8}  {:<24}  {:<16}  {:<20}  {:>7}",
             "", "(nobody)", "", "", d.unserved
         );
+        if let Some(slot) = &d.slot {
+            println!("  log tailing (--source wal): {slot}");
+        }
     }
     Ok(())
 }

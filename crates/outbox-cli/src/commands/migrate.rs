@@ -96,6 +96,7 @@ async fn tenants(g: &Global, args: &MigrateArgs, schemas: &str) -> anyhow::Resul
         let found = outbox::sql::fleet::matching_schemas(&client, schemas)
             .await
             .context("listing the schemas")?;
+        let mut migrated = Vec::new();
         for schema in found {
             let mut config = template.clone();
             config.schema = schema;
@@ -105,12 +106,33 @@ async fn tenants(g: &Global, args: &MigrateArgs, schemas: &str) -> anyhow::Resul
             let report = outbox::migrate(&mut client, &config)
                 .await
                 .with_context(|| format!("migrating the outbox {prefix}{}", config.display_name()))?;
+            migrated.push(config.clone());
             if report.applied.is_empty() {
                 current += 1;
             } else {
                 changed += 1;
                 println!("{prefix}{} is at schema version {}", report.table, report.version);
             }
+        }
+        if args.wal {
+            let name = match &database {
+                Some(name) => name.clone(),
+                None => pg.postgres().get_dbname().unwrap_or("postgres").to_owned(),
+            };
+            let setup = outbox::wal::migrate_fleet_wal(&client, &name, schemas, &migrated)
+                .await
+                .with_context(|| format!("setting up log tailing for the fleet in {name}"))?;
+            println!(
+                "{prefix}log tailing for the fleet: publication {}{}, slot {}{}",
+                setup.publication,
+                if setup.created_publication {
+                    " (created)"
+                } else {
+                    ""
+                },
+                setup.slot,
+                if setup.created_slot { " (created)" } else { "" },
+            );
         }
     }
     println!(

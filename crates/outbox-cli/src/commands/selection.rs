@@ -42,6 +42,11 @@ pub(crate) struct Selection {
     /// What selected them, for the reports' text: `matching "tenant_%"`,
     /// `of the fleet`.
     pub(crate) what: String,
+    /// The fleet's schema pattern, if it has one: what names its slot
+    /// with `--source wal`.
+    pub(crate) schemas: Option<String>,
+    /// The fleet's top-level table.
+    pub(crate) template: outbox::Config,
 }
 
 /// One database of a selection: its name where it is not the URL's own
@@ -115,6 +120,8 @@ pub(crate) async fn all(
     Ok(Selection {
         databases: fleet.connect().await?,
         what: "of the fleet".to_owned(),
+        schemas: fleet.schemas.clone(),
+        template: fleet.template.clone(),
     })
 }
 
@@ -132,6 +139,8 @@ pub(crate) async fn pattern(g: &Global, schemas: &str, databases: Option<&str>) 
     Ok(Selection {
         databases: fleet.connect().await?,
         what: format!("matching {schemas:?}"),
+        schemas: fleet.schemas.clone(),
+        template: fleet.template.clone(),
     })
 }
 

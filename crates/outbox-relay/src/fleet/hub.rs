@@ -96,18 +96,18 @@ enum Found {
 }
 
 /// Why an outbox found is not served.
-pub(super) struct NotServable {
+pub(crate) struct NotServable {
     /// What is wrong, for the log line.
-    pub(super) reason: &'static str,
+    pub(crate) reason: &'static str,
     /// The error chain, naming the fix.
-    pub(super) error: String,
+    pub(crate) error: String,
 }
 
 /// What a relay checks at startup, per outbox as it is found: the role's
 /// privileges first (without them the version check itself is refused),
 /// then the schema version. A tenant failing either is skipped, said once,
 /// instead of failing every batch.
-pub(super) async fn servable(client: &Client, outbox: &outbox::Config) -> Result<(), NotServable> {
+pub(crate) async fn servable(client: &Client, outbox: &outbox::Config) -> Result<(), NotServable> {
     use outbox::privileges::{Needs, Role, Tables};
     let needs = Needs::of(&[Role::Relay]).without_leases();
     if let Err(error) = outbox::privileges::check(client, &Tables::outbox(outbox.clone()), &needs).await {

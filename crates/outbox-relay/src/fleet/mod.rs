@@ -20,11 +20,16 @@
 //! outboxes are taken over at the next discovery (see `outbox::sql::fleet`
 //! for why two processes never deliver one outbox at once).
 //!
-//! Not (yet) in a fleet: the WAL source, deadline claims, strict order,
-//! retention and `--drain` (refused by [`Fleet::new`]).
+//! With `--source wal` ([`wal`]) each database is one WAL stream instead:
+//! one slot and one publication for every tenant outbox of it.
+//!
+//! Not (yet) in a fleet: deadline claims, strict order, retention and
+//! `--drain`; with `--source wal`, outboxes listed by name and
+//! `--wal-cleanup none` (refused by [`Fleet::new`]).
 
 mod hub;
 mod pool;
+mod wal;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -34,8 +39,9 @@ use tokio::sync::{Notify, RwLock, RwLockReadGuard};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+pub(crate) use self::hub::servable;
 pub(crate) use self::pool::{Lent, Pool};
-use crate::config::{ClaimMode, OrderMode, Pooler, RelayConfig, SourceKind};
+use crate::config::{ClaimMode, OrderMode, Pooler, RelayConfig, SourceKind, WalCleanup};
 use crate::context::Signals;
 use crate::error::RelayError;
 use crate::health::Health;
@@ -97,6 +103,19 @@ pub const DEFAULT_DISCOVER_INTERVAL: Duration = Duration::from_secs(5);
 impl FleetConfig {
     /// What a fleet cannot do yet, as the flag that asked for it.
     fn refused(&self) -> Option<&'static str> {
+        if self.relay.source == SourceKind::Wal {
+            return if !self.listed.is_empty() {
+                Some("outboxes listed by name ([outboxes.NAME]) with --source wal")
+            } else if self.schemas.is_none() {
+                Some("--source wal without --schemas")
+            } else if self.relay.wal.cleanup == WalCleanup::None {
+                Some("--wal-cleanup none (its tables cannot tell undelivered rows from delivered ones)")
+            } else if self.relay.drain {
+                Some("--drain")
+            } else {
+                None
+            };
+        }
         std::iter::once(&self.relay)
             .chain(self.listed.iter().map(|l| &l.relay))
             .find_map(Self::refused_of)
@@ -104,7 +123,7 @@ impl FleetConfig {
 
     fn refused_of(r: &RelayConfig) -> Option<&'static str> {
         if r.source != SourceKind::Poll {
-            Some("--source wal")
+            Some("--source wal for an outbox listed by name")
         } else if r.claim != ClaimMode::Lock {
             Some("--claim deadline")
         } else if r.ordering == OrderMode::Strict
@@ -350,6 +369,15 @@ impl Fleet {
         // an unreachable server after `--connect-timeout` (exit 1).
         drop(crate::pg::connect(&self.pg).await.map_err(RelayError::Connect)?);
         let config = &self.shared.config;
+        if config.relay.source == SourceKind::Wal {
+            let result = match config.databases.clone() {
+                None => wal::run(&self, cancel).await,
+                Some(pattern) => self.run_databases(&pattern, Vec::new(), cancel).await,
+            };
+            self.shared.health.running(false);
+            info!("fleet stopped");
+            return result;
+        }
         info!(
             schemas = config.schemas.as_deref().unwrap_or("(none)"),
             listed = config.listed.len(),
@@ -416,6 +444,31 @@ impl Fleet {
         self.shared.health.running(false);
         info!("fleet stopped");
         Ok(())
+    }
+
+    /// Serves one database `--databases` found until `cancel` fires: its
+    /// hub, or with `--source wal` its log tailing. `first` is told once it
+    /// searched for outboxes (or, log tailing, opened its source).
+    fn spawn_database(
+        &self,
+        pg: PgConfig,
+        name: String,
+        cancel: CancellationToken,
+        first: tokio::sync::oneshot::Sender<()>,
+    ) -> tokio::task::JoinHandle<()> {
+        if self.shared.config.relay.source == SourceKind::Wal {
+            return tokio::spawn(wal::serve_database(
+                Arc::clone(&self.shared),
+                pg,
+                name,
+                cancel,
+                first,
+            ));
+        }
+        let listed = self.listed_in(&pg);
+        let schemas = self.shared.config.schemas.clone();
+        let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name, true, schemas, listed);
+        tokio::spawn(hub.run(cancel, Some(first)))
     }
 
     /// The listed outboxes in the database of `pg`.
@@ -494,10 +547,7 @@ impl Fleet {
                 let stop = cancel.child_token();
                 let (first, ticked) = tokio::sync::oneshot::channel();
                 firsts.push(ticked);
-                let listed = self.listed_in(&pg);
-                let schemas = self.shared.config.schemas.clone();
-                let hub = hub::Hub::new(Arc::clone(&self.shared), pg, name.clone(), true, schemas, listed);
-                let task = tokio::spawn(hub.run(stop.clone(), Some(first)));
+                let task = self.spawn_database(pg, name.clone(), stop.clone(), first);
                 hubs.insert(name, (stop, task));
             }
             if !readied {
@@ -521,7 +571,7 @@ impl Fleet {
 /// An outbox found by the pattern as metrics and logs name it:
 /// `schema.table`, or `database/schema.table` when the fleet spans
 /// databases.
-fn label(database: Option<&str>, outbox: &outbox::Config) -> String {
+pub(crate) fn label(database: Option<&str>, outbox: &outbox::Config) -> String {
     match database {
         Some(name) => format!("{name}/{}", outbox.display_name()),
         None => outbox.display_name(),

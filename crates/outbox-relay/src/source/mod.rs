@@ -82,6 +82,9 @@ pub(crate) struct Batch {
 pub(crate) struct Receipt {
     /// The batch's number in its source, from 1.
     pub(crate) batch: u64,
+    /// The outbox it came from, when a source reads several (a fleet's
+    /// WAL stream): its `outbox` label. None: the relay's own.
+    pub(crate) outbox: Option<String>,
     /// Rows claimed.
     pub(crate) claimed: usize,
     /// Rows marked published (or, for the WAL source, deleted).
@@ -125,8 +128,22 @@ impl Receipts {
 
     /// Batch `batch`'s `outcomes` are durable now.
     pub(crate) fn durable(&mut self, batch: u64, claimed: usize, claimed_at: Instant, outcomes: Outcomes) {
+        self.durable_of(None, batch, claimed, claimed_at, outcomes);
+    }
+
+    /// Batch `batch` of the outbox labelled `outbox` (None: the relay's
+    /// own) is durable now.
+    pub(crate) fn durable_of(
+        &mut self,
+        outbox: Option<String>,
+        batch: u64,
+        claimed: usize,
+        claimed_at: Instant,
+        outcomes: Outcomes,
+    ) {
         self.books.book(Receipt {
             batch,
+            outbox,
             claimed,
             published: outcomes.published,
             failures: outcomes.failures,
@@ -241,3 +258,23 @@ pub(crate) trait Source: Send {
     /// At shutdown: commits the settled batch, gives back a claimed one.
     fn finish(&mut self) -> impl Future<Output = ()> + Send;
 }
+
+/// Consumers of a sink many outboxes share must tell their events apart:
+/// every event a fleet delivers carries the header [`OUTBOX_HEADER`] naming
+/// its outbox (its `outbox` label), in every format and sink that carries
+/// the row's headers. It replaces a header of that name the writer set, so
+/// a consumer can trust it.
+pub(crate) fn name_the_outbox(row: &mut OutboxRow, label: &str) {
+    let value = serde_json::Value::String(label.to_owned());
+    match row.headers.as_object_mut() {
+        Some(headers) => {
+            headers.insert(OUTBOX_HEADER.to_owned(), value);
+        }
+        // The table's contract makes headers an object; anything else was
+        // never one a consumer could read.
+        None => row.headers = serde_json::json!({ OUTBOX_HEADER: value }),
+    }
+}
+
+/// See [`name_the_outbox`].
+pub(crate) const OUTBOX_HEADER: &str = "outbox";

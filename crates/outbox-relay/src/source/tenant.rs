@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use outbox::OutboxRow;
 use outbox::sql::{ClaimParams, ClaimScope, MarkFailedParams, RelayStatements};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -175,7 +174,7 @@ impl TenantSource {
         let full = claimed.rows.len() == self.config.batch_size as usize || claimed.cut;
         let mut rows = claimed.rows;
         for row in &mut rows {
-            name_the_outbox(row, self.ctx.outbox());
+            super::name_the_outbox(row, self.ctx.outbox());
         }
         self.idle = !full;
         self.at_sink = Some(AtSink {
@@ -191,26 +190,6 @@ impl TenantSource {
         }))
     }
 }
-
-/// Consumers of a sink many outboxes share must tell their events apart:
-/// every event a fleet delivers carries the header [`OUTBOX_HEADER`] naming
-/// its outbox (its `outbox` label), in every format and sink that carries
-/// the row's headers. It replaces a header of that name the writer set, so
-/// a consumer can trust it.
-fn name_the_outbox(row: &mut OutboxRow, label: &str) {
-    let value = serde_json::Value::String(label.to_owned());
-    match row.headers.as_object_mut() {
-        Some(headers) => {
-            headers.insert(OUTBOX_HEADER.to_owned(), value);
-        }
-        // The table's contract makes headers an object; anything else was
-        // never one a consumer could read.
-        None => row.headers = serde_json::json!({ OUTBOX_HEADER: value }),
-    }
-}
-
-/// See [`name_the_outbox`].
-pub(crate) const OUTBOX_HEADER: &str = "outbox";
 
 impl Source for TenantSource {
     async fn claim(&mut self, cancel: &CancellationToken) -> Result<Claim, SourceError> {

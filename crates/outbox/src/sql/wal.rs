@@ -34,6 +34,21 @@ const PUBLICATION_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM pg_publication WH
 const CREATE_PUBLICATION: &str =
     "CREATE PUBLICATION {p} FOR TABLE {t} WITH (publish = 'insert', publish_via_partition_root = true)";
 
+/// A fleet's publication (`outbox relay --source wal --schemas`): made
+/// empty, inserts only, each tenant's outbox added as it is found.
+const CREATE_FLEET_PUBLICATION: &str =
+    "CREATE PUBLICATION {p} WITH (publish = 'insert', publish_via_partition_root = true)";
+
+/// Adds a tenant's outbox to its fleet's publication. Run after
+/// `LOCK_WRITERS` in one transaction: no insert into the table is under way
+/// when it commits, so each row either committed before (a backfill reads
+/// it) or is decoded with the table published.
+const ADD_TO_PUBLICATION: &str = "ALTER PUBLICATION {p} ADD TABLE {t}";
+
+/// `$1` publication name. The tables it publishes, as `schema.table`.
+const PUBLISHED_TABLES: &str =
+    "SELECT schemaname::text || '.' || tablename::text FROM pg_publication_tables WHERE pubname = $1";
+
 /// `$1` slot name. The slot's database, plugin, state (`wal_status`: `lost`
 /// once invalidated), the pid reading it, and the WAL bytes it holds back
 /// (from `restart_lsn`) and has not confirmed (from `confirmed_flush_lsn`).
@@ -256,6 +271,7 @@ pub struct WalSql {
     backfill_mark_clear: String,
     backfill_bound: String,
     backfill_page: String,
+    add_to_publication: String,
 }
 
 /// Which rows [`WalSql::backfill_page`] reads.
@@ -438,11 +454,18 @@ pub struct DeadRows {
 impl WalSql {
     /// Renders the statements for `config`'s table.
     pub fn new(config: &Config) -> Result<Self, crate::Error> {
+        Self::named(config, config.wal_slot()?, config.wal_publication()?)
+    }
+
+    /// Renders the statements for `config`'s table, read through the slot
+    /// and publication named here: a tenant's outbox of a fleet, whose
+    /// database has one of each for every tenant (see
+    /// [`crate::wal::fleet_names`]).
+    pub fn named(config: &Config, slot: String, publication: Ident) -> Result<Self, crate::Error> {
         let t = config.qualified();
-        let publication = config.wal_publication()?;
         let render = |template: &str| template.replace("{t}", &t).replace("{p}", &publication.quoted());
         Ok(Self {
-            slot: config.wal_slot()?,
+            slot,
             prefix: config.wal_prefix(),
             create_publication: render(CREATE_PUBLICATION),
             dead_rows: render(DEAD_ROWS),
@@ -454,6 +477,7 @@ impl WalSql {
             backfill_mark_clear: render(BACKFILL_MARK_CLEAR),
             backfill_bound: render(BACKFILL_BOUND),
             backfill_page: render(BACKFILL_PAGE).replace("{cols}", super::ROW_COLUMNS),
+            add_to_publication: render(ADD_TO_PUBLICATION),
             publication,
         })
     }
@@ -495,6 +519,27 @@ impl WalSql {
     /// Creates the publication (inserts only).
     pub async fn create_publication(&self, client: &impl GenericClient) -> Result<(), Error> {
         client.batch_execute(&self.create_publication).await
+    }
+
+    /// Creates a fleet's publication, publishing no table yet.
+    pub async fn create_fleet_publication(&self, client: &impl GenericClient) -> Result<(), Error> {
+        client
+            .batch_execute(&CREATE_FLEET_PUBLICATION.replace("{p}", &self.publication.quoted()))
+            .await
+    }
+
+    /// Adds this table to the publication (after [`WalSql::lock_writers`],
+    /// in its transaction).
+    pub async fn add_to_publication(&self, tx: &impl GenericClient) -> Result<(), Error> {
+        tx.batch_execute(&self.add_to_publication).await
+    }
+
+    /// The tables the publication publishes, as `schema.table`.
+    pub async fn published_tables(&self, client: &impl GenericClient) -> Result<Vec<String>, Error> {
+        let rows = client
+            .query(PUBLISHED_TABLES, &[&self.publication.as_str()])
+            .await?;
+        rows.iter().map(|r| r.try_get(0)).collect()
     }
 
     /// The slot, if it exists. Typed, so one round trip that leaves nothing

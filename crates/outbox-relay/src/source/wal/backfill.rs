@@ -62,8 +62,19 @@
 //! Emitted events (no row) committed after the last confirmed position and
 //! before a failover are lost with the old slot: nothing holds them but
 //! the WAL of a server that is gone.
+//!
+//! # A fleet's tables
+//!
+//! A fleet's stream (one slot per database, see `fleet::wal`) backfills
+//! every tenant table each time its reader starts (no mark: a reader that
+//! died halfway backfills again at its next start), and a tenant's table
+//! when it joins the publication mid-stream, since the rows committed
+//! before that are in the table and never in the stream. The tables are
+//! read one after the other; the stream waits until every page is read,
+//! and its copies of backfilled rows are dropped per table.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use outbox::sql::{BackfillPage, WalSql};
@@ -83,6 +94,9 @@ pub(crate) enum Why {
     Owed,
     /// Another server answers: `(system, timeline)` before and now.
     Moved { from: Server, to: Server },
+    /// A fleet's tables: a reader starting, or a tenant's table joining
+    /// the publication.
+    Tenants,
 }
 
 impl Why {
@@ -93,6 +107,7 @@ impl Why {
             Why::Lost => "lost",
             Why::Owed => "owed",
             Why::Moved { .. } => "moved",
+            Why::Tenants => "tenants",
         }
     }
 
@@ -114,7 +129,7 @@ impl Why {
             Why::Owed => Some(outbox::Error::BackfillOwed {
                 slot: slot.to_owned(),
             }),
-            Why::Moved { .. } => None,
+            Why::Moved { .. } | Why::Tenants => None,
         }
     }
 }
@@ -132,17 +147,39 @@ impl std::fmt::Display for Server {
     }
 }
 
+/// One table of a backfill: its outbox's number, statements, and the next
+/// page's bounds.
+#[derive(Debug)]
+struct Part {
+    outbox: u32,
+    sql: Arc<WalSql>,
+    after: i64,
+    upto: i64,
+}
+
+impl Part {
+    /// The rows of `sql`'s table up to its highest id now.
+    async fn start(outbox: u32, sql: Arc<WalSql>, client: &Client) -> Result<Part, tokio_postgres::Error> {
+        let upto = sql.backfill_bound(client).await?;
+        Ok(Part {
+            outbox,
+            sql,
+            after: 0,
+            upto,
+        })
+    }
+}
+
 /// A backfill under way: from its start until the stream passed it.
 #[derive(Debug)]
 pub(crate) struct Backfill {
     pub(crate) why: Why,
-    /// The next page's bounds.
-    after: i64,
-    upto: i64,
+    /// The tables left to read, the one being read first.
+    parts: VecDeque<Part>,
     /// Every page was read.
     read: bool,
-    /// The ids read that the stream may carry too.
-    ids: HashSet<i64>,
+    /// The rows read that the stream may carry too: (outbox, id).
+    ids: HashSet<(u32, i64)>,
     /// The window's number of the last page's transaction.
     last_txn: Option<u64>,
     /// Once read: the stream holds nothing read past this position.
@@ -155,26 +192,58 @@ pub(crate) struct Backfill {
 }
 
 impl Backfill {
-    /// A backfill of the rows up to the highest id now.
+    /// A backfill of the rows up to the highest id now (a single outbox,
+    /// number 0), under the publication's mark.
     pub(crate) async fn start(
         why: Why,
-        sql: &WalSql,
+        sql: &Arc<WalSql>,
         client: &Client,
     ) -> Result<Backfill, tokio_postgres::Error> {
-        let upto = sql.backfill_bound(client).await?;
+        let backfill = Self::of_tables(why, vec![(0, Arc::clone(sql))], client).await?;
+        Ok(Backfill {
+            marked: true,
+            ..backfill
+        })
+    }
+
+    /// A backfill of a fleet's `tables` (outbox number, statements), each
+    /// up to its highest id now; no mark.
+    pub(crate) async fn of_tables(
+        why: Why,
+        tables: Vec<(u32, Arc<WalSql>)>,
+        client: &Client,
+    ) -> Result<Backfill, tokio_postgres::Error> {
+        let mut parts = VecDeque::new();
+        for (outbox, sql) in tables {
+            parts.push_back(Part::start(outbox, sql, client).await?);
+        }
         Ok(Backfill {
             why,
-            after: 0,
-            upto,
+            parts,
             read: false,
             ids: HashSet::new(),
             last_txn: None,
             until: None,
-            marked: true,
+            marked: false,
             rows: 0,
             skipped: 0,
             started: Instant::now(),
         })
+    }
+
+    /// Reads one more table (a tenant's joining the publication), up to its
+    /// highest id now: the stream waits again until it is read, and drops
+    /// its copies until past the new last page.
+    pub(crate) async fn add(
+        &mut self,
+        outbox: u32,
+        sql: Arc<WalSql>,
+        client: &Client,
+    ) -> Result<(), tokio_postgres::Error> {
+        self.parts.push_back(Part::start(outbox, sql, client).await?);
+        self.read = false;
+        self.until = None;
+        Ok(())
     }
 
     /// Whether pages are left to read: the stream waits until none are.
@@ -193,14 +262,29 @@ impl Backfill {
         rows: u32,
         bytes: u64,
     ) -> Result<(), SourceError> {
-        let page = BackfillPage {
-            after: self.after,
-            upto: self.upto,
-            rows: i64::from(rows.max(1)),
-            bytes: i64::try_from(bytes).unwrap_or(i64::MAX),
+        let found = match self.parts.front() {
+            Some(part) => {
+                let page = BackfillPage {
+                    after: part.after,
+                    upto: part.upto,
+                    rows: i64::from(rows.max(1)),
+                    bytes: i64::try_from(bytes).unwrap_or(i64::MAX),
+                };
+                match part.sql.backfill_page(client, &page).await {
+                    Ok(found) => found,
+                    // A tenant dropped meanwhile: nothing of it is owed.
+                    Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+                        Vec::new()
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            None => Vec::new(),
         };
-        let found = sql.backfill_page(client, &page).await?;
         let Some((last, _)) = found.last() else {
+            if self.parts.pop_front().is_some() && !self.parts.is_empty() {
+                return Ok(());
+            }
             let position = sql.insert_position(client).await?;
             let until = pgwire_replication::Lsn::parse(&position)
                 .map_err(|e| SourceError::Decode(format!("the WAL insert position {position:?}: {e}")))?;
@@ -208,16 +292,24 @@ impl Backfill {
             self.read = true;
             return Ok(());
         };
-        self.after = last.id;
+        let part = self.parts.front_mut().expect("a page was read from it");
+        part.after = last.id;
+        let outbox = part.outbox;
         window.begin();
         for (row, size) in found {
-            self.ids.insert(row.id);
+            self.ids.insert((outbox, row.id));
             self.rows += 1;
             let id = row.id;
             // As the stream's decoder does: a row that breaks the table
             // contract is a dead letter naming the column.
             let unreadable = outbox::contract::check_row(&row).err().map(|v| v.to_string());
-            window.push(row, Some(id), unreadable, u64::try_from(size).unwrap_or(0));
+            window.push_to(
+                outbox,
+                row,
+                Some(id),
+                unreadable,
+                u64::try_from(size).unwrap_or(0),
+            );
         }
         // Position 0: confirming it moves nothing, and the window's order
         // keeps every later position behind this transaction.
@@ -228,8 +320,8 @@ impl Backfill {
 
     /// Whether the stream's row `id` was backfilled: then it is dropped
     /// (once: a requeued dead letter comes back with its id).
-    pub(crate) fn delivered(&mut self, id: i64) -> bool {
-        let hit = self.ids.remove(&id);
+    pub(crate) fn delivered(&mut self, outbox: u32, id: i64) -> bool {
+        let hit = self.ids.remove(&(outbox, id));
         if hit {
             self.skipped += 1;
         }

@@ -2,6 +2,11 @@
 //! name the outbox's columns, its inserts (protocol version 1, values as
 //! text), and the logical decoding messages `Outbox::emit` writes.
 //!
+//! One stream may carry several outboxes (a fleet's tenants, one slot per
+//! database): each is known by its number in the source, and every event
+//! decoded says which it belongs to, by its relation (`schema.table`) or
+//! its message prefix.
+//!
 //! Columns are found by name in the latest relation message, so a column an
 //! operator adds (`ALTER TABLE … ADD COLUMN`) or a different column order
 //! changes nothing. Values arrive as the server prints them; the replication
@@ -28,6 +33,8 @@ pub(crate) struct Malformed(String);
 /// need).
 #[derive(Debug)]
 pub(crate) struct Decoded {
+    /// The outbox it belongs to: its number in the source.
+    pub(crate) outbox: u32,
     pub(crate) row: OutboxRow,
     /// The row's id in the table; `None` for an emitted event.
     pub(crate) table_id: Option<i64>,
@@ -55,15 +62,26 @@ struct Columns {
 }
 
 /// Decodes the stream of one replication session.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Decoder {
-    /// `schema.table` of the outbox, as relation messages name it.
-    table: (String, String),
-    /// The logical decoding message prefix of emitted events.
-    prefix: String,
-    /// The outbox's relation id and columns once a relation message named
-    /// it (after each reconnect, and again after an `ALTER TABLE`).
-    relations: HashMap<u32, Option<Columns>>,
+    /// The outboxes by `(schema, table)`, as relation messages name them.
+    tables: HashMap<(String, String), u32>,
+    /// The outboxes by the logical decoding message prefix of their
+    /// emitted events.
+    prefixes: HashMap<String, u32>,
+    /// Each relation id a relation message named (after each reconnect,
+    /// and again after an `ALTER TABLE`).
+    relations: HashMap<u32, Relation>,
+}
+
+/// A relation the stream named.
+#[derive(Debug)]
+struct Relation {
+    name: (String, String),
+    /// Its outbox, `None` for a table that is not an outbox of this
+    /// source (yet: [`Decoder::add`] may make it one).
+    outbox: Option<u32>,
+    columns: Columns,
 }
 
 /// An emitted event's content (see `EMIT` in `outbox::sql`).
@@ -121,12 +139,25 @@ impl<'a> Reader<'a> {
 }
 
 impl Decoder {
+    /// A decoder of one outbox's events, number 0.
+    #[cfg(test)]
     pub(crate) fn new(schema: &str, table: &str, prefix: &str) -> Self {
-        Self {
-            table: (schema.to_owned(), table.to_owned()),
-            prefix: prefix.to_owned(),
-            relations: HashMap::new(),
+        let mut decoder = Self::default();
+        decoder.add(0, schema, table, prefix);
+        decoder
+    }
+
+    /// Decodes `schema.table`'s inserts and the messages with `prefix` as
+    /// events of outbox `outbox` from now on.
+    pub(crate) fn add(&mut self, outbox: u32, schema: &str, table: &str, prefix: &str) {
+        let name = (schema.to_owned(), table.to_owned());
+        // pgoutput names a relation once per session: one named before it
+        // was an outbox of this source is one from now on.
+        for r in self.relations.values_mut().filter(|r| r.name == name) {
+            r.outbox = Some(outbox);
         }
+        self.tables.insert(name, outbox);
+        self.prefixes.insert(prefix.to_owned(), outbox);
     }
 
     /// One pgoutput message (an `XLogData` payload other than begin and
@@ -140,15 +171,18 @@ impl Decoder {
             }
             b'I' => {
                 let relid = r.u32()?;
-                let Some(Some(columns)) = self.relations.get(&relid) else {
+                let Some((outbox, columns)) = self
+                    .relations
+                    .get(&relid)
+                    .and_then(|r| Some((r.outbox?, r.columns.clone())))
+                else {
                     return Ok(None);
                 };
-                let columns = columns.clone();
                 if r.u8()? != b'N' {
                     return Err(Malformed("an insert without its new tuple".into()));
                 }
                 let values = tuple(&mut r)?;
-                insert(&columns, &values)
+                Ok(insert(&columns, &values)?.map(|d| Decoded { outbox, ..d }))
             }
             // Updates, deletes, truncates, types and origins: the
             // publication sends only inserts; anything else is not ours.
@@ -160,11 +194,10 @@ impl Decoder {
     /// outbox's. `lsn` names an event that came without an `event_id`, so
     /// a redelivery carries the same one.
     pub(crate) fn message(&self, prefix: &str, content: &[u8], lsn: u64) -> Option<Decoded> {
-        if prefix != self.prefix {
-            return None;
-        }
+        let outbox = *self.prefixes.get(prefix)?;
         Some(match serde_json::from_slice::<Emitted>(content) {
             Ok(e) => contract(Decoded {
+                outbox,
                 row: OutboxRow {
                     id: 0,
                     event_id: e.event_id.unwrap_or_else(|| Uuid::from_u64_pair(lsn, 0)),
@@ -182,6 +215,7 @@ impl Decoder {
                 bytes: content.len() as u64,
             }),
             Err(error) => Decoded {
+                outbox,
                 row: OutboxRow {
                     id: 0,
                     event_id: Uuid::from_u64_pair(lsn, 0),
@@ -229,8 +263,16 @@ impl Decoder {
             let _type = r.u32()?;
             let _modifier = r.i32()?;
         }
-        let ours = (schema, name) == (self.table.0.as_str(), self.table.1.as_str());
-        self.relations.insert(relid, ours.then_some(columns));
+        let name = (schema.to_owned(), name.to_owned());
+        let outbox = self.tables.get(&name).copied();
+        self.relations.insert(
+            relid,
+            Relation {
+                name,
+                outbox,
+                columns,
+            },
+        );
         Ok(())
     }
 }
@@ -314,6 +356,7 @@ fn insert(c: &Columns, values: &[Option<&str>]) -> Result<Option<Decoded>, Malfo
         first_failed_at: None,
     };
     Ok(Some(contract(Decoded {
+        outbox: 0,
         row,
         table_id: Some(id),
         unreadable,
@@ -430,6 +473,31 @@ mod tests {
         assert_eq!(row.payload, serde_json::json!({"n": 1}));
         assert_eq!(row.headers, serde_json::json!({"trace": "x"}));
         assert_eq!(row.created_at.to_rfc3339(), "2026-12-06T07:23:38.123456+00:00");
+    }
+
+    #[test]
+    fn a_fleets_stream_names_each_events_outbox_by_relation_and_prefix() {
+        let mut d = Decoder::default();
+        d.add(3, "tenant_3", "outbox", "outbox:tenant_3.outbox");
+        d.add(5, "tenant_5", "outbox", "outbox:tenant_5.outbox");
+        for (relid, schema) in [(7, "tenant_5"), (8, "tenant_3"), (9, "tenant_9")] {
+            d.data(&relation(relid, schema, "outbox", COLS)).unwrap();
+        }
+        let of = |d: &mut Decoder, relid| {
+            d.data(&insert_msg(relid, &values("{}", None)))
+                .unwrap()
+                .map(|e| e.outbox)
+        };
+        assert_eq!(
+            (of(&mut d, 7), of(&mut d, 8), of(&mut d, 9)),
+            (Some(5), Some(3), None)
+        );
+        let content = br#"{"aggregate_type":"a","aggregate_id":"1","event_type":"E","payload":{}}"#;
+        assert_eq!(
+            d.message("outbox:tenant_3.outbox", content, 1).map(|e| e.outbox),
+            Some(3)
+        );
+        assert!(d.message("outbox:tenant_9.outbox", content, 1).is_none());
     }
 
     #[test]

@@ -12,6 +12,9 @@
 //! - [`backfill`] makes the slot again when a failover (or PostgreSQL)
 //!   took it, and delivers the rows the table still holds before the
 //!   stream.
+//! - [`fleet`] reads every tenant outbox of a database through one slot
+//!   (`outbox relay --source wal --schemas`): finding them, adding them to
+//!   the publication, backfilling each as it joins.
 //!
 //! Nothing here holds a transaction open: the slot is the claim. A batch
 //! is rows handed out of the window; settling it finishes or parks them;
@@ -26,6 +29,7 @@
 
 mod backfill;
 mod decode;
+mod fleet;
 mod stream;
 mod turn;
 mod watch;
@@ -48,9 +52,10 @@ use tracing::{debug, error, info, warn};
 
 use self::backfill::{Backfill, Server, Why};
 use self::decode::{Decoded, Decoder};
+pub(crate) use self::fleet::Tenants;
 use self::turn::{Timing, Turn};
 use self::watch::SlotWatch;
-use self::window::{Dead, Window, Writes};
+use self::window::{Dead, Pending, Window, Writes};
 use super::{Batch, Claim, Outcomes, Receipts, Source, SourceError};
 use crate::config::{RelayConfig, WalCleanup};
 use crate::context::RelayContext;
@@ -75,6 +80,23 @@ const FLUSH_BATCHES: usize = 10;
 /// The first wait after a failure (see `WalSource::retry_in`).
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 
+/// One outbox the stream carries; its number is its place in
+/// `WalSource::tables`.
+struct Table {
+    sql: Arc<WalSql>,
+    config: outbox::Config,
+    /// Its `outbox` label when the source reads several (a fleet); None
+    /// for the relay's own.
+    label: Option<String>,
+    /// False once it is gone (a tenant's schema dropped): nothing more is
+    /// written to it.
+    live: bool,
+}
+
+/// A batch settled, waiting for its writes: its outbox's label, number,
+/// rows, when it was handed out, and outcomes.
+type Unwritten = (Option<String>, u64, usize, std::time::Instant, Outcomes);
+
 /// The replication session and its decoder.
 struct Stream {
     client: ReplicationClient,
@@ -85,12 +107,19 @@ struct Stream {
 pub(crate) struct WalSource {
     config: RelayConfig,
     pg: PgConfig,
+    /// The slot's and publication's statements (and the table's, for a
+    /// single outbox).
     sql: Arc<WalSql>,
+    /// The outboxes the stream carries: the relay's own, or a fleet's
+    /// tenants as they are found.
+    tables: Vec<Table>,
+    /// A fleet's: how tenants are found.
+    tenants: Option<Tenants>,
     ctx: RelayContext,
     receipts: Receipts,
     /// Batches settled whose writes have not been made yet: their receipts
     /// wait for the write (see [`WalSource::flush`]).
-    unwritten: Vec<(u64, usize, std::time::Instant, Outcomes)>,
+    unwritten: Vec<Unwritten>,
     /// `outbox_wal_window_events` (the slot's gauges are the watch's).
     window_gauge: Gauge,
     /// For the writes and the slot's state; `None` after it failed.
@@ -98,8 +127,8 @@ pub(crate) struct WalSource {
     turn: Option<Turn>,
     stream: Option<Stream>,
     window: Window,
-    /// The batch at the sink, and when it was handed out.
-    at_sink: Option<(u64, Arc<[OutboxRow]>, std::time::Instant)>,
+    /// The batch at the sink, when it was handed out, and its outbox.
+    at_sink: Option<(u64, Arc<[OutboxRow]>, std::time::Instant, u32)>,
     /// Held for its task: dropping it stops the watching.
     _watch: SlotWatch,
     /// `drain`: the marker was emitted, and read back.
@@ -141,18 +170,8 @@ impl WalSource {
         cancel: &CancellationToken,
     ) -> Result<Option<WalSource>, RelayError> {
         let sql = Arc::new(WalSql::new(&config.outbox).map_err(RelayError::Schema)?);
-        let mut startup = Startup::new(&pg, config.connect_timeout);
-        let client = loop {
-            match crate::pg::connect_once(&pg).await {
-                Ok(c) => break c,
-                Err(e) => {
-                    let delay = startup.failed(e).map_err(RelayError::Connect)?;
-                    tokio::select! {
-                        () = cancel.cancelled() => return Ok(None),
-                        () = tokio::time::sleep(delay) => {}
-                    }
-                }
-            }
+        let Some(client) = connect(&pg, &config, cancel).await? else {
+            return Ok(None);
         };
         outbox::check(&client, &config.outbox)
             .await
@@ -185,15 +204,55 @@ impl WalSource {
             }
         }
         ctx.health().postgres("", None);
+        let table = Table {
+            sql: Arc::clone(&sql),
+            config: config.outbox.clone(),
+            label: None,
+            live: true,
+        };
+        Ok(Some(Self::assemble(
+            config,
+            pg,
+            sql,
+            vec![table],
+            None,
+            client,
+            ctx,
+            receipts,
+        )))
+    }
+
+    /// The source, once its checks passed; watching the slot from now on
+    /// (its gauges labelled with `database` too, for a fleet's).
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        config: RelayConfig,
+        pg: PgConfig,
+        sql: Arc<WalSql>,
+        tables: Vec<Table>,
+        tenants: Option<Tenants>,
+        client: Client,
+        ctx: RelayContext,
+        receipts: Receipts,
+    ) -> WalSource {
         let mut watch_pg = pg.clone();
         watch_pg
             .postgres_mut()
             .application_name("outbox-relay slot watch");
-        let watch = SlotWatch::start(watch_pg, Arc::clone(&sql), config.wal.retained_warn, &ctx);
-        Ok(Some(WalSource {
+        let database = tenants.as_ref().map(Tenants::database);
+        let watch = SlotWatch::start(
+            watch_pg,
+            Arc::clone(&sql),
+            config.wal.retained_warn,
+            &ctx,
+            database,
+        );
+        WalSource {
             window: window(&config),
             config,
             pg,
+            tables,
+            tenants,
             window_gauge: metrics::gauge!(metric::WAL_WINDOW, &[ctx.label()]),
             backfilled: metrics::counter!(metric::WAL_BACKFILLED, &[ctx.label()]),
             ctx,
@@ -212,7 +271,22 @@ impl WalSource {
             server: None,
             backfill: None,
             sql,
-        }))
+        }
+    }
+
+    /// The stream's decoder: every outbox carried, by its number.
+    fn decoder(&self) -> Decoder {
+        let mut decoder = Decoder::default();
+        for (n, t) in self.tables.iter().enumerate().filter(|(_, t)| t.live) {
+            let n = u32::try_from(n).expect("fewer than 2^32 outboxes");
+            decoder.add(
+                n,
+                t.config.schema.as_str(),
+                t.config.table.as_str(),
+                t.sql.prefix(),
+            );
+        }
+        decoder
     }
 
     /// The slot's name.
@@ -294,10 +368,9 @@ impl WalSource {
             };
             info!(slot = self.slot(), host = %host.target(), "streaming the slot");
             self.ctx.health().postgres("", None);
-            let (schema, table) = (&self.config.outbox.schema, &self.config.outbox.table);
             self.stream = Some(Stream {
                 client,
-                decoder: Decoder::new(schema.as_str(), table.as_str(), self.sql.prefix()),
+                decoder: self.decoder(),
             });
         }
         Ok(true)
@@ -307,6 +380,9 @@ impl WalSource {
     /// holds every undelivered event, and if not, the slot made again (if
     /// it is gone) and a backfill begun (see [`backfill`]).
     async fn prepare(&mut self, server: Server) -> Result<(), SourceError> {
+        if self.tenants.is_some() {
+            return self.prepare_fleet(server).await;
+        }
         let sql = Arc::clone(&self.sql);
         let slot = sql.slot().to_owned();
         // Remembered once acted on: a failure before the mark is set must
@@ -369,6 +445,8 @@ impl WalSource {
                 from.timeline,
                 to.timeline
             ),
+            // A fleet's, which `prepare_fleet` handles.
+            Why::Tenants => {}
         }
         let client = self.client().await?;
         if why.recreates() {
@@ -474,10 +552,12 @@ impl WalSource {
                 let backfilled = match (&decoded, &mut self.backfill) {
                     (
                         Some(Decoded {
-                            table_id: Some(id), ..
+                            outbox,
+                            table_id: Some(id),
+                            ..
                         }),
                         Some(b),
-                    ) => b.delivered(*id),
+                    ) => b.delivered(*outbox, *id),
                     _ => false,
                 };
                 if !backfilled {
@@ -535,7 +615,8 @@ impl WalSource {
 
     fn push(&mut self, decoded: Option<Decoded>) {
         if let Some(d) = decoded {
-            self.window.push(d.row, d.table_id, d.unreadable, d.bytes);
+            self.window
+                .push_to(d.outbox, d.row, d.table_id, d.unreadable, d.bytes);
         }
     }
 
@@ -560,9 +641,8 @@ impl WalSource {
         if !self.turn_valid() {
             return Ok(());
         }
-        if !writes.is_empty() {
-            let sql = Arc::clone(&self.sql);
-            let unfound = write(&sql, self.client().await?, writes).await?;
+        if writes.values().any(|w| !w.is_empty()) {
+            let unfound = self.write_each(writes).await?;
             if !unfound.is_empty() {
                 let since = *self.unfound_since.get_or_insert_with(Instant::now);
                 if since.elapsed() < UNFOUND_GRACE {
@@ -572,8 +652,8 @@ impl WalSource {
                     return Ok(());
                 }
                 warn!(
-                    deletes = ?unfound.delete,
-                    dead_letters = unfound.dead.len(),
+                    deletes = ?unfound.values().flat_map(|w| &w.delete).collect::<Vec<_>>(),
+                    dead_letters = unfound.values().map(|w| w.dead.len()).sum::<usize>(),
                     "rows the relay delivered or gave up on were not found for {} s (deleted by someone else?); going on without them",
                     UNFOUND_GRACE.as_secs()
                 );
@@ -597,14 +677,49 @@ impl WalSource {
                 }
             }
         }
-        for (batch, claimed, started, outcomes) in settled {
-            self.receipts.durable(batch, claimed, started, outcomes);
+        for (outbox, batch, claimed, started, outcomes) in settled {
+            self.receipts
+                .durable_of(outbox, batch, claimed, started, outcomes);
         }
+        // A backfill's page read behind the stream's transactions confirms
+        // position 0: nothing to send.
+        let confirmable = confirmable.filter(|lsn| *lsn > self.confirmed);
         if let (Some(lsn), Some(stream)) = (confirmable, &self.stream) {
             stream.client.update_applied_lsn(Lsn::from_u64(lsn));
             self.confirmed = self.confirmed.max(lsn);
         }
         Ok(())
+    }
+
+    /// Each outbox's writes, on its own table; returns those that did not
+    /// find their rows. The writes of a table gone meanwhile (a tenant's
+    /// schema dropped) are dropped with it.
+    async fn write_each(&mut self, writes: Pending) -> Result<Pending, SourceError> {
+        let mut unfound = Pending::new();
+        for (outbox, w) in writes {
+            let Some(table) = self
+                .tables
+                .get(outbox as usize)
+                .filter(|t| t.live && !w.is_empty())
+            else {
+                continue;
+            };
+            let sql = Arc::clone(&table.sql);
+            match write(&sql, self.client().await?, w).await {
+                Ok(left) if left.is_empty() => {}
+                Ok(left) => {
+                    unfound.insert(outbox, left);
+                }
+                Err(e) if self.tenants.is_some() && fleet::is_gone(&e) => {
+                    debug!(outbox = %sql.publication(), error = %error_chain(&e), "a tenant's table is gone; its writes with it");
+                    if let Some(t) = self.tables.get_mut(outbox as usize) {
+                        t.live = false;
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(unfound)
     }
 
     /// The connection for writes, reopened if it failed.
@@ -657,6 +772,28 @@ impl WalSource {
             event = stream.client.recv(), if room => Woke::Event(event),
             () = tokio::time::sleep_until(until) => Woke::Tick,
             () = lapse => Woke::Lapsed,
+        }
+    }
+}
+
+/// The session for writes and the slot's state, retried as a relay's
+/// first connection is (see `Startup`); `None` if `cancel` fired first.
+async fn connect(
+    pg: &PgConfig,
+    config: &RelayConfig,
+    cancel: &CancellationToken,
+) -> Result<Option<Client>, RelayError> {
+    let mut startup = Startup::new(pg, config.connect_timeout);
+    loop {
+        match crate::pg::connect_once(pg).await {
+            Ok(c) => return Ok(Some(c)),
+            Err(e) => {
+                let delay = startup.failed(e).map_err(RelayError::Connect)?;
+                tokio::select! {
+                    () = cancel.cancelled() => return Ok(None),
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
         }
     }
 }
@@ -826,6 +963,7 @@ impl Source for WalSource {
             if !self.turn_valid() {
                 continue;
             }
+            self.join_tenants().await?;
             self.read_backfill().await?;
             self.pull()?;
             let now = Instant::now();
@@ -835,9 +973,16 @@ impl Source for WalSource {
                     .window
                     .next_batch(now, batch_size, self.config.batch_max_bytes);
                 if !rows.is_empty() {
+                    let outbox = self.window.out_outbox().unwrap_or(0);
+                    let mut rows = rows;
+                    if let Some(label) = self.tables.get(outbox as usize).and_then(|t| t.label.as_deref()) {
+                        for row in &mut rows {
+                            super::name_the_outbox(row, label);
+                        }
+                    }
                     let rows: Arc<[OutboxRow]> = rows.into();
                     let batch = self.receipts.next_batch();
-                    self.at_sink = Some((batch, Arc::clone(&rows), std::time::Instant::now()));
+                    self.at_sink = Some((batch, Arc::clone(&rows), std::time::Instant::now(), outbox));
                     let full = self.window.has_ready(now);
                     return Ok(Claim::Batch(Batch {
                         rows,
@@ -890,7 +1035,7 @@ impl Source for WalSource {
     }
 
     fn settle(&mut self, plan: Plan) {
-        let Some((batch, rows, started)) = self.at_sink.take() else {
+        let Some((batch, rows, started, outbox)) = self.at_sink.take() else {
             return;
         };
         self.window.settle(&rows, &plan.failures, Instant::now());
@@ -902,8 +1047,9 @@ impl Source for WalSource {
             failed = plan.failures.ids.len(),
             "batch settled"
         );
+        let label = self.tables.get(outbox as usize).and_then(|t| t.label.clone());
         self.unwritten
-            .push((batch, rows.len(), started, Outcomes::from_plan(plan)));
+            .push((label, batch, rows.len(), started, Outcomes::from_plan(plan)));
     }
 
     async fn hold(&mut self) -> Result<(), SourceError> {

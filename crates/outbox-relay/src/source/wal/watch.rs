@@ -41,18 +41,21 @@ impl Drop for SlotWatch {
 }
 
 impl SlotWatch {
-    /// Starts watching `sql`'s slot; warns above `retained_warn` bytes.
+    /// Starts watching `sql`'s slot; warns above `retained_warn` bytes. A
+    /// fleet's slot (one per database) is labelled with its `database`.
     pub(crate) fn start(
         pg: PgConfig,
         sql: Arc<WalSql>,
         retained_warn: u64,
         ctx: &crate::RelayContext,
+        database: Option<String>,
     ) -> SlotWatch {
         let stop = CancellationToken::new();
-        let labels = [ctx.label(), ("slot", sql.slot().to_owned())];
+        let mut labels = vec![ctx.label(), ("slot", sql.slot().to_owned())];
+        labels.extend(database.map(|d| ("database", d)));
         let gauges = Gauges {
-            retained: metrics::gauge!(metric::WAL_RETAINED, &labels),
-            lag: metrics::gauge!(metric::WAL_LAG, &labels),
+            retained: metrics::gauge!(metric::WAL_RETAINED, &labels[..]),
+            lag: metrics::gauge!(metric::WAL_LAG, &labels[..]),
         };
         let task = tokio::spawn(run(pg, sql, retained_warn, gauges, stop.clone()));
         SlotWatch { stop, task }

@@ -23,6 +23,15 @@
 //! aggregates go on. The wait is in memory and bounded by the window: once
 //! `limit` events are unfinished, the source stops reading the stream, and
 //! PostgreSQL keeps the WAL meanwhile.
+//!
+//! # Several outboxes
+//!
+//! A fleet's stream carries the events of every tenant outbox of a
+//! database. Each event keeps its outbox's number: aggregates are told
+//! apart per outbox, a batch holds the events of one outbox (its sink, its
+//! metrics), and the writes a position waits for are each outbox's own.
+//! The position is the stream's, so it passes a transaction only once
+//! every outbox's events of it are finished and written.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -35,14 +44,21 @@ use tokio::time::Instant;
 
 use crate::plan::Failures;
 
-/// An aggregate: (type, id).
-type Key = (String, String);
+/// An aggregate: (outbox, type, id).
+type Key = (u32, String, String);
+
+/// An event's aggregate.
+fn key(outbox: u32, row: &OutboxRow) -> Key {
+    (outbox, row.aggregate_type.clone(), row.aggregate_id.clone())
+}
 
 /// An event read from the stream.
 #[derive(Debug)]
 pub(crate) struct Event {
     /// Its transaction's number (position in `Window::txns`, offset).
     txn: u64,
+    /// Its outbox (0 for a single outbox).
+    outbox: u32,
     pub(crate) row: OutboxRow,
     /// The row's id in the table; `None` for an emitted event.
     pub(crate) table_id: Option<i64>,
@@ -59,6 +75,7 @@ pub(crate) struct Event {
 #[derive(Debug)]
 struct Out {
     txn: u64,
+    outbox: u32,
     table_id: Option<i64>,
     bytes: u64,
     history: Vec<Value>,
@@ -105,7 +122,11 @@ pub(crate) enum Dead {
     },
 }
 
-/// What the table must learn before a position may be confirmed.
+/// What the tables must learn before a position may be confirmed: each
+/// outbox's writes, by its number.
+pub(crate) type Pending = std::collections::BTreeMap<u32, Writes>;
+
+/// What one table must learn before a position may be confirmed.
 #[derive(Debug, Default)]
 pub(crate) struct Writes {
     /// Delivered rows to delete (`--wal-cleanup delete`).
@@ -122,6 +143,8 @@ impl Writes {
 
 /// A batch being put together.
 struct Building {
+    /// The outbox of its rows: one per batch.
+    outbox: Option<u32>,
     rows: Vec<OutboxRow>,
     unreadable: Vec<(usize, String)>,
     bytes: u64,
@@ -138,11 +161,13 @@ impl Building {
 
     fn take(&mut self, e: Event, out: &mut Vec<Out>) {
         self.bytes += e.bytes;
+        self.outbox = Some(e.outbox);
         if let Some(why) = e.unreadable {
             self.unreadable.push((self.rows.len(), why));
         }
         out.push(Out {
             txn: e.txn,
+            outbox: e.outbox,
             table_id: e.table_id,
             bytes: e.bytes,
             history: e.history,
@@ -198,7 +223,7 @@ pub(crate) struct Window {
     /// Events read whose position the server has not been sent: what a
     /// crash now would make it send again.
     held: usize,
-    writes: Writes,
+    writes: Pending,
 }
 
 impl Window {
@@ -221,7 +246,7 @@ impl Window {
             confirming: VecDeque::new(),
             unconfirmed: 0,
             held: 0,
-            writes: Writes::default(),
+            writes: Pending::new(),
         }
     }
 
@@ -259,7 +284,10 @@ impl Window {
     /// Nothing read is unfinished, nothing is to be written, and no
     /// transaction is half read: the server's position may be confirmed.
     pub(crate) fn is_idle(&self) -> bool {
-        self.unfinished == 0 && !self.in_txn && self.txns.is_empty() && self.writes.is_empty()
+        self.unfinished == 0
+            && !self.in_txn
+            && self.txns.is_empty()
+            && self.writes.values().all(Writes::is_empty)
     }
 
     /// A transaction starts.
@@ -272,10 +300,24 @@ impl Window {
         });
     }
 
-    /// An event of the current transaction. Outside one (which pgoutput
-    /// never does) it gets a transaction of its own at the next commit.
+    /// An event of outbox 0 (see [`Window::push_to`]).
+    #[cfg(test)]
     pub(crate) fn push(
         &mut self,
+        row: OutboxRow,
+        table_id: Option<i64>,
+        unreadable: Option<String>,
+        bytes: u64,
+    ) {
+        self.push_to(0, row, table_id, unreadable, bytes);
+    }
+
+    /// An event of outbox `outbox` in the current transaction. Outside one
+    /// (which pgoutput never does) it gets a transaction of its own at the
+    /// next commit.
+    pub(crate) fn push_to(
+        &mut self,
+        outbox: u32,
         row: OutboxRow,
         table_id: Option<i64>,
         unreadable: Option<String>,
@@ -293,6 +335,7 @@ impl Window {
         self.held += 1;
         self.fresh.push_back(Event {
             txn,
+            outbox,
             row,
             table_id,
             unreadable,
@@ -337,9 +380,10 @@ impl Window {
 
     /// The next batch: the due parked aggregates' events first, then fresh
     /// ones in commit order, at most `max_rows` and, after the first,
-    /// `max_bytes` of payload. Fresh events of a parked aggregate join its
-    /// queue instead. The rows go to the sink; [`Window::settle`] must
-    /// follow before the next batch.
+    /// `max_bytes` of payload, all of one outbox (the first event's; the
+    /// others' stay, in order, for the next batches). Fresh events of a
+    /// parked aggregate join its queue instead. The rows go to the sink;
+    /// [`Window::settle`] must follow before the next batch.
     pub(crate) fn next_batch(
         &mut self,
         now: Instant,
@@ -348,6 +392,7 @@ impl Window {
     ) -> (Vec<OutboxRow>, Vec<(usize, String)>) {
         debug_assert!(self.out.is_empty(), "a batch is at the sink");
         let mut b = Building {
+            outbox: None,
             rows: Vec::new(),
             unreadable: Vec::new(),
             bytes: 0,
@@ -363,6 +408,9 @@ impl Window {
             .collect();
         keys.sort();
         'keys: for (_, key) in keys {
+            if b.outbox.is_some_and(|o| o != key.0) {
+                continue;
+            }
             let parked = self.parked.get_mut(&key).expect("listed");
             while let Some(e) = parked.queue.front() {
                 if !b.fits(e.bytes) {
@@ -373,20 +421,30 @@ impl Window {
                 b.take(e, &mut self.out);
             }
         }
-        while let Some(e) = self.fresh.front() {
-            let key = (e.row.aggregate_type.clone(), e.row.aggregate_id.clone());
-            if let Some(parked) = self.parked.get_mut(&key) {
-                let e = self.fresh.pop_front().expect("front");
+        // Events of other outboxes are stepped over, not taken.
+        let mut i = 0;
+        while let Some(e) = self.fresh.get(i) {
+            if let Some(parked) = self.parked.get_mut(&key(e.outbox, &e.row)) {
+                let e = self.fresh.remove(i).expect("present");
                 parked.queue.push_back(e);
+                continue;
+            }
+            if b.outbox.is_some_and(|o| o != e.outbox) {
+                i += 1;
                 continue;
             }
             if !b.fits(e.bytes) {
                 break;
             }
-            let e = self.fresh.pop_front().expect("front");
+            let e = self.fresh.remove(i).expect("present");
             b.take(e, &mut self.out);
         }
         (b.rows, b.unreadable)
+    }
+
+    /// The outbox of the batch at the sink.
+    pub(crate) fn out_outbox(&self) -> Option<u32> {
+        self.out.first().map(|o| o.outbox)
     }
 
     /// What became of the batch at the sink (`rows`, as handed out):
@@ -433,10 +491,12 @@ impl Window {
                 continue;
             }
             let delay = Duration::from_secs_f64(failures.delay_ms[k].max(0.0) / 1000.0);
-            let key = (row.aggregate_type.clone(), row.aggregate_id.clone());
-            let entry = waiting.entry(key).or_insert_with(|| (delay, Vec::new()));
+            let entry = waiting
+                .entry(key(o.outbox, row))
+                .or_insert_with(|| (delay, Vec::new()));
             entry.1.push(Event {
                 txn: o.txn,
+                outbox: o.outbox,
                 row: OutboxRow {
                     attempts,
                     first_failed_at: failures.first_failed[k],
@@ -476,24 +536,28 @@ impl Window {
     /// are waiting, `rows` deletes piled up, or reading waits for a
     /// position to be confirmed.
     pub(crate) fn should_flush(&self, rows: usize) -> bool {
-        self.writes.delete.is_empty()
-            || !self.writes.dead.is_empty()
-            || self.writes.delete.len() >= rows
+        let deletes: usize = self.writes.values().map(|w| w.delete.len()).sum();
+        deletes == 0
+            || self.writes.values().any(|w| !w.dead.is_empty())
+            || deletes >= rows
             || !self.has_room()
     }
 
     /// The table's pending writes and the position that is confirmable once
     /// they committed.
-    pub(crate) fn take_writes(&mut self) -> (Writes, Option<u64>) {
+    pub(crate) fn take_writes(&mut self) -> (Pending, Option<u64>) {
         (std::mem::take(&mut self.writes), self.confirmable.take())
     }
 
     /// Puts back writes that did not find their rows yet, with the
     /// position they were to confirm: it is confirmed once they do.
-    pub(crate) fn restore(&mut self, writes: Writes, confirmable: Option<u64>) {
+    pub(crate) fn restore(&mut self, writes: Pending, confirmable: Option<u64>) {
         let later = std::mem::replace(&mut self.writes, writes);
-        self.writes.delete.extend(later.delete);
-        self.writes.dead.extend(later.dead);
+        for (outbox, later) in later {
+            let w = self.writes.entry(outbox).or_default();
+            w.delete.extend(later.delete);
+            w.dead.extend(later.dead);
+        }
         self.confirmable = self.confirmable.max(confirmable);
     }
 
@@ -501,8 +565,8 @@ impl Window {
     /// dead letter.
     fn finish(&mut self, o: &Out, write: Option<Result<i64, Dead>>) {
         match write {
-            Some(Ok(id)) => self.writes.delete.push(id),
-            Some(Err(dead)) => self.writes.dead.push(dead),
+            Some(Ok(id)) => self.writes.entry(o.outbox).or_default().delete.push(id),
+            Some(Err(dead)) => self.writes.entry(o.outbox).or_default().dead.push(dead),
             None => {}
         }
         let i = usize::try_from(o.txn - self.first_txn).expect("a transaction in the window");
@@ -518,7 +582,9 @@ impl Window {
         while let Some(t) = self.txns.front() {
             match t.end {
                 Some(end) if t.unfinished == 0 => {
-                    self.confirmable = Some(end);
+                    // A backfill's page (position 0) read after stream
+                    // transactions confirms nothing of its own.
+                    self.confirmable = Some(self.confirmable.map_or(end, |c| c.max(end)));
                     if t.events > 0 {
                         self.unconfirmed += t.events;
                         self.confirming.push_back((end, t.events));
@@ -557,6 +623,44 @@ mod tests {
         rows.iter().map(|r| r.id).collect()
     }
 
+    /// Outbox 0's writes and the confirmable position.
+    fn take(w: &mut Window) -> (Writes, Option<u64>) {
+        let (mut writes, confirmable) = w.take_writes();
+        (writes.remove(&0).unwrap_or_default(), confirmable)
+    }
+
+    #[test]
+    fn a_batch_is_one_outboxs_and_the_position_waits_for_every_outbox() {
+        let mut w = Window::new(100, u64::MAX, true);
+        let now = Instant::now();
+        w.begin();
+        w.push_to(1, row(1, "a"), Some(1), None, 1);
+        w.push_to(2, row(1, "a"), Some(1), None, 1);
+        w.push_to(1, row(2, "a"), Some(2), None, 1);
+        w.commit(10);
+        let (rows, _) = w.next_batch(now, 10, u64::MAX);
+        assert_eq!(
+            (ids(&rows), w.out_outbox()),
+            (vec![1, 2], Some(1)),
+            "outbox 1's, in order"
+        );
+        // Outbox 1's aggregate "a" fails; outbox 2's "a" is another aggregate.
+        w.settle(&rows, &failed(&[0, 1], 50.0, false), now);
+        let (rows, _) = w.next_batch(now, 10, u64::MAX);
+        assert_eq!((ids(&rows), w.out_outbox()), (vec![1], Some(2)));
+        w.settle(&rows, &Failures::default(), now);
+        let (writes, confirmable) = w.take_writes();
+        assert_eq!(writes[&2].delete, [1]);
+        assert!(!writes.contains_key(&1));
+        assert_eq!(confirmable, None, "outbox 1's events of the transaction wait");
+        let later = now + Duration::from_millis(50);
+        let (rows, _) = w.next_batch(later, 10, u64::MAX);
+        assert_eq!((ids(&rows), w.out_outbox()), (vec![1, 2], Some(1)));
+        w.settle(&rows, &Failures::default(), later);
+        let (writes, confirmable) = w.take_writes();
+        assert_eq!((writes[&1].delete.clone(), confirmable), (vec![1, 2], Some(10)));
+    }
+
     #[test]
     fn a_transaction_is_confirmable_once_every_event_of_it_and_before_it_is_finished() {
         let mut w = Window::new(100, u64::MAX, true);
@@ -571,7 +675,7 @@ mod tests {
         let (rows, _) = w.next_batch(now, 10, u64::MAX);
         assert_eq!(ids(&rows), [1, 2, 3]);
         w.settle(&rows, &failed(&[0], 10.0, false), now);
-        let (writes, confirmable) = w.take_writes();
+        let (writes, confirmable) = take(&mut w);
         assert_eq!(writes.delete, [2, 3]);
         assert_eq!(confirmable, None, "the first transaction failed");
         w.commit(200);
@@ -581,7 +685,7 @@ mod tests {
         assert_eq!(ids(&rows), [1]);
         assert_eq!(rows[0].attempts, 1, "its attempt is kept");
         w.settle(&rows, &Failures::default(), later);
-        let (writes, confirmable) = w.take_writes();
+        let (writes, confirmable) = take(&mut w);
         assert_eq!((writes.delete, confirmable), (vec![1], Some(200)));
         assert!(w.is_idle());
     }
@@ -630,7 +734,7 @@ mod tests {
         let (rows, _) = w.next_batch(now, 10, u64::MAX);
         assert_eq!(ids(&rows), [7]);
         w.settle(&rows, &Failures::default(), now);
-        let (writes, confirmable) = w.take_writes();
+        let (writes, confirmable) = take(&mut w);
         assert!(matches!(&writes.dead[..], [Dead::Emitted { .. }]));
         assert_eq!((writes.delete, confirmable), (vec![7], Some(10)));
     }
@@ -696,7 +800,7 @@ mod tests {
         w.settle(&rows, &Failures::default(), now);
         assert!(w.finished_through(first), "the first is done");
         assert!(!w.finished_through(first + 1));
-        let (writes, confirmable) = w.take_writes();
+        let (writes, confirmable) = take(&mut w);
         assert_eq!(
             (writes.delete, confirmable),
             (vec![1], Some(0)),
