@@ -85,7 +85,15 @@ pub(super) struct Hub {
     /// Relay loops told to stop that may still commit their batch: awaited
     /// when the hub stops, so SIGTERM finishes every batch in flight.
     stopping: Vec<JoinHandle<()>>,
+    /// The served outboxes by `schema.table`: the control connection's
+    /// reader wakes the outbox a notification names itself, so a wake-up
+    /// never waits for a discovery or a scan the hub is running (with
+    /// 1,000 outboxes, hundreds of milliseconds every few seconds).
+    wakers: Wakers,
 }
+
+/// See [`Hub::wakers`].
+type Wakers = Arc<std::sync::Mutex<HashMap<String, Arc<Tenant>>>>;
 
 /// How an outbox was found.
 enum Found {
@@ -158,6 +166,7 @@ impl Hub {
             due: Default::default(),
             waiting: false,
             stopping: Vec::new(),
+            wakers: Wakers::default(),
         }
     }
 
@@ -212,12 +221,20 @@ impl Hub {
     async fn connect(&self) -> Result<(Client, mpsc::UnboundedReceiver<String>), HubError> {
         let (client, mut connection) = crate::pg::open(&self.pg).await?;
         let (tx, rx) = mpsc::unbounded_channel();
+        let wakers = Arc::clone(&self.wakers);
         tokio::spawn(async move {
             let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(AsyncMessage::Notification(n)) => {
-                        let _ = tx.send(n.payload().to_owned());
+                        let served = wakers.lock().expect("not poisoned").get(n.payload()).cloned();
+                        match served {
+                            Some(tenant) => tenant.wake(),
+                            // Not an outbox served here: the hub decides.
+                            None => {
+                                let _ = tx.send(n.payload().to_owned());
+                            }
+                        }
                     }
                     Ok(_) => {}
                     Err(error) => {
@@ -597,6 +614,10 @@ impl Hub {
         );
         entry.running = Some((stop, task));
         tenant.serve(true);
+        self.wakers
+            .lock()
+            .expect("not poisoned")
+            .insert(name.to_owned(), tenant);
         debug!(outbox = %label, "serving outbox");
     }
 
@@ -605,6 +626,10 @@ impl Hub {
     /// barrier waits for that batch).
     fn stop(&mut self, entry: &mut Entry) {
         entry.tenant.serve(false);
+        self.wakers
+            .lock()
+            .expect("not poisoned")
+            .retain(|_, t| !Arc::ptr_eq(t, &entry.tenant));
         // Whoever serves it next reports it: a sum over processes stays
         // right.
         gauges(&entry.label, 0.0, 0.0, 0.0);
