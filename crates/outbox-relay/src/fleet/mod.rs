@@ -2,13 +2,14 @@
 //! database, in one database or in every database of a server that
 //! matches a pattern), with connections per database, not per outbox.
 //!
-//! Per database ([`hub`]): one control session, which LISTENs (the insert
-//! trigger names its outbox, migration 0009), finds the tenant outboxes
-//! every `discover_interval`, holds the advisory locks of the outboxes this
-//! process serves (`outbox::sql::fleet`), and once per poll asks which of
-//! them have rows due (their backlogs, in one statement); and a [`pool`] of batch sessions
-//! the outboxes borrow a batch at a time, first come first served. So a
-//! process holds `1 + sessions` connections per database whatever the
+//! Per database ([`hub`]): one listening session (the insert trigger names
+//! its outbox, migration 0009); one control session, which finds the
+//! tenant outboxes every `discover_interval`, holds the advisory locks of
+//! the outboxes this process serves (`outbox::sql::fleet`), and once per
+//! poll asks which of them have rows due (their backlogs, in one
+//! statement); and a [`pool`] of batch sessions the outboxes borrow a
+//! batch at a time, first come first served. So a process holds
+//! `2 + sessions` connections per database whatever the
 //! number of outboxes, and an idle fleet costs a few statements per
 //! `discover_interval` and poll, not per outbox.
 //!

