@@ -115,6 +115,26 @@ async fn writer(
     written
 }
 
+/// `writers` writers of `events` events each to the tenants of `url`.
+fn spawn_writers(
+    (writers, events): (usize, usize),
+    url: String,
+    configs: &Arc<Vec<Config>>,
+    acked: &Arc<AtomicUsize>,
+) -> Vec<tokio::task::JoinHandle<Written>> {
+    (0..writers)
+        .map(|w| {
+            tokio::spawn(writer(
+                url.clone(),
+                Arc::clone(configs),
+                w,
+                events,
+                Arc::clone(acked),
+            ))
+        })
+        .collect()
+}
+
 /// Every written event delivered, none invented, each aggregate's first
 /// deliveries in step order, each naming its outbox. Returns the
 /// duplicates.
@@ -197,17 +217,7 @@ async fn twenty_tenants_share_one_slot_and_each_event_reaches_its_outbox() {
     wait_until("the fleet streams the slot", LONG, || streaming(&client)).await;
 
     let acked = Arc::new(AtomicUsize::new(0));
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|w| {
-            tokio::spawn(writer(
-                pg.url("app_0"),
-                Arc::clone(&configs),
-                w,
-                EVENTS,
-                Arc::clone(&acked),
-            ))
-        })
-        .collect();
+    let writers = spawn_writers((WRITERS, EVENTS), pg.url("app_0"), &configs, &acked);
     for w in writers {
         written.extend(w.await.unwrap());
     }
@@ -377,17 +387,7 @@ async fn a_fleet_killed_mid_run_loses_nothing_and_resends_at_most_its_window() {
     let mut fleet = start_wal_fleet(&pg, "fleet_a", &redis, &extra).await;
     wait_until("the fleet streams the slot", LONG, || streaming(&client)).await;
     let acked = Arc::new(AtomicUsize::new(0));
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|w| {
-            tokio::spawn(writer(
-                pg.url("app_0"),
-                Arc::clone(&configs),
-                w,
-                EVENTS,
-                Arc::clone(&acked),
-            ))
-        })
-        .collect();
+    let writers = spawn_writers((WRITERS, EVENTS), pg.url("app_0"), &configs, &acked);
     wait_until("a third written and some delivered", LONG, || async {
         acked.load(Ordering::Relaxed) >= WRITERS * EVENTS / 3
             && read_stream(&redis.url(), STREAM).await.len() >= BATCH
@@ -443,17 +443,7 @@ async fn a_standby_fleet_process_takes_the_slot_over_when_the_reader_dies() {
     let b = start_wal_fleet(&pg, "fleet_b", &redis, &extra).await;
     assert_eq!(a.count_lines("streaming the slot"), 1);
     let acked = Arc::new(AtomicUsize::new(0));
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|w| {
-            tokio::spawn(writer(
-                pg.url("app_0"),
-                Arc::clone(&configs),
-                w,
-                EVENTS,
-                Arc::clone(&acked),
-            ))
-        })
-        .collect();
+    let writers = spawn_writers((WRITERS, EVENTS), pg.url("app_0"), &configs, &acked);
     wait_until("a third written", LONG, || async {
         acked.load(Ordering::Relaxed) >= WRITERS * EVENTS / 3
     })
