@@ -328,18 +328,15 @@ impl Hub {
         }
     }
 
-    /// A notification: wakes the outbox it names if served; any other
-    /// (a `dlq requeue` sweep, a single relay's) makes a due scan.
+    /// A notification the listener did not handle: one naming an outbox
+    /// found here but not served by this process is another's (one served
+    /// since the listener looked was woken by `start`); any other (a `dlq
+    /// requeue` sweep, a single relay's) makes a due scan.
     async fn notified(&mut self, client: &Client, payload: &str) -> Result<(), HubError> {
-        match self.outboxes.get(payload) {
-            Some(entry) => {
-                if entry.own == Own::Serving {
-                    entry.tenant.wake();
-                }
-                Ok(())
-            }
-            None => self.scan(client).await,
+        if self.outboxes.contains_key(payload) {
+            return Ok(());
         }
+        self.scan(client).await
     }
 
     /// Reads the served outboxes' backlogs, in one statement: wakes those
@@ -683,7 +680,7 @@ impl Hub {
         self.wakers
             .lock()
             .expect("not poisoned")
-            .retain(|_, t| !Arc::ptr_eq(t, &entry.tenant));
+            .remove(&entry.config.display_name());
         // Whoever serves it next reports it: a sum over processes stays
         // right.
         gauges(&entry.label, 0.0, 0.0, 0.0);
