@@ -361,6 +361,13 @@ pub(crate) struct RelayArgs {
           default_value_t = outbox_relay::fleet::DEFAULT_SESSIONS as u32,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(crate) fleet_sessions: u32,
+    /// In a fleet: serve the outboxes split, not whole. Every fleet
+    /// process then serves each of them at once, sharing it by partition
+    /// leases as several relays of one outbox do, at the cost of a relay's
+    /// own connections per outbox per process. For a busy outbox: give it
+    /// as `fleet_split = true` in its [outboxes.NAME] table.
+    #[arg(help_heading = "Many tenants (a fleet)", long, env = "OUTBOX_FLEET_SPLIT")]
+    pub(crate) fleet_split: bool,
     /// With --schemas: how often outboxes are searched for (a new tenant is
     /// served within about this long) and shared out again between fleet
     /// processes (a dead one's outboxes move within about this long).

@@ -397,8 +397,11 @@ impl Relay {
     pub async fn run(self, cancel: CancellationToken) -> Result<(), RelayError> {
         self.config.check_ordering()?;
         self.config.check_pooler()?;
-        // Route breakers report to this relay's health and gauges.
-        self.sink.bind(&self.ctx);
+        // Route breakers report to this relay's health and gauges; not a
+        // fleet's, whose outboxes share their sink (see `run_tenant`).
+        if !self.in_fleet {
+            self.sink.bind(&self.ctx);
+        }
         for lane in &self.lanes {
             lane.sink.bind(&self.ctx);
         }
@@ -460,6 +463,7 @@ impl Relay {
                 },
                 types: lane.types,
                 owner,
+                name_outbox: false,
             };
             loops.push((relay, lane));
         }
@@ -470,6 +474,7 @@ impl Relay {
             },
             types: taken,
             owner,
+            name_outbox: self.in_fleet,
         };
         loops.insert(0, (self, own));
         // Every lane connects before the lease task starts: its first tick

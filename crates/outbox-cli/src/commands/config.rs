@@ -53,12 +53,13 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
             relay_args.databases.clone(),
             relay_args.fleet_sessions as usize,
             relay_args.discover_interval,
+            relay_args.fleet_split,
         )
     });
     let prepared = relay::prepare(&g, relay_args, file)?;
     // A fleet's outboxes are found, not configured: listing them connects.
     let outboxes = match fleet {
-        Some((schemas, databases, sessions, discover_interval)) => {
+        Some((schemas, databases, sessions, discover_interval, split)) => {
             let config = outbox_relay::fleet::FleetConfig {
                 schemas,
                 listed,
@@ -66,6 +67,7 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
                 sessions,
                 discover_interval,
                 relay: prepared.config,
+                split,
             };
             let pg = super::pg_config(&g)?;
             Some(

@@ -53,6 +53,7 @@ pub(crate) async fn run(
             sessions: fleet.sessions,
             discover_interval: fleet.discover_interval,
             relay: config,
+            split: fleet.split,
         },
     )
     .map_err(|e| ConfigError(e.to_string()))?;

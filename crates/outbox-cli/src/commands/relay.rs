@@ -33,6 +33,7 @@ pub(crate) struct Fleet {
     pub(crate) databases: Option<String>,
     pub(crate) sessions: usize,
     pub(crate) discover_interval: Duration,
+    pub(crate) split: bool,
 }
 
 /// What the relay runs with, checked: `outbox config show` checks the same.
@@ -97,6 +98,7 @@ pub(crate) fn listed(layered: &Layered) -> anyhow::Result<Vec<outbox_relay::flee
     let mut listed = Vec::new();
     for (name, at, mine) in each_listed(file, &std::env::args_os().collect::<Vec<_>>())? {
         let (g, args, file) = mine.into_relay();
+        let split = args.fleet_split;
         let pg = super::pg_config(&g).with_context(|| format!("[outboxes.{name}]"))?;
         let prepared = prepare(&g, args, file).with_context(|| format!("[outboxes.{name}]"))?;
         let sink = prepared.sink.ok_or_else(|| {
@@ -115,6 +117,7 @@ pub(crate) fn listed(layered: &Layered) -> anyhow::Result<Vec<outbox_relay::flee
             pg,
             relay: prepared.config,
             sink: Arc::from(sink),
+            split,
         });
     }
     Ok(listed)
@@ -166,8 +169,16 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
             databases: args.databases.clone(),
             sessions: args.fleet_sessions as usize,
             discover_interval: args.discover_interval,
+            split: args.fleet_split,
         };
         return super::fleet::run(pg, prepare(&g, args, file)?, fleet, endpoint).await;
+    }
+    if args.fleet_split {
+        return Err(ConfigError(
+            "--fleet-split applies to a fleet: give --schemas, or list outboxes as [outboxes.NAME] in --config"
+                .to_owned(),
+        )
+        .into());
     }
     let Prepared {
         config,

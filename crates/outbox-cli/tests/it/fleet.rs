@@ -67,7 +67,7 @@ pub(crate) async fn migrate_tenant(client: &mut Client, config: &Config) {
 }
 
 /// Unpublished rows over `configs` of one database.
-async fn unpublished(client: &Client, configs: &[Config]) -> i64 {
+pub(crate) async fn unpublished(client: &Client, configs: &[Config]) -> i64 {
     let sql = configs
         .iter()
         .map(|c| {
@@ -1010,6 +1010,18 @@ async fn a_fleet_that_cannot_start_says_why_with_the_documented_exit_code() {
     let (code, stderr) = run(pg.url("postgres"), &["--claim", "deadline"]).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--claim deadline"), "{stderr}");
+    let (code, stderr) = run(pg.url("postgres"), &["--source", "wal", "--fleet-split"]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--fleet-split"), "{stderr}");
+    // Splitting is a fleet's: a relay of one outbox refuses it.
+    let out = crate::support::run_cli(
+        &["relay", "--sink", "redis://127.0.0.1:1", "--fleet-split"],
+        &[("DATABASE_URL", &pg.url("postgres"))],
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--fleet-split applies to a fleet"), "{stderr}");
     // A listed outbox without a schema, or with a key no relay takes.
     let dir = tempfile::tempdir().unwrap();
     for (text, expected, line) in [

@@ -18,6 +18,7 @@ mod failover;
 mod fleet;
 mod fleet_names;
 mod fleet_ops;
+mod fleet_split;
 mod fleet_wal;
 mod formats;
 mod held_snapshot;

@@ -53,6 +53,13 @@ struct Entry {
     /// Its `outbox` label in metrics and logs.
     label: String,
     tenant: Arc<Tenant>,
+    /// Served split ([`super::FleetConfig::split`]): its own lock is held
+    /// shared, by every process serving it, and its relay is a relay of
+    /// its own with partition leases, not a loop over the pool.
+    split: bool,
+    /// Split: this process sets its backlog gauges (the lowest-numbered
+    /// control session serving it does, so they are not summed twice).
+    reports: bool,
     own: Own,
     /// Its relay loop while served.
     running: Option<(CancellationToken, JoinHandle<()>)>,
@@ -128,10 +135,16 @@ pub(crate) struct NotServable {
 /// What a relay checks at startup, per outbox as it is found: the role's
 /// privileges first (without them the version check itself is refused),
 /// then the schema version. A tenant failing either is skipped, said once,
-/// instead of failing every batch.
-pub(crate) async fn servable(client: &Client, outbox: &outbox::Config) -> Result<(), NotServable> {
+/// instead of failing every batch. One served `split` takes partition
+/// leases, and needs their privileges too.
+pub(crate) async fn servable(
+    client: &Client,
+    outbox: &outbox::Config,
+    split: bool,
+) -> Result<(), NotServable> {
     use outbox::privileges::{Needs, Role, Tables};
-    let needs = Needs::of(&[Role::Relay]).without_leases();
+    let needs = Needs::of(&[Role::Relay]);
+    let needs = if split { needs } else { needs.without_leases() };
     if let Err(error) = outbox::privileges::check(client, &Tables::outbox(outbox.clone()), &needs).await {
         return Err(NotServable {
             reason: "this role lacks privileges on it",
@@ -311,7 +324,10 @@ impl Hub {
         poll.reset();
         loop {
             tokio::select! {
-                () = cancel.cancelled() => return Ok(()),
+                () = cancel.cancelled() => {
+                    self.finish_split().await;
+                    return Ok(());
+                }
                 _ = discover.tick() => {
                     self.discover(client).await?;
                     if let Some(first) = first.take() {
@@ -434,6 +450,13 @@ impl Hub {
         for name in gone {
             let mut entry = self.outboxes.remove(&name).expect("known");
             info!(outbox = %entry.label, "outbox gone; let go");
+            if entry.split {
+                self.finish(&mut entry).await;
+                if entry.own != Own::No {
+                    sql::unshare(client, &[entry.tenant.key]).await?;
+                }
+                continue;
+            }
             self.stop(&mut entry);
             if entry.own != Own::No {
                 entry.tenant.quiesce().await;
@@ -444,14 +467,14 @@ impl Hub {
             if self.outboxes.contains_key(&name) {
                 continue;
             }
-            let (relay, sink, label) = match how {
+            let (relay, sink, label, split) = match how {
                 Found::Pattern(config) => {
                     let label = self.label(&config);
                     let relay = RelayConfig {
                         outbox: config,
                         ..base.clone()
                     };
-                    (relay, Arc::clone(&shared.sink), label)
+                    (relay, Arc::clone(&shared.sink), label, shared.config.split)
                 }
                 Found::Listed(i) => {
                     let listed = &self.listed[i].0;
@@ -459,13 +482,14 @@ impl Hub {
                         listed.relay.clone(),
                         Arc::clone(&listed.sink),
                         listed.name.clone(),
+                        listed.split,
                     )
                 }
             };
             // A check refused by the server must not abort the discovery's
             // transaction.
             client.batch_execute("SAVEPOINT servable").await?;
-            let checked = servable(client, &relay.outbox).await;
+            let checked = servable(client, &relay.outbox, split).await;
             client
                 .batch_execute(match checked {
                     Ok(()) => "RELEASE SAVEPOINT servable",
@@ -488,6 +512,8 @@ impl Hub {
                     sink,
                     label,
                     tenant: Arc::new(Tenant::new(key)),
+                    split,
+                    reports: false,
                     own: Own::No,
                     running: None,
                 },
@@ -496,11 +522,17 @@ impl Hub {
         self.balance(client).await
     }
 
-    /// Takes this process's share of the outboxes, lets go of what is over
-    /// it, and starts serving those whose barrier passed.
+    /// Takes this process's share of the outboxes served whole, lets go
+    /// of what is over it, joins every outbox served split, and starts
+    /// serving those whose barrier passed.
     async fn balance(&mut self, client: &Client) -> Result<(), HubError> {
         let pid = self.db.control_pid().unwrap_or(0);
-        let holders: HashMap<i32, i32> = sql::owners(client).await?.into_iter().collect();
+        // An outbox served split has several holders (shared), one served
+        // whole one.
+        let mut holders: HashMap<i32, Vec<i32>> = HashMap::new();
+        for (key, holder) in sql::owners(client).await? {
+            holders.entry(key).or_default().push(holder);
+        }
         let config = &self.shared.config;
         let pattern = config.schemas.as_deref().unwrap_or_default();
         let members = sql::members(client, pattern, &config.relay.outbox.table)
@@ -508,10 +540,12 @@ impl Hub {
             .max(1);
         // Ours by our records but not by PostgreSQL's: not ours.
         let mut lost = Vec::new();
-        for (name, entry) in &self.outboxes {
-            if entry.own != Own::No && holders.get(&entry.tenant.key) != Some(&pid) {
+        for (name, entry) in &mut self.outboxes {
+            let held = holders.get(&entry.tenant.key);
+            if entry.own != Own::No && !held.is_some_and(|h| h.contains(&pid)) {
                 lost.push(name.clone());
             }
+            entry.reports = entry.split && held.and_then(|h| h.iter().min()) == Some(&pid);
         }
         for name in lost {
             let mut entry = self.outboxes.remove(&name).expect("known");
@@ -520,14 +554,19 @@ impl Hub {
             entry.own = Own::No;
             self.outboxes.insert(name, entry);
         }
-        let share = self.outboxes.len().div_ceil(members);
-        let mine = self.outboxes.values().filter(|e| e.own != Own::No).count();
+        let whole = self.outboxes.values().filter(|e| !e.split).count();
+        let share = whole.div_ceil(members);
+        let mine = self
+            .outboxes
+            .values()
+            .filter(|e| !e.split && e.own != Own::No)
+            .count();
         if mine > share {
             let over: Vec<String> = self
                 .outboxes
                 .iter()
                 .rev()
-                .filter(|(_, e)| e.own != Own::No)
+                .filter(|(_, e)| !e.split && e.own != Own::No)
                 .take(mine - share)
                 .map(|(s, _)| s.clone())
                 .collect();
@@ -548,7 +587,7 @@ impl Hub {
             let free: Vec<i32> = self
                 .outboxes
                 .values()
-                .filter(|e| e.own == Own::No && !holders.contains_key(&e.tenant.key))
+                .filter(|e| !e.split && e.own == Own::No && !holders.contains_key(&e.tenant.key))
                 .map(|e| e.tenant.key)
                 .collect();
             let start = usize::try_from(pid).unwrap_or(0) % free.len().max(1);
@@ -566,6 +605,22 @@ impl Hub {
                 }
             }
         }
+        // Every process serves a split outbox; its shared lock is refused
+        // while a process with other settings serves it whole.
+        let joining: Vec<i32> = self
+            .outboxes
+            .values()
+            .filter(|e| e.split && e.own == Own::No)
+            .map(|e| e.tenant.key)
+            .collect();
+        if !joining.is_empty() {
+            let joined: BTreeSet<i32> = sql::try_share(client, &joining).await?.into_iter().collect();
+            for entry in self.outboxes.values_mut() {
+                if entry.split && joined.contains(&entry.tenant.key) {
+                    entry.own = Own::TakingOver;
+                }
+            }
+        }
         let taking: Vec<i32> = self
             .outboxes
             .values()
@@ -573,7 +628,28 @@ impl Hub {
             .map(|e| e.tenant.key)
             .collect();
         if !taking.is_empty() {
-            let passed: BTreeSet<i32> = sql::barrier(client, &taking).await?.into_iter().collect();
+            let mut passed: BTreeSet<i32> = sql::barrier(client, &taking).await?.into_iter().collect();
+            // One taken whole also waits for the relays that partition it
+            // (a process serving it split, a relay of its own) to be gone.
+            let whole: Vec<(i32, outbox::Config, std::time::Duration)> = self
+                .outboxes
+                .values()
+                .filter(|e| !e.split && e.own == Own::TakingOver && passed.contains(&e.tenant.key))
+                .map(|e| (e.tenant.key, e.config.clone(), e.relay.lease_timeout))
+                .collect();
+            if !whole.is_empty() {
+                let configs: Vec<outbox::Config> = whole.iter().map(|(_, c, _)| c.clone()).collect();
+                let within = whole.iter().map(|(_, _, t)| *t).max().unwrap_or_default();
+                let free: BTreeSet<usize> = sql::without_live_relays(client, &configs, within)
+                    .await?
+                    .into_iter()
+                    .collect();
+                for (i, (key, _, _)) in whole.iter().enumerate() {
+                    if !free.contains(&i) {
+                        passed.remove(key);
+                    }
+                }
+            }
             let names: Vec<String> = self
                 .outboxes
                 .iter()
@@ -596,7 +672,7 @@ impl Hub {
             self.waiting = false;
         }
         if self.rebuild_due() {
-            let served = self.due.1.len();
+            let served = self.outboxes.values().filter(|e| e.own == Own::Serving).count();
             info!(
                 served,
                 found = self.outboxes.len(),
@@ -611,10 +687,12 @@ impl Hub {
     /// What the scan reads: the outboxes served now. Returns whether the
     /// served set changed.
     fn rebuild_due(&mut self) -> bool {
+        // A split outbox's relay finds its rows itself; the scan reads it
+        // for its gauges, in one process.
         let served: Vec<(&String, &Entry)> = self
             .outboxes
             .iter()
-            .filter(|(_, e)| e.own == Own::Serving)
+            .filter(|(_, e)| e.own == Own::Serving && (!e.split || e.reports))
             .collect();
         if served.len() == self.due.1.len() && served.iter().zip(&self.due.1).all(|((s, _), d)| *s == d) {
             return false;
@@ -637,6 +715,27 @@ impl Hub {
         let entry = self.outboxes.get_mut(name).expect("known");
         let config = entry.relay.clone();
         let label = entry.label.clone();
+        if entry.split {
+            // A relay of its own, as `outbox relay` for this outbox alone
+            // would run: its partition leases share the outbox with the
+            // other processes' relays for it.
+            entry.own = Own::Serving;
+            let stop = CancellationToken::new();
+            let relay = Relay::for_fleet(pg, Arc::clone(&entry.sink), config, label.clone());
+            let span = tracing::info_span!("outbox", outbox = %label);
+            let run = relay.run(stop.clone());
+            let task = tokio::spawn(
+                async move {
+                    if let Err(error) = run.await {
+                        error!(error = %error_chain(&error), "outbox relay stopped");
+                    }
+                }
+                .instrument(span),
+            );
+            entry.running = Some((stop, task));
+            debug!(outbox = %label, "serving outbox split");
+            return;
+        }
         // Unprepared (see `pool`); a batch transaction left idle longer
         // than a claim may last is ended by the server.
         let statements = match OutboxSql::with_claims(&config.outbox, ClaimSpec::default())
@@ -689,6 +788,37 @@ impl Hub {
             // Not awaited here: it commits its batch and ends on its own.
             self.stopping.retain(|t| !t.is_finished());
             self.stopping.push(task);
+        }
+    }
+
+    /// Stops serving `entry` and waits until its relay loop ended: a split
+    /// outbox's relay commits its batches in flight before its shared own
+    /// lock may be let go of (its batches take no batch lock for a
+    /// barrier to wait for).
+    async fn finish(&mut self, entry: &mut Entry) {
+        entry.tenant.serve(false);
+        if entry.reports {
+            gauges(&entry.label, 0.0, 0.0, 0.0);
+        }
+        if let Some((stop, task)) = entry.running.take() {
+            stop.cancel();
+            let _ = task.await;
+        }
+    }
+
+    /// Before the control session closes at shutdown: every split outbox's
+    /// relay has ended (see [`Hub::finish`]).
+    async fn finish_split(&mut self) {
+        let names: Vec<String> = self
+            .outboxes
+            .iter()
+            .filter(|(_, e)| e.split && e.running.is_some())
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in names {
+            let mut entry = self.outboxes.remove(&name).expect("known");
+            self.finish(&mut entry).await;
+            self.outboxes.insert(name, entry);
         }
     }
 

@@ -21,6 +21,17 @@
 //! outboxes are taken over at the next discovery (see `outbox::sql::fleet`
 //! for why two processes never deliver one outbox at once).
 //!
+//! A busy outbox can be served *split* instead ([`FleetConfig::split`],
+//! [`Listed::split`]): every fleet process serves it at once, each with a
+//! relay of its own for it (its own batch sessions and partition leases,
+//! as several `outbox relay`s of one outbox share it), so its partitions
+//! spread over the processes and a dead one's move within the lease
+//! timeout. Its own lock is held *shared* by each of them: a process
+//! configured to serve it whole cannot take it meanwhile, and one that
+//! takes it whole later also waits until no relay of it beats
+//! (`outbox::sql::fleet::without_live_relays`), so the two kinds never
+//! deliver one outbox at once.
+//!
 //! With `--source wal` ([`wal`]) each database is one WAL stream instead:
 //! one slot and one publication for every tenant outbox of it.
 //!
@@ -62,6 +73,8 @@ pub struct Listed {
     pub relay: RelayConfig,
     /// Where its events go.
     pub sink: Arc<dyn Sink>,
+    /// Served split (see [`FleetConfig::split`]).
+    pub split: bool,
 }
 
 impl std::fmt::Debug for Listed {
@@ -70,6 +83,7 @@ impl std::fmt::Debug for Listed {
             .field("name", &self.name)
             .field("outbox", &self.relay.outbox.display_name())
             .field("sink", &self.sink.describe())
+            .field("split", &self.split)
             .finish_non_exhaustive()
     }
 }
@@ -94,6 +108,12 @@ pub struct FleetConfig {
     /// The settings every outbox is served with; its `outbox` names the
     /// table and channel, not a schema.
     pub relay: RelayConfig,
+    /// Serve the outboxes the pattern finds split: every fleet process
+    /// serves each at once, by the partition leases several relays of one
+    /// outbox share, instead of one process taking it whole. For a busy
+    /// outbox, set on its listed table ([`Listed::split`]): each split one
+    /// costs every process a relay's own connections.
+    pub split: bool,
 }
 
 /// Batch sessions per database by default.
@@ -113,6 +133,8 @@ impl FleetConfig {
                 Some("--wal-cleanup none (its tables cannot tell undelivered rows from delivered ones)")
             } else if self.relay.drain {
                 Some("--drain")
+            } else if self.split {
+                Some("--fleet-split (log tailing reads each database once, for every outbox)")
             } else {
                 None
             };
@@ -184,7 +206,7 @@ pub async fn survey(pg: &PgConfig, config: &FleetConfig) -> Result<Vec<Surveyed>
             let label = label(database.as_deref(), &outbox);
             found.push(Surveyed {
                 outbox: label,
-                problem: hub::servable(client, &outbox)
+                problem: hub::servable(client, &outbox, config.split)
                     .await
                     .err()
                     .map(|why| format!("{}: {}", why.reason, why.error)),
@@ -195,7 +217,7 @@ pub async fn survey(pg: &PgConfig, config: &FleetConfig) -> Result<Vec<Surveyed>
         let client = crate::pg::connect_once(&listed.pg).await?;
         found.push(Surveyed {
             outbox: format!("{} ({})", listed.name, listed.relay.outbox.display_name()),
-            problem: hub::servable(&client, &listed.relay.outbox)
+            problem: hub::servable(&client, &listed.relay.outbox, listed.split)
                 .await
                 .err()
                 .map(|why| format!("{}: {}", why.reason, why.error)),

@@ -233,6 +233,73 @@ pub async fn try_own(client: &impl GenericClient, keys: &[i32]) -> Result<Vec<i3
     rows.iter().map(|row| row.try_get(0)).collect()
 }
 
+/// `$1` the own lock class, `$2` keys: tries each key's lock shared,
+/// session level.
+const TRY_SHARED: &str = "SELECT k FROM unnest($2::int4[]) AS k WHERE pg_try_advisory_lock_shared($1, k)";
+
+/// Takes the own locks of `keys` shared, for outboxes served split (every
+/// fleet process serving them at once, by partition leases): granted
+/// unless a process serving one whole holds it. Returns those taken.
+pub async fn try_share(client: &impl GenericClient, keys: &[i32]) -> Result<Vec<i32>, Error> {
+    let rows = client
+        .query_typed(TRY_SHARED, &[typed(&OWN_LOCK), typed(&keys)])
+        .await?;
+    rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+/// `$1` the own lock class, `$2` keys: lets go of each (held) shared lock.
+const UNLOCK_SHARED: &str = "SELECT pg_advisory_unlock_shared($1, k) FROM unnest($2::int4[]) AS k";
+
+/// Stops serving `keys` split: lets go of their shared own locks.
+pub async fn unshare(client: &impl GenericClient, keys: &[i32]) -> Result<(), Error> {
+    client
+        .execute_typed(UNLOCK_SHARED, &[typed(&OWN_LOCK), typed(&keys)])
+        .await
+        .map(drop)
+}
+
+/// `{i}` a position, `{r}` an outbox's relays table: the position if no
+/// relay of that outbox beat within `$1` milliseconds.
+const NO_LIVE_RELAY: &str = "SELECT {i}::int4 WHERE NOT EXISTS (SELECT 1 FROM {r} \
+      WHERE heartbeat_at > clock_timestamp() - make_interval(secs => $1::float8 / 1000))";
+
+/// Of `outboxes`, the positions of those no relay with partition leases
+/// serves: none of their relays (a fleet's split relays, or a relay run
+/// for that outbox alone) beat within `within`. A fleet process taking
+/// one over whole waits for that as for the batch barrier, so a relay
+/// partitioning it and a process serving it whole never deliver it at
+/// once. One statement for all (empty: nothing run).
+pub async fn without_live_relays(
+    client: &impl GenericClient,
+    outboxes: &[Config],
+    within: std::time::Duration,
+) -> Result<Vec<usize>, Error> {
+    if outboxes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let parts = outboxes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            // The table is an Ident ([a-z0-9_]): its quoted companion needs
+            // no escaping.
+            let relays = format!("{}.\"{}_relays\"", c.schema.quoted(), c.table.as_str());
+            NO_LIVE_RELAY
+                .replace("{i}", &i.to_string())
+                .replace("{r}", &relays)
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ");
+    #[allow(clippy::cast_precision_loss)]
+    let ms = within.as_millis() as f64;
+    client
+        .query_typed(&parts, &[typed(&ms)])
+        .await?
+        .iter()
+        .map(|row| Ok(usize::try_from(row.try_get::<_, i32>(0)?).unwrap_or(usize::MAX)))
+        .collect()
+}
+
 /// `$1` a lock class, `$2` keys: lets go of each (held) session lock.
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1, k) FROM unnest($2::int4[]) AS k";
 

@@ -191,6 +191,9 @@ pub(crate) struct Lane {
     pub(crate) spec: ClaimSpec,
     pub(crate) types: Vec<String>,
     pub(crate) owner: Uuid,
+    /// The relay serves a fleet's outbox split (see `crate::fleet`): every
+    /// event carries the `outbox` header, as the fleet's others do.
+    pub(crate) name_outbox: bool,
 }
 
 impl Lane {
@@ -229,6 +232,8 @@ pub(crate) struct PollSource {
     ctx: RelayContext,
     /// The lane's name in the relay's health (`""` for the relay's own).
     lane: String,
+    /// See [`Lane::name_outbox`].
+    name_outbox: bool,
     wake_metrics: WakeMetrics,
     receipts: Receipts,
     /// None after a lost connection, until the next claim reconnects.
@@ -353,6 +358,7 @@ impl PollSource {
                 .types_display()
                 .map(|t| format!("lane {t}"))
                 .unwrap_or_default(),
+            name_outbox: lane.name_outbox,
             wake_metrics: WakeMetrics::new(&ctx),
             claiming,
             ctx,
@@ -882,11 +888,16 @@ impl PollSource {
         overlapped: bool,
     ) -> Claim {
         let ClaimedRows {
-            rows,
+            mut rows,
             unreadable,
             cut,
             fence,
         } = claimed;
+        if self.name_outbox {
+            for row in &mut rows {
+                super::name_the_outbox(row, self.ctx.outbox());
+            }
+        }
         // Stops vouching a little before the server's deadline, so this
         // relay is done with the batch before another may claim it.
         let timeout = self.config.claim_timeout;

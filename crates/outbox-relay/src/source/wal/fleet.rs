@@ -293,7 +293,7 @@ impl WalSource {
             config.schema = tenant.schema;
             let label = crate::fleet::label(prefixed.then_some(database.as_str()), &config);
             let refused = &mut self.tenants.as_mut().expect("a fleet's").refused;
-            if let Err(why) = crate::fleet::servable(client, &config).await {
+            if let Err(why) = crate::fleet::servable(client, &config, false).await {
                 if refused.insert(label.clone()) {
                     warn!(outbox = %label, error = %why.error, "outbox not served: {}", why.reason);
                 }
