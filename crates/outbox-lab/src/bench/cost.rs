@@ -123,6 +123,12 @@ async fn postmaster(db: &Client) -> anyhow::Result<Option<u32>> {
         .filter(|&pid| is_postgres(pid)))
 }
 
+/// CPU seconds process `pid` has used so far (its own, not its
+/// children's); None once it is gone.
+pub(crate) fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    read_stat(Path::new(&format!("/proc/{pid}/stat"))).map(|s| s.own as f64 / USER_HZ)
+}
+
 /// The fields of `/proc/<pid>/stat` used here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stat {

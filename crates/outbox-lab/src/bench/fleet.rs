@@ -49,7 +49,7 @@ use redis::AsyncCommands;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-use super::fleet_results::{Drain, FleetRun};
+use super::fleet_results::{Drain, FleetRun, LatencyCpu};
 use super::idle::IdleRun;
 use super::latency::{Clock, LatencyRun, consume};
 use super::throughput::stream_counts;
@@ -214,7 +214,7 @@ impl FleetScratch {
         let idle_single = self.idle(Process::Single, plan.window).await?;
         progress.inc(1);
         step("latency");
-        let (latency, write_rate, latency_connections) = self.latency(plan.window).await?;
+        let (latency, write_rate, latency_connections, latency_cpu) = self.latency(plan.window).await?;
         progress.inc(1);
         step("throughput fleet");
         let drain_fleet = self.drain(Process::Fleet, plan.backlog).await?;
@@ -228,6 +228,7 @@ impl FleetScratch {
             idle_single,
             latency,
             write_rate,
+            latency_cpu,
             drain_fleet,
             drain_single,
         })
@@ -387,11 +388,15 @@ impl FleetScratch {
     /// the fleet running; latency from `created_at` to arrival. Returns it,
     /// the rate the writers kept, and the most connections the fleet held
     /// meanwhile.
-    async fn latency(&self, window: Duration) -> anyhow::Result<(LatencyRun, f64, i64)> {
+    async fn latency(&self, window: Duration) -> anyhow::Result<(LatencyRun, f64, i64, LatencyCpu)> {
         self.truncate(&self.tenants).await?;
         self.clear_stream().await?;
         let fleet = self.spawn(Process::Fleet).await?;
         let sampler = Sampler::start(&self.pg, Process::Fleet).await?;
+        // CPU per event: what the run cost, less sensitive than its
+        // latency to how busy the machine is otherwise.
+        let meter = super::cost::Meter::start(&self.db).await?;
+        let relay_cpu = super::cost::process_cpu_seconds(fleet.pid());
         let received = Arc::new(AtomicU64::new(0));
         let stop = CancellationToken::new();
         let consumer = tokio::spawn(consume(
@@ -436,6 +441,10 @@ impl FleetScratch {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         stop.cancel();
+        let cost = meter.stop(&self.db).await?;
+        let relay_cpu = relay_cpu
+            .zip(super::cost::process_cpu_seconds(fleet.pid()))
+            .map(|(before, after)| after - before);
         let arrivals = consumer.await.context("the consumer task")??;
         let connections = sampler.stop().await?;
         self.stop(fleet, Process::Fleet).await?;
@@ -452,9 +461,14 @@ impl FleetScratch {
             p99_ms: percentile(&latencies, 0.99),
             max_ms: latencies.last().copied().unwrap_or(f64::NAN),
         };
+        let per_1000 = |seconds: f64| seconds * 1_000_000.0 / written.max(1) as f64;
+        let cpu = LatencyCpu {
+            postgres_ms_per_1000: cost.cpu_ms_per_1000(written),
+            relay_ms_per_1000: relay_cpu.map(per_1000),
+        };
         // Writers that fell behind their ticks wrote at a lower rate: the
         // report shows the rate they kept.
-        Ok((run, written as f64 / write_seconds, connections))
+        Ok((run, written as f64 / write_seconds, connections, cpu))
     }
 
     /// `backlog` events in every tenant drained by the fleet, or as many in

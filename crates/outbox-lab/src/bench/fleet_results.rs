@@ -47,6 +47,18 @@ pub(crate) struct Drain {
     pub(super) connections_max: i64,
 }
 
+/// CPU milliseconds per 1,000 events of a latency run (the writers'
+/// backends included in PostgreSQL's): a figure to compare builds by on a
+/// machine whose speed varies from run to run, where the latency of a run
+/// at the edge of its capacity swings with it.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct LatencyCpu {
+    /// Every process of the cluster; None when it is not on this host.
+    pub(super) postgres_ms_per_1000: Option<f64>,
+    /// The fleet process.
+    pub(super) relay_ms_per_1000: Option<f64>,
+}
+
 /// One repetition of the phase.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct FleetRun {
@@ -61,6 +73,8 @@ pub(crate) struct FleetRun {
     pub(super) latency: LatencyRun,
     /// The events per second the latency run's writers kept.
     pub(super) write_rate: f64,
+    /// What the latency run cost, in CPU.
+    pub(super) latency_cpu: LatencyCpu,
     pub(super) drain_fleet: Drain,
     pub(super) drain_single: Drain,
 }
@@ -81,6 +95,8 @@ pub(super) struct FleetRow {
     pub(super) latency_p99_ms: Spread,
     pub(super) latency_max_ms: Spread,
     pub(super) write_rate: Spread,
+    pub(super) latency_postgres_cpu: Spread,
+    pub(super) latency_relay_cpu: Spread,
     pub(super) fleet_events_per_second: Spread,
     pub(super) single_events_per_second: Spread,
     /// Median over median.
@@ -143,6 +159,8 @@ impl FleetRow {
             latency_p99_ms,
             latency_max_ms: of(|r| r.latency.max_ms),
             write_rate: of(|r| r.write_rate),
+            latency_postgres_cpu: of(|r| r.latency_cpu.postgres_ms_per_1000.unwrap_or(f64::NAN)),
+            latency_relay_cpu: of(|r| r.latency_cpu.relay_ms_per_1000.unwrap_or(f64::NAN)),
             fleet_events_per_second,
             single_events_per_second,
             fleet_over_single,
@@ -226,6 +244,18 @@ impl Report {
         row(
             "latency max, ms".to_owned(),
             f.latency_max_ms.show(2),
+            dash(),
+            none(),
+        );
+        row(
+            "latency: PostgreSQL CPU ms per 1,000 events".to_owned(),
+            f.latency_postgres_cpu.show(1),
+            dash(),
+            none(),
+        );
+        row(
+            "latency: fleet process CPU ms per 1,000 events".to_owned(),
+            f.latency_relay_cpu.show(1),
             dash(),
             none(),
         );
