@@ -345,7 +345,8 @@ pub(crate) async fn start_on_free_port<S: ChildServer>(server: &mut S, attempts:
 }
 
 /// SIGTERM, SIGKILL after `stop_timeout`, reap, then wait until the port
-/// refuses connections. Stopping a stopped server does nothing.
+/// refuses connections. Stopping a stopped server does nothing. The port
+/// stays held until [`restart_server`] (see [`hold_port`]).
 pub(crate) async fn stop_server<S: ChildServer>(
     server: &mut S,
     stop_timeout: Duration,
@@ -355,12 +356,42 @@ pub(crate) async fn stop_server<S: ChildServer>(
         return Ok(());
     };
     child.stop(Signal::SIGTERM, stop_timeout).await?;
-    wait_port_closed(server.port(), port_timeout, S::NAME).await
+    wait_port_closed(server.port(), port_timeout, S::NAME).await?;
+    hold_port(server.port());
+    Ok(())
+}
+
+/// Ports of servers this process stopped and may start again, each held
+/// by a socket bound to it but not listening: a client is refused, as by
+/// a stopped server, and no other test's server (tests run in processes
+/// of their own, so only the kernel can keep them apart) is given the port
+/// by [`try_free_port`] meanwhile. Without it, a test whose broker was
+/// down saw its relay deliver into another test's new broker on that port.
+static HELD: std::sync::Mutex<Vec<(u16, tokio::net::TcpSocket)>> = std::sync::Mutex::new(Vec::new());
+
+/// Holds `port` (see [`HELD`]); best effort: a port a lingering connection
+/// of the old server still keeps (`TIME_WAIT`) is not held.
+fn hold_port(port: u16) {
+    let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
+        return;
+    };
+    if socket
+        .bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .is_ok()
+    {
+        HELD.lock().expect("not poisoned").push((port, socket));
+    }
+}
+
+/// Lets go of `port` for its server to bind it again.
+fn release_port(port: u16) {
+    HELD.lock().expect("not poisoned").retain(|(p, _)| *p != port);
 }
 
 /// Boots `server` again on its port (stop it first), retrying while the
 /// old process's port is still held, until `S::READY_TIMEOUT`.
 pub(crate) async fn restart_server<S: ChildServer>(server: &mut S) -> Result<(), Error> {
+    release_port(server.port());
     let deadline = Instant::now() + S::READY_TIMEOUT;
     loop {
         match server.boot(deadline).await? {
