@@ -545,7 +545,12 @@ impl Hub {
             if entry.own != Own::No && !held.is_some_and(|h| h.contains(&pid)) {
                 lost.push(name.clone());
             }
-            entry.reports = entry.split && held.and_then(|h| h.iter().min()) == Some(&pid);
+            let reports = entry.split && held.and_then(|h| h.iter().min()) == Some(&pid);
+            if entry.reports && !reports {
+                // Another process reports it now: a sum stays right.
+                gauges(&entry.label, 0.0, 0.0, 0.0);
+            }
+            entry.reports = reports;
         }
         for name in lost {
             let mut entry = self.outboxes.remove(&name).expect("known");
@@ -722,17 +727,7 @@ impl Hub {
             entry.own = Own::Serving;
             let stop = CancellationToken::new();
             let relay = Relay::for_fleet(pg, Arc::clone(&entry.sink), config, label.clone());
-            let span = tracing::info_span!("outbox", outbox = %label);
-            let run = relay.run(stop.clone());
-            let task = tokio::spawn(
-                async move {
-                    if let Err(error) = run.await {
-                        error!(error = %error_chain(&error), "outbox relay stopped");
-                    }
-                }
-                .instrument(span),
-            );
-            entry.running = Some((stop, task));
+            entry.running = Some((stop.clone(), spawn_relay(&label, relay.run(stop))));
             debug!(outbox = %label, "serving outbox split");
             return;
         }
@@ -752,17 +747,8 @@ impl Hub {
         let tenant = Arc::clone(&entry.tenant);
         let stop = CancellationToken::new();
         let relay = Relay::for_fleet(pg, Arc::clone(&entry.sink), config, label.clone());
-        let span = tracing::info_span!("outbox", outbox = %label);
         let run = relay.run_tenant(Arc::clone(&tenant), db, statements, stop.clone());
-        let task = tokio::spawn(
-            async move {
-                if let Err(error) = run.await {
-                    error!(error = %error_chain(&error), "outbox relay stopped");
-                }
-            }
-            .instrument(span),
-        );
-        entry.running = Some((stop, task));
+        entry.running = Some((stop, spawn_relay(&label, run)));
         tenant.serve(true);
         self.wakers
             .lock()
@@ -838,6 +824,23 @@ impl Hub {
         }
         self.rebuild_due();
     }
+}
+
+/// Runs one outbox's relay loop in a task of its own, in its `outbox`
+/// span; its failure is logged there.
+fn spawn_relay(
+    label: &str,
+    run: impl Future<Output = Result<(), crate::error::RelayError>> + Send + 'static,
+) -> JoinHandle<()> {
+    let span = tracing::info_span!("outbox", outbox = %label);
+    tokio::spawn(
+        async move {
+            if let Err(error) = run.await {
+                error!(error = %error_chain(&error), "outbox relay stopped");
+            }
+        }
+        .instrument(span),
+    )
 }
 
 /// One outbox's backlog gauges, all aggregate types together.
