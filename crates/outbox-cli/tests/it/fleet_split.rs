@@ -16,7 +16,7 @@ use serde_json::json;
 use tokio_postgres::Client;
 
 use crate::fleet::{stop_fleet, tenants, unpublished};
-use crate::support::{LONG, StreamEvent, connect, outbox_cmd, read_stream, wait_until};
+use crate::support::{LONG, StreamEvent, check_first_steps, connect, outbox_cmd, read_stream, wait_until};
 
 const STREAM: &str = "outbox.event.orders";
 const BATCH: usize = 10;
@@ -169,27 +169,19 @@ fn check(events: &[StreamEvent], written: &HashMap<String, (String, usize)>, hea
     let lost = written.keys().filter(|id| !ids.contains(id.as_str())).count();
     let phantom = ids.iter().filter(|id| !written.contains_key(**id)).count();
     assert_eq!((lost, phantom), (0, 0), "lost, phantom");
-    let mut seen = HashSet::new();
-    let mut next: HashMap<&str, usize> = HashMap::new();
-    for e in events {
-        if !seen.insert(e.event_id.as_str()) {
-            continue;
-        }
-        let (aggregate, step) = &written[&e.event_id];
-        let schema = aggregate.split('.').next().unwrap();
-        let header = e.outbox.as_deref().unwrap_or_default();
-        if schema == "tenant_0" {
-            assert!(headers.contains(&header), "{aggregate}: outbox header {header}");
-        } else {
-            assert_eq!(header, format!("{schema}.outbox"), "{aggregate}");
-        }
-        let expected = next.entry(aggregate.as_str()).or_default();
-        assert_eq!(
-            *step, *expected,
-            "{aggregate}: step {step} delivered first when {expected} was next"
-        );
-        *expected += 1;
-    }
+    check_first_steps(
+        events,
+        |id| written[id].clone(),
+        |aggregate, header| {
+            let schema = aggregate.split('.').next().unwrap();
+            let header = header.unwrap_or_default();
+            if schema == "tenant_0" {
+                headers.contains(&header)
+            } else {
+                header == format!("{schema}.outbox")
+            }
+        },
+    );
     events.len() - ids.len()
 }
 

@@ -17,8 +17,8 @@ use tokio_postgres::Client;
 use crate::fleet::{migrate_tenant, stop_fleet, tenants};
 use crate::metrics::{http_addr, scrape, value};
 use crate::support::{
-    LONG, StreamEvent, connect, first_delivery_violations, read_stream, relay_without_postgres, run_cli,
-    start_relay, text, wait_until,
+    LONG, StreamEvent, check_first_steps, connect, first_delivery_violations, read_stream,
+    relay_without_postgres, run_cli, start_relay, text, wait_until,
 };
 
 const STREAM: &str = "outbox.event.orders";
@@ -144,30 +144,19 @@ fn check(events: &[StreamEvent], written: &Written) -> usize {
     let phantom = ids.iter().filter(|id| !written.contains_key(**id)).count();
     assert_eq!((lost, phantom), (0, 0), "lost, phantom");
     assert_eq!(first_delivery_violations(events), 0, "reordered by outbox id");
-    let mut seen = HashSet::new();
-    let mut next: HashMap<&str, usize> = HashMap::new();
-    for e in events {
-        if !seen.insert(e.event_id.as_str()) {
-            continue;
-        }
-        let (_, aggregate, step) = &written[&e.event_id];
-        // `schema.wN.aN`: the fleet names the outbox in the `outbox`
-        // header (`database/schema.outbox` across databases).
-        let label = format!("{}.outbox", aggregate.split('.').next().unwrap());
-        assert!(
-            e.outbox
-                .as_deref()
-                .is_some_and(|o| o == label || o.ends_with(&format!("/{label}"))),
-            "{aggregate} came with the outbox header {:?}",
-            e.outbox
-        );
-        let expected = next.entry(aggregate.as_str()).or_default();
-        assert_eq!(
-            *step, *expected,
-            "{aggregate}: step {step} first when {expected} was next"
-        );
-        *expected += 1;
-    }
+    check_first_steps(
+        events,
+        |id| {
+            let (_, aggregate, step) = &written[id];
+            (aggregate.clone(), *step)
+        },
+        |aggregate, header| {
+            // `schema.wN.aN`: the fleet names the outbox in the `outbox`
+            // header (`database/schema.outbox` across databases).
+            let label = format!("{}.outbox", aggregate.split('.').next().unwrap());
+            header.is_some_and(|o| o == label || o.ends_with(&format!("/{label}")))
+        },
+    );
     events.len() - ids.len()
 }
 

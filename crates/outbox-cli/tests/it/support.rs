@@ -256,6 +256,37 @@ pub fn order_violations(events: &[StreamEvent]) -> usize {
     violations
 }
 
+/// Each aggregate's first deliveries in the order written: `step_of` gives
+/// an event id's aggregate and its step (0, 1, … per aggregate, as its
+/// writer counted them), and each event's `outbox` header must satisfy
+/// `header_ok(aggregate, header)`. For fleets, whose tenants' ids are
+/// separate sequences, so `first_delivery_violations` cannot compare them.
+pub fn check_first_steps(
+    events: &[StreamEvent],
+    step_of: impl Fn(&str) -> (String, usize),
+    header_ok: impl Fn(&str, Option<&str>) -> bool,
+) {
+    let mut seen = std::collections::HashSet::new();
+    let mut next: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for e in events {
+        if !seen.insert(e.event_id.as_str()) {
+            continue;
+        }
+        let (aggregate, step) = step_of(&e.event_id);
+        assert!(
+            header_ok(&aggregate, e.outbox.as_deref()),
+            "{aggregate} came with the outbox header {:?}",
+            e.outbox
+        );
+        let expected = next.entry(aggregate.clone()).or_default();
+        assert_eq!(
+            step, *expected,
+            "{aggregate}: step {step} delivered first when {expected} was next"
+        );
+        *expected += 1;
+    }
+}
+
 /// Order violations as a consumer behind an inbox sees them: a re-sent event
 /// is dropped there, so only each event's first delivery counts.
 pub fn first_delivery_violations(events: &[StreamEvent]) -> usize {
