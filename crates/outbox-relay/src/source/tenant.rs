@@ -164,7 +164,7 @@ impl TenantSource {
             max_bytes: i64::try_from(self.config.batch_max_bytes).unwrap_or(i64::MAX),
             scope: ClaimScope::All,
         };
-        let claimed = self.statements.claim(client, &params).await?;
+        let claimed = self.statements.claim_whole_first(client, &params).await?;
         if claimed.rows.is_empty() {
             let session = self.session.take().expect("just set");
             session.client().batch_execute("COMMIT").await?;

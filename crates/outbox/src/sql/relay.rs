@@ -195,6 +195,9 @@ pub struct RelayStatements {
     /// The claim in each [`Shape`], indexed by it, bounded by bytes; then
     /// the same four for one row (see [`claim_params`]).
     claims: Vec<Stmt>,
+    /// The claim of any row that takes a batch only whole, unprepared
+    /// only (see [`RelayStatements::claim_whole_first`]).
+    claim_whole: Option<Stmt>,
     mark_failed: Stmt,
     next_retry: Stmt,
     fetch_payload: Stmt,
@@ -311,6 +314,8 @@ impl OutboxSql {
         )?;
         Ok(RelayStatements {
             claims,
+            // Prepared, every claim is planned once: nothing to save.
+            claim_whole: client.is_none().then(|| Stmt::Unnamed(self.claim_whole.clone())),
             mark_failed,
             next_retry,
             fetch_payload,
@@ -543,6 +548,33 @@ impl RelayStatements {
         } else {
             read.await?
         };
+        self.finish_claim(client, rows, large, unreadable, locked, fence)
+            .await
+    }
+
+    /// Claims as [`RelayStatements::claim`] does, trying first a claim that
+    /// takes the batch only if it fits whole (`WHOLE`), which PostgreSQL
+    /// plans in less than half the time. For unprepared statements, where
+    /// every claim is planned, and for claims whose rows are usually there
+    /// (a fleet claims an outbox once woken): a claim that finds nothing
+    /// runs twice. Prepared, a claim of partitions, a deadline claim or a
+    /// claim of one row is a plain [`RelayStatements::claim`].
+    pub async fn claim_whole_first(
+        &self,
+        client: &Client,
+        p: &ClaimParams<'_>,
+    ) -> Result<ClaimedRows, Error> {
+        let whole = match (&self.claim_whole, &p.scope) {
+            (Some(whole), ClaimScope::All) if p.limit > 1 && !self.spec.deadline => whole,
+            _ => return self.claim(client, p).await,
+        };
+        let (_, params) = claim_params(p, &self.spec);
+        let stream = whole.query_raw(client, params).await?;
+        let (rows, large, unreadable, locked, fence) = read_claim(stream, p).await?;
+        if rows.is_empty() {
+            // Nothing due, or not all of it fits: the byte bound decides.
+            return self.claim(client, p).await;
+        }
         self.finish_claim(client, rows, large, unreadable, locked, fence)
             .await
     }

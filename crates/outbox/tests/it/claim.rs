@@ -244,6 +244,130 @@ async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
     a.batch_execute("COMMIT").await.unwrap();
 }
 
+/// [`RelayStatements::claim_whole_first`] (unprepared, as a fleet claims):
+/// `claim`'s ids and cut flag at every step, whether the batch fits whole
+/// (its leaner claim takes it) or not (compressed or too large: `CUT`
+/// decides, in the same transaction, over rows the first try locked).
+async fn claim_whole_first(c: &Client, s: &RelayStatements, max_bytes: i64) -> (Vec<i64>, bool) {
+    let p = ClaimParams {
+        types: &[],
+        deadline: None,
+        floor: 0,
+        limit: 100,
+        max_bytes,
+        scope: ClaimScope::All,
+    };
+    let claimed = s.claim_whole_first(c, &p).await.unwrap();
+    (claimed.rows.iter().map(|r| r.id).collect(), claimed.cut)
+}
+
+/// Which statement of its transaction (`cmin`, from 0) marked the batch
+/// `claim_whole_first` takes now (in a transaction rolled back): 0 when the
+/// leaner claim took it, 1 when it locked the rows and `CUT` decided.
+async fn marked_by(c: &Client, s: &RelayStatements, max_bytes: i64) -> i64 {
+    s.begin(c).await.unwrap();
+    let p = ClaimParams {
+        types: &[],
+        deadline: None,
+        floor: 0,
+        limit: 100,
+        max_bytes,
+        scope: ClaimScope::All,
+    };
+    assert!(!s.claim_whole_first(c, &p).await.unwrap().rows.is_empty());
+    let command = c
+        .query_one(
+            "SELECT max(cmin::text::int8) FROM outbox WHERE xmin::text = pg_current_xact_id()::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    c.batch_execute("ROLLBACK").await.unwrap();
+    command
+}
+
+#[tokio::test]
+async fn a_claim_tried_whole_first_takes_what_the_byte_bound_takes() {
+    let db = Db::start().await;
+    // As above: six events of about 100 kB, odd ids compressed.
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'orders', 'a' || g, 'E', jsonb_build_object('p', CASE WHEN g % 2 = 1
+                 THEN repeat('x', 100000)
+                 ELSE (SELECT string_agg(md5(g::text || ':' || h), '') FROM generate_series(1, 3125) h) END)
+               FROM generate_series(1, 6) g;",
+        )
+        .await
+        .unwrap();
+    let sql = OutboxSql::new(&Config::default());
+    let (a, b) = (connect(&db.url).await, connect(&db.url).await);
+    let idle = std::time::Duration::from_secs(60);
+    let (sa, sb) = (
+        sql.unprepared_relay(idle).await.unwrap(),
+        sql.unprepared_relay(idle).await.unwrap(),
+    );
+
+    sa.begin(&a).await.unwrap();
+    assert_eq!(claim_whole_first(&a, &sa, 250_000).await, (vec![1, 2], true));
+    sb.begin(&b).await.unwrap();
+    assert_eq!(claim_whole_first(&b, &sb, 250_000).await, (vec![], false));
+    b.batch_execute("ROLLBACK").await.unwrap();
+    a.batch_execute("COMMIT").await.unwrap();
+    sa.begin(&a).await.unwrap();
+    assert_eq!(claim_whole_first(&a, &sa, 1_000).await, (vec![3], true));
+    a.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        marked_by(&a, &sa, 1_000_000).await,
+        1,
+        "compressed: `CUT` decides"
+    );
+    sa.begin(&a).await.unwrap();
+    assert_eq!(
+        claim_whole_first(&a, &sa, 1_000_000).await,
+        (vec![4, 5, 6], false)
+    );
+    a.batch_execute("COMMIT").await.unwrap();
+
+    // Small payloads, stored as they are: whole when they fit, else cut.
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'orders', 'b' || g, 'E', jsonb_build_object('n', g) FROM generate_series(7, 10) g;",
+        )
+        .await
+        .unwrap();
+    assert_eq!(marked_by(&a, &sa, 1_000_000).await, 0, "fits whole: one claim");
+    assert_eq!(marked_by(&a, &sa, 10).await, 1, "too large whole: `CUT` decides");
+    sa.begin(&a).await.unwrap();
+    assert_eq!(claim_whole_first(&a, &sa, 10).await, (vec![7], true));
+    sb.begin(&b).await.unwrap();
+    assert_eq!(
+        claim_whole_first(&b, &sb, 1_000_000).await,
+        (vec![], false),
+        "8 to 10 stay locked"
+    );
+    b.batch_execute("ROLLBACK").await.unwrap();
+    a.batch_execute("COMMIT").await.unwrap();
+    sa.begin(&a).await.unwrap();
+    assert_eq!(
+        claim_whole_first(&a, &sa, 1_000_000).await,
+        (vec![8, 9, 10], false)
+    );
+    sb.begin(&b).await.unwrap();
+    assert_eq!(claim_whole_first(&b, &sb, 1_000_000).await, (vec![], false));
+    b.batch_execute("ROLLBACK").await.unwrap();
+    a.batch_execute("COMMIT").await.unwrap();
+    let marked = db
+        .count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+        .await;
+    assert_eq!(marked, 10, "every row returned is marked, once");
+    sa.begin(&a).await.unwrap();
+    assert_eq!(claim_whole_first(&a, &sa, 1_000_000).await, (vec![], false));
+    a.batch_execute("COMMIT").await.unwrap();
+}
+
 /// A payload over `LARGE_PAYLOAD` is read in pieces and comes back equal,
 /// multibyte characters included, compressed or not.
 #[tokio::test]
