@@ -52,6 +52,7 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
             relay_args.schemas.clone(),
             relay_args.databases.clone(),
             relay_args.fleet_sessions as usize,
+            relay_args.fleet_prepared_claims as usize,
             relay_args.discover_interval,
             relay_args.fleet_split,
         )
@@ -59,12 +60,13 @@ pub(crate) async fn show(layered: Layered) -> anyhow::Result<()> {
     let prepared = relay::prepare(&g, relay_args, file)?;
     // A fleet's outboxes are found, not configured: listing them connects.
     let outboxes = match fleet {
-        Some((schemas, databases, sessions, discover_interval, split)) => {
+        Some((schemas, databases, sessions, prepared_claims, discover_interval, split)) => {
             let config = outbox_relay::fleet::FleetConfig {
                 schemas,
                 listed,
                 databases,
                 sessions,
+                prepared_claims,
                 discover_interval,
                 relay: prepared.config,
                 split,

@@ -51,6 +51,7 @@ pub(crate) async fn run(
             listed: fleet.listed,
             databases: fleet.databases,
             sessions: fleet.sessions,
+            prepared_claims: fleet.prepared_claims,
             discover_interval: fleet.discover_interval,
             relay: config,
             split: fleet.split,

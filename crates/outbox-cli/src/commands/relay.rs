@@ -32,6 +32,7 @@ pub(crate) struct Fleet {
     pub(crate) listed: Vec<outbox_relay::fleet::Listed>,
     pub(crate) databases: Option<String>,
     pub(crate) sessions: usize,
+    pub(crate) prepared_claims: usize,
     pub(crate) discover_interval: Duration,
     pub(crate) split: bool,
 }
@@ -168,6 +169,7 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
             listed,
             databases: args.databases.clone(),
             sessions: args.fleet_sessions as usize,
+            prepared_claims: args.fleet_prepared_claims as usize,
             discover_interval: args.discover_interval,
             split: args.fleet_split,
         };

@@ -360,6 +360,55 @@ async fn a_new_tenant_is_served_within_seconds_and_a_dropped_one_let_go() {
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
+/// An outbox's claim is prepared on its batch session once: after DDL
+/// that PostgreSQL replans it for (a column added) it goes on; after DDL
+/// that changes what it returns (a column's type), its run fails once,
+/// the batch is rolled back and retried with the claim prepared again, and
+/// the event arrives once.
+#[tokio::test]
+async fn a_prepared_claim_follows_its_table_through_ddl() {
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let configs = tenants(&pg, "app_0", 2, true).await;
+    let fleet = start_fleet(&pg, "fleet_a", &redis, &[]).await;
+    let client = pg.connect("app_0").await.unwrap();
+    wait_until("both tenants served", LONG, || async {
+        holders(&client).await.iter().sum::<i64>() == 2
+    })
+    .await;
+    let outbox = Outbox::new(configs[0].clone());
+    let table = configs[0].qualified();
+    let steps = [
+        None,
+        Some(format!("ALTER TABLE {table} ADD COLUMN note text")),
+        Some(format!(
+            "ALTER TABLE {table} ALTER COLUMN event_type TYPE varchar(200)"
+        )),
+    ];
+    for (i, ddl) in steps.iter().enumerate() {
+        if let Some(ddl) = ddl {
+            client.batch_execute(ddl).await.unwrap();
+        }
+        outbox
+            .enqueue(
+                &client,
+                &Event::new("orders", format!("a-{i}"), "Created", json!({})),
+            )
+            .await
+            .unwrap();
+        wait_until("the event delivered", LONG, || async {
+            read_stream(&redis.url(), STREAM).await.len() == i + 1
+        })
+        .await;
+    }
+    let events = read_stream(&redis.url(), STREAM).await;
+    let ids: Vec<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
+    assert_eq!(ids, ["a-0", "a-1", "a-2"], "each once, in order");
+    let lines = stop_fleet(fleet).await;
+    let failed = lines.iter().filter(|l| l.contains("batch failed")).count();
+    assert!(failed <= 1, "the changed claim fails once at most: {lines:#?}");
+}
+
 /// 200 tenants in one database: one fleet process holds its control
 /// session, its listening session and at most --fleet-sessions batch
 /// sessions, and an idle fleet's statements do not grow with the tenants.

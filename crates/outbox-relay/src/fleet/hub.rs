@@ -175,7 +175,7 @@ impl Hub {
         schemas: Option<String>,
         listed: Vec<Listed>,
     ) -> Self {
-        let pool = Pool::new(pg.clone(), shared.config.sessions);
+        let pool = Pool::new(pg.clone(), shared.config.sessions, shared.config.prepared_claims);
         Self {
             shared,
             pg,

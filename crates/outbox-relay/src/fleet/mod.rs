@@ -102,6 +102,9 @@ pub struct FleetConfig {
     pub databases: Option<String>,
     /// Batch sessions per database, shared by its outboxes.
     pub sessions: usize,
+    /// Claims kept prepared per batch session (see [`pool`]); 0 plans
+    /// every claim on each run.
+    pub prepared_claims: usize,
     /// How often each database is searched for outboxes, and the lease of
     /// outboxes between fleet processes balanced.
     pub discover_interval: Duration,
@@ -118,6 +121,10 @@ pub struct FleetConfig {
 
 /// Batch sessions per database by default.
 pub const DEFAULT_SESSIONS: usize = 4;
+/// Claims kept prepared per batch session by default: every outbox's, up to
+/// about 4,000 outboxes per database with the default sessions (each about
+/// 35 kB of a session's memory, measured over 1,000 tenants).
+pub const DEFAULT_PREPARED_CLAIMS: usize = 1024;
 /// How often outboxes are discovered by default.
 pub const DEFAULT_DISCOVER_INTERVAL: Duration = Duration::from_secs(5);
 

@@ -144,18 +144,7 @@ impl TenantSource {
         // The session is the batch's from BEGIN on: a failure below is
         // rolled back by `recover`.
         self.session = Some(lent);
-        let client = self.session.as_ref().expect("just set").client();
-        // Pipelined: one round trip.
-        let (begun, fenced) = tokio::join!(
-            self.statements.begin(client),
-            outbox::sql::fleet::fence(client, self.tenant.key, tag)
-        );
-        begun?;
-        if !fenced? {
-            // Taken over, or let go of since the wake-up: the hub knows.
-            self.roll_back().await?;
-            return Ok(None);
-        }
+        let key = self.tenant.key;
         let params = ClaimParams {
             types: &[],
             deadline: None,
@@ -164,7 +153,39 @@ impl TenantSource {
             max_bytes: i64::try_from(self.config.batch_max_bytes).unwrap_or(i64::MAX),
             scope: ClaimScope::All,
         };
-        let claimed = self.statements.claim_whole_first(client, &params).await?;
+        let session = self.session.as_mut().expect("just set");
+        let prepared = match self.statements.claim_text(&params) {
+            Some(text) => session.prepared_claim(text).await?,
+            None => None,
+        };
+        let client = session.client();
+        // Pipelined: one round trip.
+        let (begun, fenced) = tokio::join!(
+            self.statements.begin(client),
+            outbox::sql::fleet::fence(client, key, tag)
+        );
+        begun?;
+        if !fenced? {
+            // Taken over, or let go of since the wake-up: the hub knows.
+            self.roll_back().await?;
+            return Ok(None);
+        }
+        let claimed = match &prepared {
+            Some(statement) => self.statements.claim_prepared(client, statement, &params).await,
+            None => self.statements.claim_whole_first(client, &params).await,
+        };
+        let claimed = match claimed {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                if let (Some(session), Some(text)) =
+                    (self.session.as_mut(), self.statements.claim_text(&params))
+                {
+                    // Prepared again next time, against the table as it is.
+                    session.forget(text);
+                }
+                return Err(error.into());
+            }
+        };
         if claimed.rows.is_empty() {
             let session = self.session.take().expect("just set");
             session.client().batch_execute("COMMIT").await?;
@@ -207,7 +228,7 @@ impl Source for TenantSource {
             if !self.tenant.served() {
                 continue;
             }
-            let Some(lent) = self.database.pool().lend(cancel).await? else {
+            let Some(lent) = self.database.pool().lend(self.tenant.key, cancel).await? else {
                 return Ok(Claim::Cancelled);
             };
             let tenant = Arc::clone(&self.tenant);

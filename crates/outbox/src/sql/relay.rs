@@ -552,9 +552,41 @@ impl RelayStatements {
             .await
     }
 
+    /// The text of the lock claim `p` needs, for a caller that prepares it
+    /// on a session of its own choosing ([`RelayStatements::claim_prepared`]);
+    /// None for statements prepared here already or made for deadline
+    /// claims.
+    pub fn claim_text(&self, p: &ClaimParams<'_>) -> Option<&str> {
+        if self.spec.deadline {
+            return None;
+        }
+        match &self.claims[claim_params(p, &self.spec).0] {
+            Stmt::Unnamed(text) => Some(text),
+            Stmt::Prepared(_) => None,
+        }
+    }
+
+    /// Claims as [`RelayStatements::claim`] does, through `statement`: the
+    /// text [`RelayStatements::claim_text`] gave for `p`, prepared on
+    /// `client`.
+    pub async fn claim_prepared(
+        &self,
+        client: &Client,
+        statement: &Statement,
+        p: &ClaimParams<'_>,
+    ) -> Result<ClaimedRows, Error> {
+        let (_, params) = claim_params(p, &self.spec);
+        let stream = client
+            .query_raw(statement, params.into_iter().map(|(p, _)| p))
+            .await?;
+        let (rows, large, unreadable, locked, fence) = read_claim(stream, p).await?;
+        self.finish_claim(client, rows, large, unreadable, locked, fence)
+            .await
+    }
+
     /// Claims as [`RelayStatements::claim`] does, trying first a claim that
     /// takes the batch only if it fits whole (`WHOLE`), which PostgreSQL
-    /// plans in less than half the time. For unprepared statements, where
+    /// plans faster. For unprepared statements, where
     /// every claim is planned, and for claims whose rows are usually there
     /// (a fleet claims an outbox once woken): a claim that finds nothing
     /// runs twice. Prepared, a claim of partitions, a deadline claim or a
