@@ -178,29 +178,8 @@ async fn a_batch_of_one_holds_its_partitions_lease_until_it_ends() {
     .unwrap();
 }
 
-/// Ids and cut flag of a claim of any row, at most `limit` rows and
-/// `max_bytes` payload bytes.
-async fn claim_bytes(c: &Client, s: &RelayStatements, limit: i64, max_bytes: i64) -> (Vec<i64>, bool) {
-    let p = ClaimParams {
-        types: &[],
-        deadline: None,
-        floor: 0,
-        limit,
-        max_bytes,
-        scope: ClaimScope::All,
-    };
-    let claimed = s.claim(c, &p).await.unwrap();
-    (claimed.rows.iter().map(|r| r.id).collect(), claimed.cut)
-}
-
-/// The byte bound takes the longest prefix that fits and always the first
-/// row, whether payloads are stored compressed (a repeated string) or not
-/// (hex digits of hashes); rows past the cut stay locked, unmarked, until
-/// the claim's transaction ends, and are claimed next.
-#[tokio::test]
-async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
-    let db = Db::start().await;
-    // Six events of about 100 kB each: odd ids compress, even ids do not.
+/// Six events of about 100 kB each: odd ids compress, even ids do not.
+async fn six_large_events(db: &Db) {
     db.client
         .batch_execute(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -211,6 +190,35 @@ async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
         )
         .await
         .unwrap();
+}
+
+/// A claim of any row, at most `limit` rows and `max_bytes` payload bytes.
+fn any_row(limit: i64, max_bytes: i64) -> ClaimParams<'static> {
+    ClaimParams {
+        types: &[],
+        deadline: None,
+        floor: 0,
+        limit,
+        max_bytes,
+        scope: ClaimScope::All,
+    }
+}
+
+/// Ids and cut flag of a claim of any row, at most `limit` rows and
+/// `max_bytes` payload bytes.
+async fn claim_bytes(c: &Client, s: &RelayStatements, limit: i64, max_bytes: i64) -> (Vec<i64>, bool) {
+    let claimed = s.claim(c, &any_row(limit, max_bytes)).await.unwrap();
+    (claimed.rows.iter().map(|r| r.id).collect(), claimed.cut)
+}
+
+/// The byte bound takes the longest prefix that fits and always the first
+/// row, whether payloads are stored compressed (a repeated string) or not
+/// (hex digits of hashes); rows past the cut stay locked, unmarked, until
+/// the claim's transaction ends, and are claimed next.
+#[tokio::test]
+async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
+    let db = Db::start().await;
+    six_large_events(&db).await;
     let compressed = db
         .count("SELECT count(*) FROM outbox WHERE pg_column_compression(payload) IS NOT NULL")
         .await;
@@ -249,15 +257,7 @@ async fn a_claim_takes_rows_while_their_payloads_fit_and_always_the_first() {
 /// (its leaner claim takes it) or not (compressed or too large: `CUT`
 /// decides, in the same transaction, over rows the first try locked).
 async fn claim_whole_first(c: &Client, s: &RelayStatements, max_bytes: i64) -> (Vec<i64>, bool) {
-    let p = ClaimParams {
-        types: &[],
-        deadline: None,
-        floor: 0,
-        limit: 100,
-        max_bytes,
-        scope: ClaimScope::All,
-    };
-    let claimed = s.claim_whole_first(c, &p).await.unwrap();
+    let claimed = s.claim_whole_first(c, &any_row(100, max_bytes)).await.unwrap();
     (claimed.rows.iter().map(|r| r.id).collect(), claimed.cut)
 }
 
@@ -266,15 +266,8 @@ async fn claim_whole_first(c: &Client, s: &RelayStatements, max_bytes: i64) -> (
 /// leaner claim took it, 1 when it locked the rows and `CUT` decided.
 async fn marked_by(c: &Client, s: &RelayStatements, max_bytes: i64) -> i64 {
     s.begin(c).await.unwrap();
-    let p = ClaimParams {
-        types: &[],
-        deadline: None,
-        floor: 0,
-        limit: 100,
-        max_bytes,
-        scope: ClaimScope::All,
-    };
-    assert!(!s.claim_whole_first(c, &p).await.unwrap().rows.is_empty());
+    let claimed = s.claim_whole_first(c, &any_row(100, max_bytes)).await.unwrap();
+    assert!(!claimed.rows.is_empty());
     let command = c
         .query_one(
             "SELECT max(cmin::text::int8) FROM outbox WHERE xmin::text = pg_current_xact_id()::text",
@@ -290,17 +283,7 @@ async fn marked_by(c: &Client, s: &RelayStatements, max_bytes: i64) -> i64 {
 #[tokio::test]
 async fn a_claim_tried_whole_first_takes_what_the_byte_bound_takes() {
     let db = Db::start().await;
-    // As above: six events of about 100 kB, odd ids compressed.
-    db.client
-        .batch_execute(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'orders', 'a' || g, 'E', jsonb_build_object('p', CASE WHEN g % 2 = 1
-                 THEN repeat('x', 100000)
-                 ELSE (SELECT string_agg(md5(g::text || ':' || h), '') FROM generate_series(1, 3125) h) END)
-               FROM generate_series(1, 6) g;",
-        )
-        .await
-        .unwrap();
+    six_large_events(&db).await;
     let sql = OutboxSql::new(&Config::default());
     let (a, b) = (connect(&db.url).await, connect(&db.url).await);
     let idle = std::time::Duration::from_secs(60);
