@@ -363,7 +363,7 @@ pub(crate) struct RelayArgs {
     pub(crate) fleet_sessions: u32,
     /// With --schemas: claims kept prepared per batch session, one per
     /// outbox, so PostgreSQL plans an outbox's claim once, not at every
-    /// batch (about 200 kB of the session's memory each; the least recently
+    /// batch (about 200 kB of the backend's memory each; the least recently
     /// used is closed first). 0 plans every claim.
     #[arg(help_heading = "Many tenants (a fleet)", long, env = "OUTBOX_FLEET_PREPARED_CLAIMS",
           default_value_t = outbox_relay::fleet::DEFAULT_PREPARED_CLAIMS as u32,
