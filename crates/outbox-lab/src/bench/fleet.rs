@@ -21,8 +21,9 @@
 //!    autovacuum has nothing to do in them;
 //! 2. **latency**: the fleet started and settled, then every tenant gets
 //!    one event per second (N per second in all, spread evenly over the
-//!    second by four writers, one per transaction) for `--fleet-duration`; commit (the row's `created_at`)
-//!    to arrival in the Redis stream, read by the latency phase's consumer;
+//!    second by four writers, one per transaction) for `--fleet-duration`;
+//!    commit (the row's `created_at`) to arrival in the Redis stream, read
+//!    by the latency phase's consumer;
 //! 3. **throughput**: the fleet started on empty outboxes and settled,
 //!    then `--fleet-backlog` events for every tenant committed in one
 //!    transaction, timed until the stream holds them all; the single relay
