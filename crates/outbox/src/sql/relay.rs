@@ -575,12 +575,7 @@ impl RelayStatements {
         statement: &Statement,
         p: &ClaimParams<'_>,
     ) -> Result<ClaimedRows, Error> {
-        let (_, params) = claim_params(p, &self.spec);
-        let stream = client
-            .query_raw(statement, params.into_iter().map(|(p, _)| p))
-            .await?;
-        let (rows, large, unreadable, locked, fence) = read_claim(stream, p).await?;
-        self.finish_claim(client, rows, large, unreadable, locked, fence)
+        self.claim_through(client, &Stmt::Prepared(statement.clone()), p)
             .await
     }
 
@@ -600,13 +595,25 @@ impl RelayStatements {
             (Some(whole), ClaimScope::All) if p.limit > 1 && !self.spec.deadline => whole,
             _ => return self.claim(client, p).await,
         };
-        let (_, params) = claim_params(p, &self.spec);
-        let stream = whole.query_raw(client, params).await?;
-        let (rows, large, unreadable, locked, fence) = read_claim(stream, p).await?;
-        if rows.is_empty() {
+        let claimed = self.claim_through(client, whole, p).await?;
+        if claimed.rows.is_empty() {
             // Nothing due, or not all of it fits: the byte bound decides.
             return self.claim(client, p).await;
         }
+        Ok(claimed)
+    }
+
+    /// A lock claim in the open transaction through `statement`, which
+    /// takes `p`'s parameters as the claim [`claim_params`] picks does.
+    async fn claim_through(
+        &self,
+        client: &Client,
+        statement: &Stmt,
+        p: &ClaimParams<'_>,
+    ) -> Result<ClaimedRows, Error> {
+        let (_, params) = claim_params(p, &self.spec);
+        let stream = statement.query_raw(client, params).await?;
+        let (rows, large, unreadable, locked, fence) = read_claim(stream, p).await?;
         self.finish_claim(client, rows, large, unreadable, locked, fence)
             .await
     }
