@@ -75,6 +75,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         name: "contract_inline",
         template: include_str!("../migrations/outbox/0010_contract_inline.sql"),
     },
+    Migration {
+        version: 11,
+        name: "operations",
+        template: include_str!("../migrations/outbox/0011_operations.sql"),
+    },
 ];
 
 /// The daily-partitioned layout: its own first migration, then the same
@@ -94,6 +99,7 @@ const OUTBOX_DAILY_MIGRATIONS: &[Migration] = &[
     OUTBOX_MIGRATIONS[7],
     OUTBOX_MIGRATIONS[8],
     OUTBOX_MIGRATIONS[9],
+    OUTBOX_MIGRATIONS[10],
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[Migration {
@@ -103,7 +109,7 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
 }];
 
 /// The outbox schema version this binary writes and expects.
-pub const OUTBOX_VERSION: i32 = 10;
+pub const OUTBOX_VERSION: i32 = 11;
 /// The inbox schema version this binary writes and expects.
 pub const INBOX_VERSION: i32 = 1;
 
@@ -163,6 +169,10 @@ impl Target {
                 ("{leases}", config.companion("_leases")?),
                 ("{replays}", config.companion("_replays")?),
                 ("{removed}", config.companion("_removed")?),
+                ("{routes}", config.companion("_routes")?),
+                ("{route_state}", config.companion("_route_state")?),
+                ("{rollup}", config.companion("_rollup")?),
+                ("{audit}", config.companion("_audit")?),
                 ("{tick_fn}", config.companion("_relay_tick")?),
                 ("{name_fn}", config.companion("_is_name")?),
                 ("{headers_fn}", config.companion("_headers_ok")?),
