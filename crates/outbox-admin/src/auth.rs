@@ -1,13 +1,16 @@
 //! Who may see and change what, and the headers every response carries.
 //!
-//! One token guards the console (`--admin-token`). Scripts send it as
-//! `Authorization: Bearer <token>`; browsers post it once to `/login` and get
-//! a session cookie. Without a token the console is read-only (and the CLI
-//! refuses to listen anywhere but loopback).
+//! Named tokens guard the console (`--admin-token`, named `admin`, and the
+//! lines of `--admin-tokens-file`, one per person or script): the name is
+//! who the audit trail says made a change. Scripts send a token as
+//! `Authorization: Bearer <token>`; browsers post it once to `/login` and
+//! get a session cookie that carries its name. Without a token the console
+//! is read-only (and the CLI refuses to listen anywhere but loopback).
 //!
-//! Nothing is stored per session: the cookie is `issued.nonce.tag`, the tag
-//! an HMAC-SHA256 of the rest under a key drawn at startup, so a restart
-//! ends every session and a forged or edited cookie fails the tag. Each
+//! Nothing is stored per session: the cookie is `issued.name.nonce.tag`,
+//! the tag an HMAC-SHA256 of the rest under a key drawn at startup, so a
+//! restart ends every session and a forged or edited cookie fails the tag
+//! (a name cannot be changed without it). Each
 //! session's CSRF token is the HMAC of its nonce under the same key (with
 //! another label): mutations from a browser post it in a hidden field, which
 //! a page of another origin cannot read. Bearer requests carry no ambient
@@ -53,7 +56,10 @@ pub const MIN_TOKEN_LEN: usize = 16;
 pub const CSP: &str = "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; \
                        frame-ancestors 'none'; base-uri 'none'";
 
-/// The admin token, redacted in `Debug`.
+/// The name `--admin-token` signs in as.
+pub const DEFAULT_NAME: &str = "admin";
+
+/// An admin token, redacted in `Debug`.
 #[derive(Clone)]
 pub struct Token(String);
 
@@ -64,6 +70,104 @@ impl Token {
     }
 }
 
+/// A token and the name the audit trail records for what it changes.
+#[derive(Clone, Debug)]
+pub struct NamedToken {
+    /// Who holds it: letters, digits and `_ - @ .`, at most 64.
+    pub name: String,
+    /// The secret.
+    pub token: Token,
+}
+
+/// Why a tokens file was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TokensError {
+    /// A line is not `name token`.
+    #[error(
+        "line {line}: expected `name token` (a name, a space, a token of at least {MIN_TOKEN_LEN} characters)"
+    )]
+    Malformed {
+        /// 1-based.
+        line: usize,
+    },
+    /// A name has characters the audit trail and cookies do not take.
+    #[error("line {line}: name {name:?} must be 1 to 64 letters, digits or `_ - @ .`")]
+    BadName {
+        /// 1-based.
+        line: usize,
+        /// The name as written.
+        name: String,
+    },
+    /// A token is too short to guard a console that requeues events.
+    #[error("line {line}: the token of {name:?} is shorter than {MIN_TOKEN_LEN} characters")]
+    Short {
+        /// 1-based.
+        line: usize,
+        /// Whose token.
+        name: String,
+    },
+    /// Two lines name the same person, or hold the same token.
+    #[error("line {line}: {what} already given on an earlier line")]
+    Duplicate {
+        /// 1-based.
+        line: usize,
+        /// `name "alice"` or `the token of "bob"`.
+        what: String,
+    },
+}
+
+/// Whether `name` may name a token: printable in a log line and an audit
+/// row without quoting, and free of the cookie's separators.
+pub fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '@' | '.'))
+}
+
+/// Parses a tokens file: `name token` per line, blank lines and `#`
+/// comments skipped.
+pub fn parse_tokens(text: &str) -> Result<Vec<NamedToken>, TokensError> {
+    let mut out: Vec<NamedToken> = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        let trimmed = raw.trim();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        let mut parts = trimmed.split_whitespace();
+        let (Some(name), Some(token), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(TokensError::Malformed { line });
+        };
+        if !valid_name(name) {
+            return Err(TokensError::BadName {
+                line,
+                name: name.to_owned(),
+            });
+        }
+        let Some(token) = Token::new(token.to_owned()) else {
+            return Err(TokensError::Short {
+                line,
+                name: name.to_owned(),
+            });
+        };
+        if let Some(other) = out.iter().find(|t| t.name == name || t.token.0 == token.0) {
+            let what = if other.name == name {
+                format!("name {name:?}")
+            } else {
+                format!("the token of {:?}", other.name)
+            };
+            return Err(TokensError::Duplicate { line, what });
+        }
+        out.push(NamedToken {
+            name: name.to_owned(),
+            token,
+        });
+    }
+    Ok(out)
+}
+
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Token(<redacted>)")
@@ -72,9 +176,9 @@ impl fmt::Debug for Token {
 
 /// The secrets of one console process.
 pub(crate) struct Auth {
-    /// The HMAC of the token under `key`, which a presented token's HMAC
-    /// must equal; None: no token, read-only.
-    token_tag: Option<Vec<u8>>,
+    /// Each token's name and HMAC under `key`, which a presented token's
+    /// HMAC must equal; empty: no token, read-only.
+    tokens: Vec<(String, Vec<u8>)>,
     key: [u8; 32],
     secure_cookie: bool,
 }
@@ -85,14 +189,19 @@ pub(crate) enum Access {
     /// No token is configured: anyone who reaches the console reads,
     /// nobody changes anything.
     ReadOnly,
-    /// The right bearer token.
-    Bearer,
+    /// A right bearer token, and whose it is.
+    Bearer {
+        /// The token's name.
+        who: String,
+    },
     /// A browser session; its mutations need [`Auth::csrf`] of `session`.
     Session {
         /// The signed part of the cookie.
         session: String,
         /// The CSRF token its forms carry.
         csrf: String,
+        /// The name of the token it signed in with.
+        who: String,
     },
 }
 
@@ -101,7 +210,7 @@ impl Access {
     pub(crate) fn csrf(&self) -> &str {
         match self {
             Access::Session { csrf, .. } => csrf,
-            Access::ReadOnly | Access::Bearer => "",
+            Access::ReadOnly | Access::Bearer { .. } => "",
         }
     }
 
@@ -110,35 +219,52 @@ impl Access {
         !matches!(self, Access::ReadOnly)
     }
 
-    /// Who did it, for the log line of a mutation.
-    pub(crate) fn who(&self) -> &'static str {
+    /// Who did it, for the audit trail and the log line of a mutation:
+    /// the token's name.
+    pub(crate) fn who(&self) -> &str {
         match self {
             Access::ReadOnly => "anonymous",
-            Access::Bearer => "bearer token",
+            Access::Bearer { who } | Access::Session { who, .. } => who,
+        }
+    }
+
+    /// How the request proved it, for the log line of a mutation.
+    pub(crate) fn via(&self) -> &'static str {
+        match self {
+            Access::ReadOnly => "no token",
+            Access::Bearer { .. } => "bearer token",
             Access::Session { .. } => "browser session",
         }
     }
 }
 
 impl Auth {
-    pub(crate) fn new(token: Option<Token>, secure_cookie: bool) -> Auth {
+    pub(crate) fn new(tokens: Vec<NamedToken>, secure_cookie: bool) -> Auth {
         let key: [u8; 32] = rand::random();
-        let token_tag = token.map(|t| mac(&key, b"token", t.0.as_bytes()));
+        let tokens = tokens
+            .into_iter()
+            .map(|t| (t.name, mac(&key, b"token", t.token.0.as_bytes())))
+            .collect();
         Auth {
-            token_tag,
+            tokens,
             key,
             secure_cookie,
         }
     }
 
-    /// Whether `presented` is the token, in constant time.
-    fn is_token(&self, presented: &str) -> bool {
-        let Some(expected) = &self.token_tag else {
-            return false;
-        };
-        keyed(&self.key, b"token", presented.as_bytes())
-            .verify_slice(expected)
-            .is_ok()
+    /// Whether any token is configured (else the console is read-only).
+    fn guarded(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// Whose token `presented` is, comparing with every token in constant
+    /// time.
+    fn token_name(&self, presented: &str) -> Option<&str> {
+        let found = keyed(&self.key, b"token", presented.as_bytes());
+        self.tokens
+            .iter()
+            .find(|(_, tag)| found.clone().verify_slice(tag).is_ok())
+            .map(|(name, _)| name.as_str())
     }
 
     fn sign(&self, session: &str) -> Vec<u8> {
@@ -150,24 +276,32 @@ impl Auth {
         B64.encode(mac(&self.key, b"csrf", session.as_bytes()))
     }
 
-    /// A fresh session cookie's value.
-    fn new_session(&self) -> String {
+    /// A fresh session cookie's value for the token named `who`.
+    fn new_session(&self, who: &str) -> String {
         let nonce: [u8; 18] = rand::random();
-        let session = format!("{}.{}", Utc::now().timestamp(), B64.encode(nonce));
+        let session = format!(
+            "{}.{}.{}",
+            Utc::now().timestamp(),
+            B64.encode(who),
+            B64.encode(nonce)
+        );
         format!("{session}.{}", B64.encode(self.sign(&session)))
     }
 
-    /// The session a cookie value proves, if its tag holds and it has not
-    /// expired.
-    fn session(&self, cookie: &str) -> Option<String> {
+    /// The session a cookie value proves and whose it is, if its tag holds,
+    /// it has not expired and its token is still configured.
+    fn session(&self, cookie: &str) -> Option<(String, String)> {
         let (session, tag) = cookie.rsplit_once('.')?;
         let tag = B64.decode(tag).ok()?;
         keyed(&self.key, b"session", session.as_bytes())
             .verify_slice(&tag)
             .ok()?;
-        let issued: i64 = session.split_once('.')?.0.parse().ok()?;
+        let mut parts = session.splitn(3, '.');
+        let issued: i64 = parts.next()?.parse().ok()?;
+        let who = String::from_utf8(B64.decode(parts.next()?).ok()?).ok()?;
         let age = Utc::now().timestamp() - issued;
-        (0..SESSION_SECONDS).contains(&age).then(|| session.to_owned())
+        let known = self.tokens.iter().any(|(name, _)| *name == who);
+        ((0..SESSION_SECONDS).contains(&age) && known).then(|| (session.to_owned(), who))
     }
 
     /// Whether a posted CSRF token is the session's, in constant time.
@@ -213,20 +347,26 @@ pub(crate) async fn guard(
     if path == "/login" || path == "/admin.css" {
         return next.run(request).await;
     }
-    let access = if auth.token_tag.is_none() {
+    let api = path.starts_with("/api/") || path.contains("/api/");
+    let access = if !auth.guarded() {
         Some(Access::ReadOnly)
     } else if let Some(bearer) = bearer(&request) {
-        if !auth.is_token(bearer) {
+        let Some(who) = auth.token_name(bearer) else {
             tracing::warn!(path, "admin: wrong bearer token");
-            return (StatusCode::UNAUTHORIZED, "wrong token\n").into_response();
-        }
-        Some(Access::Bearer)
+            return if api {
+                crate::api::problem(StatusCode::UNAUTHORIZED, "wrong token")
+            } else {
+                (StatusCode::UNAUTHORIZED, "wrong token\n").into_response()
+            };
+        };
+        Some(Access::Bearer { who: who.to_owned() })
     } else {
         cookie(&request)
             .and_then(|c| auth.session(c))
-            .map(|session| Access::Session {
+            .map(|(session, who)| Access::Session {
                 csrf: auth.csrf(&session),
                 session,
+                who,
             })
     };
     match access {
@@ -234,6 +374,10 @@ pub(crate) async fn guard(
             request.extensions_mut().insert(access);
             next.run(request).await
         }
+        None if api => crate::api::problem(
+            StatusCode::UNAUTHORIZED,
+            "this console needs a token: send Authorization: Bearer <token>",
+        ),
         None => login_form(StatusCode::UNAUTHORIZED, None),
     }
 }
@@ -247,7 +391,7 @@ pub(crate) fn refusal(auth: &Auth, frame: &view::Frame, access: &Access, form: &
         Access::ReadOnly => Some(refuse(
             "This console is read-only: start `outbox admin` with --admin-token (or OUTBOX_ADMIN_TOKEN) to requeue or give up on dead letters.",
         )),
-        Access::Bearer => None,
+        Access::Bearer { .. } => None,
         Access::Session { session, .. } => {
             if auth.csrf_holds(session, form.get("csrf").unwrap_or("")) {
                 None
@@ -281,7 +425,7 @@ fn cookie(request: &Request) -> Option<&str> {
 
 /// `GET /login`.
 pub(crate) async fn login_page(State(auth): State<std::sync::Arc<Auth>>) -> Response {
-    if auth.token_tag.is_none() {
+    if !auth.guarded() {
         return Redirect::to("/").into_response();
     }
     login_form(StatusCode::OK, None)
@@ -302,16 +446,16 @@ fn login_form(status: StatusCode, problem: Option<&str>) -> Response {
 
 /// `POST /login`: the token from the form; a session cookie if it is right.
 pub(crate) async fn login(State(auth): State<std::sync::Arc<Auth>>, body: axum::body::Bytes) -> Response {
-    if auth.token_tag.is_none() {
+    if !auth.guarded() {
         return Redirect::to("/").into_response();
     }
     let form = Params::parse(&body);
-    if !auth.is_token(form.get("token").unwrap_or("")) {
+    let Some(who) = auth.token_name(form.get("token").unwrap_or("")) else {
         tracing::warn!("admin: sign-in with a wrong token");
         return login_form(StatusCode::UNAUTHORIZED, Some("Wrong token."));
-    }
-    tracing::info!("admin: browser session started");
-    let cookie = auth.cookie(&auth.new_session(), SESSION_SECONDS);
+    };
+    tracing::info!(who, "admin: browser session started");
+    let cookie = auth.cookie(&auth.new_session(who), SESSION_SECONDS);
     let mut response = Redirect::to("/").into_response();
     if let Ok(value) = HeaderValue::from_str(&cookie) {
         response.headers_mut().insert(header::SET_COOKIE, value);
@@ -364,17 +508,22 @@ mod tests {
     use super::*;
 
     fn auth() -> Auth {
-        Auth::new(Token::new("0123456789abcdef".into()), false)
+        let tokens =
+            parse_tokens("admin 0123456789abcdef\n# a comment\n\nalice@example.com fedcba9876543210\n")
+                .unwrap();
+        Auth::new(tokens, false)
     }
 
     #[test]
     fn tokens_sessions_and_csrf_tokens_verify_and_forgeries_do_not() {
         let a = auth();
-        assert!(a.is_token("0123456789abcdef"));
-        assert!(!a.is_token("0123456789abcdeF"));
-        assert!(!a.is_token(""));
-        let cookie = a.new_session();
-        let session = a.session(&cookie).expect("a fresh cookie holds");
+        assert_eq!(a.token_name("0123456789abcdef"), Some("admin"));
+        assert_eq!(a.token_name("fedcba9876543210"), Some("alice@example.com"));
+        assert_eq!(a.token_name("0123456789abcdeF"), None);
+        assert_eq!(a.token_name(""), None);
+        let cookie = a.new_session("alice@example.com");
+        let (session, who) = a.session(&cookie).expect("a fresh cookie holds");
+        assert_eq!(who, "alice@example.com");
         assert!(a.csrf_holds(&session, &a.csrf(&session)));
         assert!(!a.csrf_holds(&session, ""));
         assert!(!a.csrf_holds(&session, &a.csrf("1.other")));
@@ -385,11 +534,56 @@ mod tests {
             a.session(&format!("{}.{rest}", issued.parse::<i64>().unwrap() + 1))
                 .is_none()
         );
-        let old = format!("{}.nonce", Utc::now().timestamp() - SESSION_SECONDS - 1);
+        let old = format!(
+            "{}.{}.nonce",
+            Utc::now().timestamp() - SESSION_SECONDS - 1,
+            B64.encode("admin")
+        );
         assert!(
             a.session(&format!("{old}.{}", B64.encode(a.sign(&old))))
                 .is_none()
         );
+    }
+
+    #[test]
+    fn a_session_of_a_name_no_token_has_is_refused() {
+        let a = auth();
+        let session = format!("{}.{}.nonce", Utc::now().timestamp(), B64.encode("mallory"));
+        assert!(
+            a.session(&format!("{session}.{}", B64.encode(a.sign(&session))))
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn tokens_files_are_checked_line_by_line() {
+        assert_eq!(
+            parse_tokens("alice short").unwrap_err(),
+            TokensError::Short {
+                line: 1,
+                name: "alice".into()
+            }
+        );
+        assert_eq!(
+            parse_tokens("\nalice").unwrap_err(),
+            TokensError::Malformed { line: 2 }
+        );
+        assert_eq!(
+            parse_tokens("al ice 0123456789abcdef").unwrap_err(),
+            TokensError::Malformed { line: 1 }
+        );
+        assert!(matches!(
+            parse_tokens("a/b 0123456789abcdef"),
+            Err(TokensError::BadName { line: 1, .. })
+        ));
+        assert!(matches!(
+            parse_tokens("a 0123456789abcdef\nb 0123456789abcdef"),
+            Err(TokensError::Duplicate { line: 2, .. })
+        ));
+        assert!(matches!(
+            parse_tokens("a 0123456789abcdef\na 0123456789abcdeX"),
+            Err(TokensError::Duplicate { line: 2, .. })
+        ));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The console's one PostgreSQL connection, shared by every request
 //! (tokio-postgres pipelines concurrent queries on it) and reopened on the
 //! next request after it drops, so a PostgreSQL restart costs one failed
-//! page, not the console.
+//! page, not the console; and a connection of its own for each change.
 
 use std::sync::{Arc, Mutex};
 
@@ -34,6 +34,14 @@ impl Db {
         let client = Arc::new(outbox_relay::pg::connect_once(&self.config).await?);
         *self.lock() = Some(Arc::clone(&client));
         Ok(client)
+    }
+
+    /// A connection of its own, for a change and its audit row in one
+    /// transaction: the shared one pipelines every request's statements, so
+    /// a transaction on it would take in other requests' statements.
+    /// Changes are rare; the connection is closed when it is dropped.
+    pub(crate) async fn own(&self) -> Result<Client, tokio_postgres::Error> {
+        outbox_relay::pg::connect_once(&self.config).await
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Arc<Client>>> {

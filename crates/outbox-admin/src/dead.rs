@@ -20,6 +20,7 @@ use chrono::{DateTime, Utc};
 use maud::{Markup, html};
 use outbox::sql::{DeadFilter, DeadPage};
 
+use crate::actions;
 use crate::auth::{self, Access};
 use crate::form::Params;
 use crate::overview::query;
@@ -30,8 +31,8 @@ const MAX_PAGE: i64 = 500;
 
 /// Which dead letters an action or a page is about.
 #[derive(Debug, Default)]
-struct Selection {
-    ids: Vec<i64>,
+pub(crate) struct Selection {
+    pub(crate) ids: Vec<i64>,
     aggregate_type: Option<String>,
     event_type: Option<String>,
     error: Option<String>,
@@ -42,7 +43,7 @@ struct Selection {
 impl Selection {
     /// The filters of a form: `older_than`/`newer_than` are ages
     /// (humantime, `5m`), `dead_before`/`dead_after` instants (RFC 3339).
-    fn filters(p: &Params, now: DateTime<Utc>) -> Result<Selection, String> {
+    pub(crate) fn filters(p: &Params, now: DateTime<Utc>) -> Result<Selection, String> {
         let age = |key: &str| -> Result<Option<DateTime<Utc>>, String> {
             p.get(key)
                 .map(|v| {
@@ -76,7 +77,7 @@ impl Selection {
     }
 
     /// The checked rows of a form.
-    fn selected(p: &Params) -> Result<Selection, String> {
+    pub(crate) fn selected(p: &Params) -> Result<Selection, String> {
         let ids = p
             .all("id")
             .map(|v| v.parse::<i64>().map_err(|_| format!("id {v:?} is not a row id")))
@@ -90,7 +91,21 @@ impl Selection {
         })
     }
 
-    fn filter(&self) -> DeadFilter<'_> {
+    /// For the audit trail: the ids, or the filters with instants.
+    pub(crate) fn detail(&self) -> serde_json::Value {
+        if !self.ids.is_empty() {
+            return serde_json::json!({ "ids": self.ids });
+        }
+        serde_json::json!({
+            "aggregate_type": self.aggregate_type,
+            "event_type": self.event_type,
+            "error": self.error,
+            "dead_before": self.dead_before.map(|t| t.to_rfc3339()),
+            "dead_after": self.dead_after.map(|t| t.to_rfc3339()),
+        })
+    }
+
+    pub(crate) fn filter(&self) -> DeadFilter<'_> {
         DeadFilter {
             ids: (!self.ids.is_empty()).then_some(self.ids.as_slice()),
             aggregate_type: self.aggregate_type.as_deref(),
@@ -115,7 +130,7 @@ impl Selection {
 
     /// For people and the log: `ids [1, 2]`, `aggregate type "orders",
     /// error containing "422"`, or `every dead letter`.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let mut parts = Vec::new();
         if !self.ids.is_empty() {
             parts.push(format!("ids {:?}", self.ids));
@@ -291,6 +306,12 @@ pub(crate) async fn list(
             }
             @if let Some(next) = next { p { a #next-page href=(next) { "Next page →" } } }
         }
+        h2 { "Purge given-up dead letters" }
+        form.filters #purge method="get" action=(state.frame.href("/dead/purge")) {
+            label { "given up on more than" input name="older_than" placeholder="30d" value="30d"; }
+            button.secondary type="submit" { "Count…" }
+            span.muted { "the next page counts them; nothing is deleted before you confirm" }
+        }
     };
     Ok(view::layout("Dead letters", &access, &state.frame, body).into_response())
 }
@@ -390,44 +411,13 @@ pub(crate) async fn requeue(
         Ok(s) => s,
         Err(message) => return Ok(bad_request(&state, &access, &message)),
     };
-    let client = state
-        .db
-        .client()
-        .await
-        .map_err(|e| Failure("connecting to PostgreSQL".into(), e))?;
-    let n = state
-        .sql
-        .requeue_dead(&*client, &selection.filter())
-        .await
-        .map_err(|e| Failure("requeueing dead letters".into(), e))?;
-    // Requeued rows produce no INSERT, so wake the relays explicitly.
-    wake_relays(&state, &client, n).await?;
-    tracing::info!(
-        action = "requeue",
-        outbox = %state.outbox.display_name(),
-        requeued = n,
-        selection = %selection.describe(),
-        by = access.who(),
-        "admin: requeued {}", view::dead_letters(n)
-    );
+    let n = actions::requeue(&state, access.who(), &selection).await?.rows;
     Ok(done(
         &state,
         &access,
+        n,
         &format!("Requeued {} ({}).", view::dead_letters(n), selection.describe()),
     ))
-}
-
-/// After an action that changed `n` rows, NOTIFY the relays as the insert
-/// trigger would.
-async fn wake_relays(state: &crate::State, client: &tokio_postgres::Client, n: u64) -> Result<(), Failure> {
-    if n > 0 {
-        state
-            .sql
-            .notify(client, state.outbox.channel.as_str())
-            .await
-            .map_err(|e| Failure("notifying relays".into(), e))?;
-    }
-    Ok(())
 }
 
 /// `POST /dead/give-up`.
@@ -444,37 +434,119 @@ pub(crate) async fn give_up(
         Ok(s) => s,
         Err(message) => return Ok(bad_request(&state, &access, &message)),
     };
+    // The aggregates' later events may be claimable now: the change
+    // notifies the relays.
+    let n = actions::give_up(&state, access.who(), &selection).await?.rows;
+    Ok(done(
+        &state,
+        &access,
+        n,
+        &format!("Gave up on {} ({}).", view::dead_letters(n), selection.describe()),
+    ))
+}
+
+/// The result of a change of `n` rows: 404 when nothing matched any more,
+/// as the CLI exits 1 then, so a script posting the form can tell.
+fn done(state: &crate::AppState, access: &Access, n: u64, message: &str) -> Response {
+    let status = if n == 0 {
+        StatusCode::NOT_FOUND
+    } else {
+        StatusCode::OK
+    };
+    let body = html! {
+        p.message #result { (message) }
+        p {
+            a href=(state.frame.href("/")) { "Overview" } " · "
+            a href=(state.frame.href("/dead")) { "Dead letters" } " · "
+            a href=(state.frame.href("/audit")) { "Audit trail" }
+        }
+    };
+    (status, view::layout("Done", access, &state.frame, body)).into_response()
+}
+
+/// The purge form's age: whole days (`30`), or a humantime age (`12h`).
+pub(crate) fn purge_age(v: Option<&str>) -> Result<std::time::Duration, String> {
+    let v = v.ok_or("older_than is required: how long ago the rows were given up on (e.g. 30d)")?;
+    let parsed = match v.parse::<u64>() {
+        Ok(days) => Ok(std::time::Duration::from_secs(days.saturating_mul(86_400))),
+        Err(_) => humantime::parse_duration(v),
+    };
+    parsed.map_err(|e| format!("older_than {v:?}: {e} (e.g. 30d, 12h)"))
+}
+
+/// `GET /dead/purge?older_than=30d`: the dry run of a purge of given-up
+/// dead letters, and the form that does it with the cutoff fixed.
+pub(crate) async fn purge_confirm(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, Failure> {
+    let p = Params::query(raw.as_deref());
+    let age = match purge_age(p.get("older_than")) {
+        Ok(age) => age,
+        Err(message) => return Ok(bad_request(&state, &access, &message)),
+    };
     let client = state
         .db
         .client()
         .await
         .map_err(|e| Failure("connecting to PostgreSQL".into(), e))?;
-    let n = state
+    let count = state
         .sql
-        .give_up(&*client, &selection.ids)
+        .count_purge_given_up(&*client, age)
         .await
-        .map_err(|e| Failure("giving up on dead letters".into(), e))?;
-    // The aggregates' later events may be claimable now.
-    wake_relays(&state, &client, n).await?;
-    tracing::info!(
-        action = "give-up",
-        outbox = %state.outbox.display_name(),
-        given_up = n,
-        selection = %selection.describe(),
-        by = access.who(),
-        "admin: gave up on {}", view::dead_letters(n)
-    );
+        .map_err(|e| Failure("counting given-up dead letters".into(), e))?;
+    let before = Utc::now() - chrono::Duration::from_std(age).unwrap_or(chrono::Duration::MAX);
+    let body = html! {
+        p.message #dry-run { (view::dead_letters(count)) " given up on before " (view::instant(before)) " will be deleted." }
+        p.muted { "Deleted rows are gone: their payloads cannot be requeued or inspected any more. The audit trail records who purged how many." }
+        @if !access.may_change() {
+            p.error { "This console is read-only: start `outbox admin` with --admin-token to do this." }
+        } @else if count > 0 {
+            form #purge-form method="post" action=(state.frame.href("/dead/purge")) {
+                input type="hidden" name="csrf" value=(access.csrf());
+                input type="hidden" name="before" value=(before.to_rfc3339());
+                div.actions {
+                    button.danger #confirm type="submit" { "Yes, delete " (view::dead_letters(count)) }
+                    a href=(state.frame.href("/dead")) { "Cancel" }
+                }
+            }
+        }
+        p { a href=(state.frame.href("/dead")) { "Back to the dead letters" } }
+    };
+    Ok(view::layout("Purge given-up dead letters?", &access, &state.frame, body).into_response())
+}
+
+/// `POST /dead/purge`: deletes what the dry run counted (`before`, an
+/// instant), plus rows given up on in between that are older than it.
+pub(crate) async fn purge(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+    body: axum::body::Bytes,
+) -> Result<Response, Failure> {
+    let p = Params::parse(&body);
+    if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
+        return Ok(refused);
+    }
+    let before = match p.get("before").map(DateTime::parse_from_rfc3339) {
+        Some(Ok(t)) => t.with_timezone(&Utc),
+        _ => {
+            return Ok(bad_request(
+                &state,
+                &access,
+                "before must be an RFC 3339 instant: open the purge's dry run from the dead-letter list",
+            ));
+        }
+    };
+    let n = actions::purge(&state, access.who(), before).await?.rows;
     Ok(done(
         &state,
         &access,
-        &format!("Gave up on {} ({}).", view::dead_letters(n), selection.describe()),
+        n,
+        &format!(
+            "Deleted {} given up on before {}.",
+            view::dead_letters(n),
+            view::instant(before)
+        ),
     ))
-}
-
-fn done(state: &crate::AppState, access: &Access, message: &str) -> Response {
-    let body = html! {
-        p.message #result { (message) }
-        p { a href=(state.frame.href("/")) { "Overview" } " · " a href=(state.frame.href("/dead")) { "Dead letters" } }
-    };
-    view::layout("Done", access, &state.frame, body).into_response()
 }

@@ -50,10 +50,27 @@ pub(crate) struct FleetState {
 pub(crate) fn routes(state: Arc<FleetState>) -> axum::Router {
     axum::Router::new()
         .route("/", get(list))
+        .route("/pick", get(pick))
         .route("/o/{schema}", axum::routing::any(outbox_pages))
         .route("/o/{schema}/", axum::routing::any(outbox_pages))
         .route("/o/{schema}/{*rest}", axum::routing::any(outbox_pages))
         .with_state(state)
+}
+
+/// `GET /pick?schema=…`: the picker in every page's header opens that
+/// tenant's outbox (its pages check the schema, so a wrong one is 404).
+async fn pick(axum::extract::RawQuery(raw): axum::extract::RawQuery) -> Response {
+    let p = crate::form::Params::query(raw.as_deref());
+    match p.get("schema") {
+        Some(schema) => {
+            let path = format!(
+                "/o/{}/",
+                url::form_urlencoded::byte_serialize(schema.as_bytes()).collect::<String>()
+            );
+            axum::response::Redirect::to(&path).into_response()
+        }
+        None => axum::response::Redirect::to("/").into_response(),
+    }
 }
 
 /// One row of the list.
@@ -295,17 +312,17 @@ async fn outbox_pages(State(state): State<Arc<FleetState>>, request: Request) ->
     let Ok(uri) = inner.parse::<Uri>() else {
         return not_found(format!("{inner:?} is not a page."));
     };
-    let app = Arc::new(crate::AppState {
-        db: Arc::clone(&state.db),
-        sql: outbox::sql::OutboxSql::new(&config),
-        auth: Arc::clone(&state.auth),
-        frame: Frame {
-            label: config.display_name(),
-            base: Some(format!("/o/{schema}")),
-            fleet: true,
-        },
-        outbox: config,
-    });
+    let frame = Frame {
+        label: config.display_name(),
+        base: Some(format!("/o/{schema}")),
+        fleet: true,
+    };
+    let app = Arc::new(crate::AppState::new(
+        Arc::clone(&state.db),
+        Arc::clone(&state.auth),
+        config,
+        frame,
+    ));
     let (mut parts, body) = request.into_parts();
     parts.uri = uri;
     match crate::pages(app).oneshot(Request::from_parts(parts, body)).await {

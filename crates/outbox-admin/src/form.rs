@@ -11,6 +11,11 @@ impl Params {
         Params(url::form_urlencoded::parse(raw).into_owned().collect())
     }
 
+    /// Pairs built by the server (the JSON API's bodies), read as a form.
+    pub(crate) fn from_pairs(pairs: Vec<(String, String)>) -> Params {
+        Params(pairs)
+    }
+
     pub(crate) fn query(raw: Option<&str>) -> Params {
         Params::parse(raw.unwrap_or("").as_bytes())
     }

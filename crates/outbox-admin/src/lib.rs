@@ -10,6 +10,7 @@
 //! | `overview` | backlog per aggregate type, throughput chart, dead letters per error, relays |
 //! | `dead` | the dead-letter list and its actions: requeue and give up, each after a dry run |
 //! | `story` | one event and why it is where it is |
+//! | `events` | every event by state and filters, one aggregate's history, and their JSON twins |
 //! | `view` | the page layout, shared snippets, durations and instants |
 //! | `chart` | the throughput bars as inline SVG drawn by the server |
 //!
@@ -33,17 +34,23 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+mod actions;
+mod api;
+mod audit;
 pub mod auth;
 mod chart;
 mod db;
 mod dead;
+mod events;
 mod fleet;
 mod form;
 mod overview;
+mod replays;
+mod routes;
 mod story;
 mod view;
 
-pub use auth::Token;
+pub use auth::{NamedToken, Token};
 
 /// What the console serves and how it guards it.
 #[derive(Debug)]
@@ -52,8 +59,9 @@ pub struct Admin {
     pub pg: outbox_relay::pg::PgConfig,
     /// Which outbox table, or which tenant outboxes.
     pub scope: Scope,
-    /// The token mutations (and, when set, every page) need. None: read-only.
-    pub token: Option<Token>,
+    /// The tokens mutations (and, when any is set, every page) need, each
+    /// with the name the audit trail records. Empty: read-only.
+    pub tokens: Vec<NamedToken>,
     /// Whether the session cookie gets `Secure` (false on a loopback
     /// address, where tests and SSH tunnels speak plain HTTP).
     pub secure_cookie: bool,
@@ -90,10 +98,39 @@ pub(crate) struct AppState {
     /// Shared by every outbox of a fleet: one connection per console.
     pub(crate) db: Arc<db::Db>,
     pub(crate) sql: outbox::sql::OutboxSql,
+    pub(crate) events: outbox::sql::EventsSql,
+    pub(crate) audit: outbox::sql::AuditSql,
+    /// None when the table's name is too long for the jobs table's (its
+    /// migration would have failed, so there is no outbox to show).
+    pub(crate) replays: Option<outbox::sql::ReplaySql>,
+    /// As `replays`.
+    pub(crate) routes: Option<outbox::sql::RouteSql>,
     pub(crate) outbox: outbox::Config,
     /// Shared by every outbox of a fleet: one session signs in to all.
     pub(crate) auth: Arc<auth::Auth>,
     pub(crate) frame: view::Frame,
+}
+
+impl AppState {
+    /// The statements and frame of one outbox's pages.
+    pub(crate) fn new(
+        db: Arc<db::Db>,
+        auth: Arc<auth::Auth>,
+        outbox: outbox::Config,
+        frame: view::Frame,
+    ) -> AppState {
+        AppState {
+            db,
+            sql: outbox::sql::OutboxSql::new(&outbox),
+            events: outbox::sql::EventsSql::new(&outbox),
+            audit: outbox::sql::AuditSql::new(&outbox),
+            replays: outbox::sql::ReplaySql::new(&outbox).ok(),
+            routes: outbox::sql::RouteSql::new(&outbox).ok(),
+            outbox,
+            auth,
+            frame,
+        }
+    }
 }
 
 pub(crate) type State = Arc<AppState>;
@@ -102,19 +139,16 @@ pub(crate) type State = Arc<AppState>;
 /// flight finish.
 pub async fn serve(admin: Admin, listener: TcpListener, cancel: CancellationToken) -> Result<(), Error> {
     let db = Arc::new(db::Db::new(admin.pg));
-    let auth = Arc::new(auth::Auth::new(admin.token, admin.secure_cookie));
+    let auth = Arc::new(auth::Auth::new(admin.tokens, admin.secure_cookie));
     let pages = match admin.scope {
-        Scope::One(outbox) => pages(Arc::new(AppState {
-            frame: view::Frame {
+        Scope::One(outbox) => {
+            let frame = view::Frame {
                 label: outbox.display_name(),
                 base: Some(String::new()),
                 fleet: false,
-            },
-            db,
-            sql: outbox::sql::OutboxSql::new(&outbox),
-            outbox,
-            auth: Arc::clone(&auth),
-        })),
+            };
+            pages(Arc::new(AppState::new(db, Arc::clone(&auth), outbox, frame)))
+        }
         Scope::Fleet { schemas, template } => fleet::routes(Arc::new(fleet::FleetState {
             db,
             auth: Arc::clone(&auth),
@@ -136,7 +170,31 @@ fn pages(state: State) -> Router {
         .route("/dead/confirm", get(dead::confirm))
         .route("/dead/requeue", post(dead::requeue))
         .route("/dead/give-up", post(dead::give_up))
+        .route("/dead/purge", get(dead::purge_confirm).post(dead::purge))
         .route("/event", get(story::page))
+        .route("/events", get(events::list))
+        .route("/aggregate", get(events::aggregate))
+        .route("/api/events", get(events::api_list))
+        .route("/api/aggregate", get(events::api_aggregate))
+        .route("/replays", get(replays::page))
+        .route("/routes", get(routes::page))
+        .route("/routes/confirm", get(routes::confirm))
+        .route("/routes/pause", post(routes::pause))
+        .route("/routes/resume", post(routes::resume))
+        .route("/api/routes", get(api::routes))
+        .route("/api/routes/pause", post(api::pause))
+        .route("/api/routes/resume", post(api::resume))
+        .route("/audit", get(audit::page))
+        .route("/api/whoami", get(api::whoami))
+        .route("/api/overview", get(api::overview))
+        .route("/api/dead", get(api::dead))
+        .route("/api/dead/requeue", post(api::requeue))
+        .route("/api/dead/give-up", post(api::give_up))
+        .route("/api/dead/purge", post(api::purge))
+        .route("/api/event", get(api::event))
+        .route("/api/replays", get(api::replays))
+        .route("/api/audit", get(api::audit))
+        .fallback(api::not_found)
         .with_state(state)
 }
 

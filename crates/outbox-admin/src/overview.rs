@@ -6,7 +6,7 @@
 //! WAL and lag.
 
 use axum::Extension;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use maud::html;
 
@@ -14,7 +14,7 @@ use crate::auth::Access;
 use crate::view::{self, Failure};
 
 /// The chart's buckets: 60 of 10 s, the last ten minutes.
-const THROUGHPUT: outbox::sql::Throughput = outbox::sql::Throughput {
+pub(crate) const THROUGHPUT: outbox::sql::Throughput = outbox::sql::Throughput {
     bucket_seconds: 10.0,
     buckets: 60,
 };
@@ -26,7 +26,9 @@ const SILENT_SECONDS: f64 = 10.0;
 pub(crate) async fn page(
     State(state): State<crate::State>,
     Extension(access): Extension<Access>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Response, Failure> {
+    let paused = crate::form::Params::query(raw.as_deref()).get("live") == Some("0");
     let fail = |what: &str| {
         let what = what.to_owned();
         move |e| Failure(what, e)
@@ -187,9 +189,9 @@ pub(crate) async fn page(
                 }
             }
         }
-        p.muted { (partitions.len()) " partitions. Reload the page to refresh." }
+        p.muted { (partitions.len()) " partitions." }
     };
-    Ok(view::layout("Overview", &access, &state.frame, body).into_response())
+    Ok(view::live_layout("Overview", &access, &state.frame, "/", paused, body).into_response())
 }
 
 /// A query string, percent-encoded.

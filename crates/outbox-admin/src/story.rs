@@ -21,8 +21,9 @@ use crate::form::Params;
 use crate::overview::query;
 use crate::view::{self, Failure};
 
-/// Why an event is where it is.
-#[derive(Debug, Clone, PartialEq)]
+/// Why an event is where it is (as JSON, `{"reason": "dead", "since": …}`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
 pub(crate) enum Reason {
     /// A relay delivered it.
     Delivered { at: DateTime<Utc> },
@@ -76,6 +77,18 @@ pub(crate) fn reasons(s: &EventStory) -> Vec<Reason> {
     out
 }
 
+/// A story's key: a row id (a number) or an event id (a UUID), as the
+/// `(row id, event id)` pair `event_story` takes.
+pub(crate) fn parse_id(key: &str) -> Result<(Option<i64>, Option<Uuid>), String> {
+    match (key.parse::<i64>(), key.parse::<Uuid>()) {
+        (Ok(id), _) => Ok((Some(id), None)),
+        (_, Ok(uuid)) => Ok((None, Some(uuid))),
+        _ => Err(format!(
+            "{key:?} is neither a row id (a number) nor an event id (a UUID)."
+        )),
+    }
+}
+
 /// `GET /event`.
 pub(crate) async fn page(
     State(state): State<crate::State>,
@@ -89,16 +102,15 @@ pub(crate) async fn page(
         let body = html! { p { "Give an event id (UUID) or a row id in the search box above." } };
         return Ok(view::layout("Event story", &access, frame, body).into_response());
     };
-    let (id, event_id) = match (key.parse::<i64>(), key.parse::<Uuid>()) {
-        (Ok(id), _) => (Some(id), None),
-        (_, Ok(uuid)) => (None, Some(uuid)),
-        _ => {
+    let (id, event_id) = match parse_id(key) {
+        Ok(ids) => ids,
+        Err(message) => {
             return Ok(view::message_page(
                 StatusCode::BAD_REQUEST,
                 "Event story",
                 &access,
                 frame,
-                &format!("{key:?} is neither a row id (a number) nor an event id (a UUID)."),
+                &message,
             ));
         }
     };
@@ -182,7 +194,10 @@ fn render(s: &EventStory, frame: &view::Frame) -> Markup {
         dl.fields {
             dt { "row id" } dd { (e.id) }
             dt { "event id" } dd.mono { (e.event_id) }
-            dt { "aggregate" } dd { (e.aggregate_type) " / " (e.aggregate_id) }
+            dt { "aggregate" } dd {
+                (e.aggregate_type) " / "
+                a #aggregate-link href=(frame.href(&format!("/aggregate?{}", query(&[("id", &e.aggregate_id), ("type", &e.aggregate_type)])))) { (e.aggregate_id) }
+            }
             dt { "event type" } dd { (e.event_type) }
             dt { "attempts" } dd { (e.attempts) }
             dt { "created" } dd { (view::when(e.created_at, now)) }

@@ -25,12 +25,15 @@ pub(crate) async fn stylesheet() -> Response {
     response
 }
 
-/// Every page's `<head>`: its title and the console's one stylesheet.
-fn head(title: &str) -> Markup {
+/// Every page's `<head>`: its title and the console's one stylesheet, and
+/// for a live page the refresh: a `<meta http-equiv="refresh">`, which
+/// needs no script (the CSP allows none).
+fn head(title: &str, refresh: Option<u32>) -> Markup {
     html! {
         head {
             meta charset="utf-8";
             meta name="viewport" content="width=device-width, initial-scale=1";
+            @if let Some(seconds) = refresh { meta http-equiv="refresh" content=(seconds); }
             title { (title) " · outbox admin" }
             link rel="stylesheet" href="/admin.css";
         }
@@ -42,7 +45,7 @@ pub(crate) fn bare(title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            (head(title))
+            (head(title, None))
             body { main { (body) } }
         }
     }
@@ -71,19 +74,59 @@ impl Frame {
 
 /// A page of the console: navigation, the table it shows, who is signed in.
 pub(crate) fn layout(title: &str, access: &Access, frame: &Frame, body: Markup) -> Markup {
+    page(title, access, frame, body, None)
+}
+
+/// How often live pages reload themselves.
+pub(crate) const REFRESH_SECONDS: u32 = 5;
+
+/// A page that reloads itself every [`REFRESH_SECONDS`] unless its query
+/// says `live=0` (`paused`): the page links to the other state.
+pub(crate) fn live_layout(
+    title: &str,
+    access: &Access,
+    frame: &Frame,
+    path: &str,
+    paused: bool,
+    body: Markup,
+) -> Markup {
+    let toggle = html! {
+        p.muted #live {
+            @if paused {
+                "Not refreshing. " a #live-toggle href=(frame.href(path)) { "Refresh every " (REFRESH_SECONDS) " s" }
+            } @else {
+                "Refreshes every " (REFRESH_SECONDS) " s. " a #live-toggle href=(frame.href(&format!("{path}?live=0"))) { "Stop refreshing" }
+            }
+        }
+    };
+    let refresh = (!paused).then_some(REFRESH_SECONDS);
+    page(title, access, frame, html! { (toggle) (body) }, refresh)
+}
+
+fn page(title: &str, access: &Access, frame: &Frame, body: Markup, refresh: Option<u32>) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            (head(title))
+            (head(title, refresh))
             body {
                 header {
                     nav {
                         a.brand href="/" { "outbox admin" }
-                        @if frame.fleet { a #fleet-list href="/" { "All outboxes" } }
+                        @if frame.fleet {
+                            a #fleet-list href="/" { "All outboxes" }
+                            form.lookup #picker method="get" action="/pick" {
+                                input type="search" name="schema" placeholder="tenant schema" aria-label="open the outbox of a tenant schema";
+                                button type="submit" { "Open" }
+                            }
+                        }
                         span.table #outbox-label { (frame.label) }
                         @if frame.base.is_some() {
                             a #overview-link href=(frame.href("/")) { "Overview" }
+                            a #events-link href=(frame.href("/events")) { "Events" }
+                            a #routes-link href=(frame.href("/routes")) { "Routes" }
                             a href=(frame.href("/dead")) { "Dead letters" }
+                            a #replays-link href=(frame.href("/replays")) { "Replays" }
+                            a #audit-link href=(frame.href("/audit")) { "Audit" }
                             form.lookup method="get" action=(frame.href("/event")) {
                                 input type="search" name="id" placeholder="event id or row id" aria-label="event id or row id";
                                 button type="submit" { "Story" }
@@ -93,9 +136,9 @@ pub(crate) fn layout(title: &str, access: &Access, frame: &Frame, body: Markup) 
                     div.who {
                         @match access {
                             Access::ReadOnly => span.badge.readonly { "read-only: no --admin-token" },
-                            Access::Bearer => span.badge { "bearer token" },
-                            Access::Session { csrf, .. } => {
-                                span.badge { "signed in" }
+                            Access::Bearer { who } => span.badge { "bearer token: " (who) },
+                            Access::Session { csrf, who, .. } => {
+                                span.badge #who { "signed in as " (who) }
                                 form.inline method="post" action="/logout" {
                                     input type="hidden" name="csrf" value=(csrf);
                                     button.link type="submit" { "Sign out" }

@@ -775,6 +775,11 @@ pub(crate) struct AdminArgs {
     /// variable: arguments show in `ps`.
     #[arg(long, env = "OUTBOX_ADMIN_TOKEN", hide_env_values = true)]
     pub(crate) admin_token: Option<String>,
+    /// A file of named tokens, one `name token` per line (`#` comments):
+    /// each signs in as its name, which the audit trail records for every
+    /// change. With --admin-token beside it, that token is named `admin`.
+    #[arg(long, env = "OUTBOX_ADMIN_TOKENS_FILE", value_name = "FILE")]
+    pub(crate) admin_tokens_file: Option<std::path::PathBuf>,
     /// Serve every tenant outbox of the URL's database in a schema matching
     /// this LIKE pattern (`tenant_%`), what `relay --schemas` serves: `/`
     /// lists them by backlog, each one's pages are under `/o/<schema>/`.

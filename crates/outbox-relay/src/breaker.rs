@@ -41,6 +41,7 @@
 //! [`Router`]: crate::sink::router::Router
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -49,6 +50,7 @@ use tracing::{debug, info, warn};
 use crate::backoff::Doubling;
 use crate::context::RelayContext;
 use crate::metric::BreakerGauges;
+use crate::route_state::RouteStatus;
 use crate::sink::{DEFAULT_ROUTE, Delivery, DeliveryError, Sink};
 
 /// The first probe interval after the breaker opens.
@@ -113,6 +115,9 @@ pub(crate) struct Breaker {
     /// Where its state is reported, once bound to a relay
     /// ([`Breaker::bind`]); unbound, it only logs.
     reporter: Option<(RelayContext, BreakerGauges)>,
+    /// Its route's state for the console, once bound to a relay that
+    /// publishes it (see `route_state`).
+    status: Option<Arc<RouteStatus>>,
 }
 
 /// How [`Breaker::wait`] ended.
@@ -162,6 +167,7 @@ impl Breaker {
             striking: true,
             speaks: true,
             reporter: None,
+            status: None,
         }
     }
 
@@ -172,6 +178,7 @@ impl Breaker {
         let route = self.route.as_deref().unwrap_or(DEFAULT_ROUTE);
         let gauges = BreakerGauges::new(ctx, self.sink, route);
         self.reporter = Some((ctx.clone(), gauges));
+        self.status = ctx.routes().get(route);
         self.report();
     }
 
@@ -187,6 +194,12 @@ impl Breaker {
         });
         let problem = self.down.as_ref().map(|(_, cause)| cause.clone());
         ctx.health().sink(self.label(), problem);
+        if let Some(status) = &self.status {
+            status.breaker(
+                self.state,
+                self.down.as_ref().map(|(at, cause)| (*at, cause.as_str())),
+            );
+        }
     }
 
     /// A `STATUS=` line to the bound relay's signals.

@@ -3,7 +3,8 @@
 //! A [`RelayContext`] is built in [`Relay::new`](crate::Relay::new): the
 //! relay's name (as `outbox relays` lists it), its outbox (the `outbox`
 //! label of every metric it records), its readiness ([`Health`]), its
-//! running totals ([`Counters`]) and where its signals go ([`Signals`]).
+//! running totals ([`Counters`]), its routes' state for the console
+//! (`route_state::RouteBoard`) and where its signals go ([`Signals`]).
 //! The source, the lease task, the breakers and the backlog gauges all
 //! take it from the relay instead of reaching for a process global, so two
 //! relays in one process never overwrite each other's health, metrics or
@@ -20,6 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::counters::Counters;
 use crate::health::Health;
+use crate::route_state::RouteBoard;
 
 /// See the [module docs](self).
 #[derive(Debug, Clone)]
@@ -33,6 +35,7 @@ struct Inner {
     outbox: String,
     health: Arc<Health>,
     counters: Arc<Counters>,
+    routes: Arc<RouteBoard>,
     signals: Signals,
 }
 
@@ -47,6 +50,7 @@ impl RelayContext {
                 outbox,
                 health: Arc::default(),
                 counters: Arc::default(),
+                routes: Arc::default(),
                 signals,
             }),
         }
@@ -62,6 +66,7 @@ impl RelayContext {
                 outbox: i.outbox.clone(),
                 health: Arc::clone(&i.health),
                 counters: Arc::clone(&i.counters),
+                routes: Arc::clone(&i.routes),
                 signals,
             }),
         }
@@ -86,6 +91,11 @@ impl RelayContext {
     /// Its running totals.
     pub fn counters(&self) -> &Arc<Counters> {
         &self.inner.counters
+    }
+
+    /// Its routes, as its heartbeat reports them (see `route_state`).
+    pub(crate) fn routes(&self) -> &Arc<RouteBoard> {
+        &self.inner.routes
     }
 
     /// Sends `state` where this relay's signals go (see [`Signals`]).

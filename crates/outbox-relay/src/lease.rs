@@ -22,7 +22,8 @@
 //!
 //! The tick also reports whether any held partition has a row due, which
 //! replaces the fallback poll: an idle relay commits one tick per interval
-//! and nothing else.
+//! and the write of its route state (`route_state`, pipelined behind the
+//! tick in the same round trip) and nothing else.
 //!
 //! A relay is not ready before its first tick succeeded ([`Leases::first_tick`]:
 //! no `READY=1` until then), since it may claim nothing without one. Ticks
@@ -47,6 +48,7 @@ use uuid::Uuid;
 
 use crate::config::Pooler;
 use crate::error::{RelayError, error_chain, needs_operator, transaction_pooler};
+use crate::route_state::Publisher;
 use crate::wake;
 
 /// What the last successful tick said.
@@ -150,8 +152,9 @@ struct Task {
 }
 
 impl Leases {
-    /// Starts ticking at once; the first tick wakes the relay loop.
-    pub(crate) fn start(settings: LeaseSettings, sql: &OutboxSql) -> Self {
+    /// Starts ticking at once; the first tick wakes the relay loop. Each
+    /// tick carries the relay's route state (`routes`) if it publishes any.
+    pub(crate) fn start(settings: LeaseSettings, sql: &OutboxSql, routes: Option<Publisher>) -> Self {
         let (tx, view) = watch::channel(Arc::new(LeaseView::default()));
         let wake = Arc::new(Notify::new());
         let lanes = Arc::new(Mutex::new(vec![LaneSlot {
@@ -167,6 +170,7 @@ impl Leases {
             lanes: Arc::clone(&lanes),
             held: metrics::gauge!(crate::metric::PARTITIONS_HELD, &[settings.ctx.label()]),
             settings,
+            routes,
         };
         let relay_id = ticker.relay_id;
         let handle = tokio::spawn(ticker.run(stop.clone()));
@@ -305,10 +309,13 @@ struct Ticker {
     view: watch::Sender<Arc<LeaseView>>,
     lanes: Arc<Mutex<Vec<LaneSlot>>>,
     held: metrics::Gauge,
+    /// The relay's route state, written behind each tick.
+    routes: Option<Publisher>,
 }
 
 impl Ticker {
-    async fn run(self, stop: CancellationToken) {
+    async fn run(mut self, stop: CancellationToken) {
+        let mut routes = self.routes.take();
         let mut client: Option<(Client, TickStatement)> = None;
         // Without a connection the next try comes sooner than the next
         // tick: after a failover the lease must be back within seconds of
@@ -336,8 +343,28 @@ impl Ticker {
                 };
             }
             if let Some((c, tick)) = &client {
+                // The route state goes behind the tick in the same round
+                // trip (sent second, so the tick's answer comes first and
+                // its view is out before the write's ends); each with its
+                // own timeout, so a slow write never holds the lease back.
+                let ticked = tokio::time::timeout(self.settings.tick_timeout(), self.tick(c, tick));
+                let published = async {
+                    match routes.as_mut() {
+                        Some(routes) => tokio::time::timeout(self.settings.tick_timeout(), routes.publish(c))
+                            .await
+                            .is_ok(),
+                        None => true,
+                    }
+                };
+                let (ticked, published) = tokio::join!(ticked, published);
+                if !published {
+                    // Its statement may still hold the session; the next
+                    // tick must not queue behind it.
+                    warn!("writing route state timed out; reconnecting");
+                    client = None;
+                }
                 // A tick that hangs must not stop the heartbeat for good.
-                match tokio::time::timeout(self.settings.tick_timeout(), self.tick(c, tick)).await {
+                match ticked {
                     Ok(Ok(())) => {
                         if failing.take().is_some() {
                             info!("lease tick succeeded again");
@@ -381,7 +408,13 @@ impl Ticker {
             }
         }
         if let Some((c, _)) = client.filter(|(c, _)| !c.is_closed()) {
-            match self.sql.relay_leave(&c, self.relay_id).await {
+            let gone = async {
+                if let Some(routes) = &routes {
+                    routes.leave(&c).await;
+                }
+            };
+            let (left, ()) = tokio::join!(self.sql.relay_leave(&c, self.relay_id), gone);
+            match left {
                 Ok(n) => info!(partitions = n, "relay left; partitions handed back"),
                 Err(error) => {
                     warn!(error = %error_chain(&error), "handing partitions back failed; they move when the heartbeat expires");

@@ -21,6 +21,7 @@
 //! | [`failpoint`] | test-only pause points (`OUTBOX_FAILPOINT`) |
 //! | [`pg`] | from `DATABASE_URL` to a connection, for every crate: TLS as libpq does it, startup retries |
 //! | [`redact`] | secrets out of URLs before they are printed, logged or stored: passwords and every query value |
+//! | `route_state` | what the relay tells the console about its routes (state, counts, rollup) on its heartbeat, and the route pauses it honours |
 //! | `retention` | [`Retention`]: cleanup or partition maintenance on a schedule, one relay at a time |
 //! | [`metric`] | what the relay records for Prometheus through the `metrics` facade: names, descriptions, handles |
 //! | [`health`] | one relay's readiness (PostgreSQL, leases, each sink's breaker), and the process's [`health::Registry`] that `/readyz` reports |
@@ -57,6 +58,7 @@ pub mod redact;
 pub mod relay;
 pub mod replay;
 mod retention;
+mod route_state;
 pub mod sink;
 mod source;
 mod wake;

@@ -206,6 +206,8 @@ pub(crate) struct Tally {
     pub(crate) delivered: u64,
     pub(crate) failed: u64,
     pub(crate) dead: u64,
+    /// The first error of its failed rows (route state's `last_error`).
+    pub(crate) error: Option<String>,
 }
 
 /// The tally of `aggregate_type`, added on its first row. A batch holds few
@@ -220,6 +222,7 @@ pub(crate) fn tally<'a>(tallies: &'a mut Vec<Tally>, aggregate_type: &str) -> &'
                 delivered: 0,
                 failed: 0,
                 dead: 0,
+                error: None,
             });
             tallies.len() - 1
         }

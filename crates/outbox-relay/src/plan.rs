@@ -353,6 +353,7 @@ pub(crate) fn decide(
         let dead = permanent || window.is_dead(attempts, failing_for(row));
         let tally = metric::tally(&mut plan.tallies, &row.aggregate_type);
         tally.failed += 1;
+        tally.error.get_or_insert_with(|| message.clone());
         if dead {
             tally.dead += 1;
             failures.dead += 1;
@@ -532,6 +533,7 @@ pub(crate) mod tests {
                 delivered: 2,
                 failed: 1,
                 dead: 1,
+                error: Some(plan.failures.errors[0].clone()),
             }],
             "the metrics' tally: one per aggregate type"
         );

@@ -65,7 +65,8 @@ pub use crate::error::RelayError;
 use crate::metric::{BatchMetrics, DeliveryMetrics};
 use crate::pg::PgConfig;
 use crate::plan::{self, Blocked, Failures};
-use crate::sink::{Delivery, DeliveryError, Sink};
+use crate::route_state::{RouteStatus, sink_text};
+use crate::sink::{DEFAULT_ROUTE, Delivery, DeliveryError, Sink};
 use crate::source::poll::{self, Lane, PollSource};
 use crate::source::tenant::TenantSource;
 use crate::source::wal::WalSource;
@@ -97,6 +98,9 @@ pub struct Relay {
     /// One outbox of a fleet: its start and stop are the fleet's to report
     /// (one line for hundreds of outboxes), so its own lines are debug.
     in_fleet: bool,
+    /// The sink's address without secrets, for route state (a router
+    /// knows its routes' own).
+    address: Option<String>,
 }
 
 /// Turns a source's receipts into the relay's counters, metrics, log lines
@@ -107,6 +111,11 @@ pub struct Relay {
 struct Books {
     ctx: RelayContext,
     metrics: BatchMetrics,
+    /// The sink, to find each aggregate type's route.
+    sink: Arc<dyn Sink>,
+    /// Aggregate type → its route's state, looked up once per type (None:
+    /// the relay publishes no route state).
+    routes: std::collections::HashMap<String, Option<Arc<RouteStatus>>>,
     /// `OUTBOX_BATCH=committed` was sent: once per loop, since a datagram
     /// per batch would cost a syscall per batch here and a message per
     /// batch to systemd, which reads every one.
@@ -117,7 +126,9 @@ impl Books {
     fn new(ctx: &RelayContext, sink: Arc<dyn Sink>) -> Self {
         Self {
             ctx: ctx.clone(),
-            metrics: BatchMetrics::new(ctx, sink),
+            metrics: BatchMetrics::new(ctx, Arc::clone(&sink)),
+            sink,
+            routes: std::collections::HashMap::new(),
             signalled: false,
         }
     }
@@ -136,6 +147,19 @@ impl Book for Books {
             .fetch_add(r.failures.dead, Ordering::Relaxed);
         let seconds = r.durable_at.duration_since(r.claimed_at).as_secs_f64();
         self.metrics.committed(r.claimed, seconds, &r.tallies);
+        for t in &r.tallies {
+            let route = match self.routes.get(t.aggregate_type.as_str()) {
+                Some(route) => route,
+                None => {
+                    // A type's route is fixed for the sink's life: asked once.
+                    let route = self.ctx.routes().get(self.sink.route_of(&t.aggregate_type).0);
+                    self.routes.entry(t.aggregate_type.clone()).or_insert(route)
+                }
+            };
+            if let Some(route) = route {
+                route.booked(t.delivered, t.failed, t.dead, t.error.as_deref());
+            }
+        }
         debug!(
             batch = r.batch,
             claimed = r.claimed,
@@ -273,6 +297,7 @@ impl Relay {
             config,
             lanes: Vec::new(),
             in_fleet,
+            address: None,
         }
     }
 
@@ -385,6 +410,15 @@ impl Relay {
         self
     }
 
+    /// Names the sink's address, without secrets ([`crate::redact::url`]),
+    /// as the relay's route state shows it. A [`Router`](crate::sink::router::Router)
+    /// names its routes' own ([`with_address`](crate::sink::router::Router::with_address)).
+    #[must_use]
+    pub fn with_sink_address(mut self, address: impl Into<String>) -> Self {
+        self.address = Some(address.into());
+        self
+    }
+
     /// Totals shared with the running relay.
     pub fn counters(&self) -> Arc<Counters> {
         Arc::clone(self.ctx.counters())
@@ -400,6 +434,11 @@ impl Relay {
         // Route breakers report to this relay's health and gauges; not a
         // fleet's, whose outboxes share their sink (see `run_tenant`).
         if !self.in_fleet {
+            if !self.sink.has_route_breakers() {
+                // A sink alone is one route, every type's.
+                let sink = sink_text(self.sink.name(), self.address.as_deref());
+                self.ctx.routes().register(DEFAULT_ROUTE, sink, None);
+            }
             self.sink.bind(&self.ctx);
         }
         for lane in &self.lanes {
@@ -455,6 +494,7 @@ impl Relay {
                 ctx: self.ctx.clone(),
                 lanes: Vec::new(),
                 in_fleet: false,
+                address: None,
             };
             let lane = Lane {
                 spec: ClaimSpec {
@@ -604,8 +644,27 @@ impl Relay {
             }
             Err(error) => breaker.open(&error.to_string()),
         }
+        // A sink alone is paused by not claiming, as while its breaker is
+        // open: answering its rows unavailable would count strikes against
+        // a sink that said nothing (a router answers its paused routes).
+        let own_route = match self.sink.has_route_breakers() {
+            true => None,
+            false => self.ctx.routes().get(DEFAULT_ROUTE),
+        };
         let mut fatal = None;
         while !cancel.is_cancelled() {
+            if let Some(route) = own_route.as_ref().filter(|r| r.is_paused()) {
+                blocked.clear();
+                let cause = format!("route {} is paused", route.name());
+                if !self.pause(&mut source, Some(&cause), &cancel).await {
+                    break;
+                }
+                // Both are cancel-safe.
+                tokio::select! {
+                    () = route.resumed() => continue,
+                    () = cancel.cancelled() => break,
+                }
+            }
             if breaker.state() == CircuitState::Open
                 && let Probed::Cancelled = breaker.wait(self.sink.as_ref(), &cancel).await
             {
@@ -615,7 +674,7 @@ impl Relay {
                 Ok(Step::Continue) => {}
                 Ok(Step::Unavailable) => {
                     blocked.clear();
-                    if !self.pause(&mut source, &breaker, &cancel).await {
+                    if !self.pause(&mut source, breaker.cause(), &cancel).await {
                         break;
                     }
                 }
@@ -648,19 +707,19 @@ impl Relay {
         fatal.map_or(Ok(()), Err)
     }
 
-    /// After a batch the sink was unavailable for: claims nothing more
-    /// while it is down. Commits the outcomes (no attempt spent) and gives
+    /// After a batch the sink was unavailable for (`cause`), or while the
+    /// route of a sink alone is paused: claims nothing more meanwhile. Commits the outcomes (no attempt spent) and gives
     /// back the batch claimed ahead, so no transaction stays open; the loop
     /// then waits on the breaker. False when the relay should stop: a drain
     /// cannot wait, and records why it stopped.
-    async fn pause(&self, source: &mut impl Source, breaker: &Breaker, cancel: &CancellationToken) -> bool {
+    async fn pause(&self, source: &mut impl Source, cause: Option<&str>, cancel: &CancellationToken) -> bool {
         if let Err(error) = source.hold().await {
             return source.recover(error, cancel).await;
         }
         if !self.config.drain {
             return true;
         }
-        let cause = breaker.cause().unwrap_or("a route's sink is unavailable");
+        let cause = cause.unwrap_or("a route's sink is unavailable");
         warn!(
             sink = %self.sink.describe(),
             error = cause,

@@ -138,6 +138,18 @@ impl Role {
                         }
                     }
                     list.push(need(TickFn, "EXECUTE", "the lease tick"));
+                    // Route state rides on the lease tick (no leases, no
+                    // route state: see docs/routing.md).
+                    list.push(need(Routes, "SELECT", "route pauses, read on the heartbeat"));
+                    for table in [RouteState, Rollup] {
+                        for privilege in ["SELECT", "INSERT", "UPDATE", "DELETE"] {
+                            list.push(need(
+                                table,
+                                privilege,
+                                "route state and the rollup, written on the heartbeat (upsert, old rows deleted)",
+                            ));
+                        }
+                    }
                 }
             }
             Role::RelayWal => list.extend([
@@ -282,6 +294,10 @@ enum Object {
     Removed,
     Replays,
     ReplaysSequence,
+    /// `<table>_routes`, `<table>_route_state`, `<table>_rollup`.
+    Routes,
+    RouteState,
+    Rollup,
     InboxSchema,
     Inbox,
     InboxLedger,
@@ -361,12 +377,22 @@ impl Tables {
                 o.qualified(),
                 format!("the id sequence of {}", o.display_name()),
             ),
-            Object::Ledger | Object::Relays | Object::Leases | Object::Removed | Object::Replays => {
+            Object::Ledger
+            | Object::Relays
+            | Object::Leases
+            | Object::Removed
+            | Object::Replays
+            | Object::Routes
+            | Object::RouteState
+            | Object::Rollup => {
                 let suffix = match r.object {
                     Object::Ledger => "_migrations",
                     Object::Relays => "_relays",
                     Object::Leases => "_leases",
                     Object::Removed => "_removed",
+                    Object::Routes => "_routes",
+                    Object::RouteState => "_route_state",
+                    Object::Rollup => "_rollup",
                     _ => "_replays",
                 };
                 ("table", o.companion(suffix)?, format!("table {}", bare(suffix)))
@@ -666,8 +692,10 @@ mod tests {
     fn a_relay_without_leases_needs_no_lease_table() {
         let with = Needs::of(&[Role::Relay]).requirements();
         let without = Needs::of(&[Role::Relay]).without_leases().requirements();
-        assert_eq!(with.len(), without.len() + 9);
+        // Leases: 8 on two tables and the tick; route state: 1 + 8.
+        assert_eq!(with.len(), without.len() + 18);
         assert!(without.iter().all(|r| r.object != Object::Leases));
+        assert!(without.iter().all(|r| r.object != Object::RouteState));
     }
 
     #[test]

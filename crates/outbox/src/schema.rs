@@ -160,6 +160,10 @@ impl Target {
                     t.suffixed("--table", "_pending_by_aggregate_idx")?.quoted(),
                 ),
                 (
+                    "{by_aggregate_idx}",
+                    t.suffixed("--table", "_by_aggregate_idx")?.quoted(),
+                ),
+                (
                     "{notify_fn}",
                     format!("{s}.{}", t.suffixed("--table", "_notify")?.quoted()),
                 ),

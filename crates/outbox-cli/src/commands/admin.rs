@@ -9,20 +9,12 @@ use crate::cli::{AdminArgs, Global};
 use crate::exit::ConfigError;
 
 pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
-    let token = match args.admin_token {
-        None => None,
-        Some(t) => Some(outbox_admin::Token::new(t).ok_or_else(|| {
-            ConfigError(format!(
-                "--admin-token (OUTBOX_ADMIN_TOKEN) must be at least {} characters",
-                outbox_admin::auth::MIN_TOKEN_LEN
-            ))
-        })?),
-    };
+    let tokens = tokens(&args)?;
     let loopback = args.listen.ip().is_loopback();
-    if token.is_none() && !loopback {
+    if tokens.is_empty() && !loopback {
         return Err(ConfigError(format!(
             "refusing to serve the admin console on {} without a token: pass --admin-token (or set \
-             OUTBOX_ADMIN_TOKEN), or listen on a loopback address such as 127.0.0.1:9188",
+             OUTBOX_ADMIN_TOKEN) or --admin-tokens-file, or listen on a loopback address such as 127.0.0.1:9188",
             args.listen
         ))
         .into());
@@ -38,7 +30,7 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
     let pg = super::pg_config(g)?;
     let client = super::connect(&pg).await?;
     // Without a token the console only reads.
-    let role = if token.is_some() {
+    let role = if !tokens.is_empty() {
         outbox::privileges::Role::Admin
     } else {
         outbox::privileges::Role::AdminRead
@@ -75,7 +67,7 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {} (--listen)", args.listen))?;
     let cancel = super::shutdown_token()?;
-    let mode = if token.is_some() {
+    let mode = if !tokens.is_empty() {
         "token required"
     } else {
         "read-only: no --admin-token"
@@ -85,7 +77,7 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
     let admin = outbox_admin::Admin {
         pg,
         scope,
-        token,
+        tokens,
         // Browsers drop `Secure` cookies over plain HTTP, which loopback
         // (tests, an SSH tunnel) speaks; anywhere else a TLS proxy is
         // expected in front.
@@ -94,4 +86,43 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
     outbox_admin::serve(admin, listener, cancel).await?;
     tracing::info!("admin console stopped");
     Ok(())
+}
+
+/// `--admin-token` (named `admin`) and the lines of `--admin-tokens-file`;
+/// a short token, a malformed line or a name given twice is exit 2.
+fn tokens(args: &AdminArgs) -> anyhow::Result<Vec<outbox_admin::NamedToken>> {
+    let mut tokens = Vec::new();
+    if let Some(t) = &args.admin_token {
+        let token = outbox_admin::Token::new(t.clone()).ok_or_else(|| {
+            ConfigError(format!(
+                "--admin-token (OUTBOX_ADMIN_TOKEN) must be at least {} characters",
+                outbox_admin::auth::MIN_TOKEN_LEN
+            ))
+        })?;
+        tokens.push(outbox_admin::NamedToken {
+            name: outbox_admin::auth::DEFAULT_NAME.to_owned(),
+            token,
+        });
+    }
+    if let Some(path) = &args.admin_tokens_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("reading --admin-tokens-file {}: {e}", path.display())))?;
+        let named = outbox_admin::auth::parse_tokens(&text)
+            .map_err(|e| ConfigError(format!("--admin-tokens-file {}: {e}", path.display())))?;
+        if named.is_empty() {
+            return Err(ConfigError(format!("--admin-tokens-file {} holds no token", path.display())).into());
+        }
+        for t in named {
+            if tokens.iter().any(|o: &outbox_admin::NamedToken| o.name == t.name) {
+                return Err(ConfigError(format!(
+                    "--admin-tokens-file {}: the name {:?} is --admin-token's; choose another",
+                    path.display(),
+                    t.name
+                ))
+                .into());
+            }
+            tokens.push(t);
+        }
+    }
+    Ok(tokens)
 }

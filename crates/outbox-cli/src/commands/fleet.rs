@@ -27,6 +27,8 @@ pub(crate) async fn run(
         lane,
         retention,
         probes: _,
+        // A fleet publishes no route state (docs/routing.md).
+        address: _,
     } = prepared;
     let sink = sink.ok_or_else(|| {
         ConfigError("no sink: give --sink or OUTBOX_SINK, or in --config a top-level sink = \"…\"".to_owned())

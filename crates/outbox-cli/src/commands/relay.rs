@@ -48,6 +48,9 @@ pub(crate) struct Prepared {
     pub(crate) retention: Option<outbox_relay::Retention>,
     /// With `--check`: each sink alone, with its table's name and URL.
     pub(crate) probes: Vec<crate::config::NamedSink>,
+    /// A sink alone's URL without secrets, for route state (a router
+    /// names its routes' own).
+    pub(crate) address: Option<String>,
 }
 
 impl Prepared {
@@ -188,6 +191,7 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         lane,
         retention,
         probes: _,
+        address,
     } = prepare(&g, args, file)?;
     let sink = sink.ok_or_else(|| {
         ConfigError(
@@ -211,6 +215,9 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let drain = config.drain;
     let outbox = config.outbox.clone();
     let mut relay = Relay::new(pg.clone(), Arc::from(sink), config);
+    if let Some(address) = address {
+        relay = relay.with_sink_address(address);
+    }
     if let Some(lane) = lane {
         relay = relay.with_lane(Arc::new(lane.router), lane.claim, lane.types);
     }
@@ -271,6 +278,10 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
             outbox_relay::sink::from_url(url, &options)?,
         )],
         None => Vec::new(),
+    };
+    let address = match &args.sink {
+        Some(url) if !file.routes() => Some(outbox_relay::redact::url(url)),
+        _ => None,
     };
     let mut claim = args.claim;
     let mut lane = None;
@@ -370,6 +381,7 @@ pub(crate) fn prepare(g: &Global, args: RelayArgs, file: Option<ConfigFile>) -> 
         lane,
         retention,
         probes,
+        address,
     })
 }
 

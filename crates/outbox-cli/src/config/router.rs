@@ -12,7 +12,7 @@ use std::time::Duration;
 use outbox_relay::sink::format::{CloudEventsMode, Format, Formatter};
 use outbox_relay::sink::router::Router;
 use outbox_relay::sink::{self, DEFAULT_ROUTE, Sink};
-use outbox_relay::{ClaimMode, PerSinkOptions, SinkOptions};
+use outbox_relay::{ClaimMode, PerSinkOptions, SinkOptions, redact};
 use serde::Deserialize;
 
 use super::file::{RelayFile, SinkTable};
@@ -74,7 +74,9 @@ impl RelayFile {
         let name = |t: &str| format!("[routes.{t}]");
         let first_window = first_table.window(&name(&first_type))?;
         let first_name = first_table.route_name(&first_type);
-        let mut router = Router::named(first_name, first_table.build(&name(&first_type), flags)?);
+        let mut router = Router::named(first_name.clone(), first_table.build(&name(&first_type), flags)?)
+            .with_address(first_name, redact::url(&first_table.sink))
+            .with_default_types(vec![first_type.clone()]);
         if let Some(window) = first_window {
             router = router.with_retry_for(None, window);
         }
@@ -107,9 +109,13 @@ impl RelayFile {
         let default = match (self.default, sink) {
             (Some(table), _) => {
                 let name = table.route_name(DEFAULT_ROUTE);
-                (name, table.build("[default]", flags)?)
+                (name, table.build("[default]", flags)?, redact::url(&table.sink))
             }
-            (None, Some(url)) => (DEFAULT_ROUTE.to_owned(), sink::from_url(url, flags)?),
+            (None, Some(url)) => (
+                DEFAULT_ROUTE.to_owned(),
+                sink::from_url(url, flags)?,
+                redact::url(url),
+            ),
             (None, None) => {
                 return Err(ConfigError(
                     "--config: no [default] table and no sink: events of an aggregate type no route \
@@ -120,7 +126,7 @@ impl RelayFile {
                 .into());
             }
         };
-        let mut router = Router::named(default.0, default.1);
+        let mut router = Router::named(default.0.clone(), default.1).with_address(default.0, default.2);
         if let Some(window) = default_window {
             router = router.with_retry_for(None, window);
         }
@@ -243,7 +249,10 @@ impl SinkTable {
         let window = self.window(&name)?;
         let route = self.route_name(&aggregate_type);
         let sink = self.build(&name, flags)?;
-        let router = router.route_named(aggregate_type.clone(), route, sink);
+        let address = redact::url(&self.sink);
+        let router = router
+            .route_named(aggregate_type.clone(), route.clone(), sink)
+            .with_address(route, address);
         Ok(match window {
             Some(window) => router.with_retry_for(Some(&aggregate_type), window),
             None => router,

@@ -367,6 +367,15 @@ async fn admin_console_in_chromium_requeues_dead_letters_and_payloads_stay_inert
     assert_eq!(receiver.count(), 7, "3 refused, 1 later event, 3 requeued");
     assert_inert(&b).await;
     screenshot(&b, "overview.png").await;
+    let audited: (String, String, i64) = {
+        let r = db
+            .client
+            .query_one("SELECT who, action, affected FROM outbox_audit", &[])
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(audited, ("admin".to_owned(), "requeue".to_owned(), 3), "the audit row");
     assert_eq!(
         admin.count_lines("admin: requeued 3 dead letters"),
         1,

@@ -5,6 +5,9 @@
 #![allow(unreachable_pub, missing_docs)]
 
 mod admin;
+mod admin_api;
+mod admin_events;
+mod admin_ops;
 mod admin_fleet;
 mod amqp;
 mod cli;
@@ -41,6 +44,7 @@ mod retention;
 mod retry;
 mod retry_window;
 mod routed_metrics;
+mod route_state;
 mod routing;
 mod scale;
 mod secrets;

@@ -13,6 +13,10 @@
 //! backoff until it answers. So a sink that is down costs the other routes
 //! nothing, not even a connection timeout per batch.
 //!
+//! A route an operator paused (`route_state`) is answered as an open one
+//! is, unsent, without touching its breaker (its sink said nothing), and
+//! is not up for the relay's probe.
+//!
 //! Order is kept per aggregate because an aggregate has one type, so all its
 //! rows of a batch go to one sink, in batch order.
 //!
@@ -34,6 +38,7 @@ use outbox::OutboxRow;
 
 use super::{DEFAULT_ROUTE, Delivery, DeliveryError, Sink};
 use crate::breaker::{Breaker, CircuitState};
+use crate::route_state::{RouteStatus, sink_text};
 
 /// Delivers each row to the sink of its aggregate type.
 pub struct Router {
@@ -45,6 +50,11 @@ pub struct Router {
     /// Index of a route's sink → the route's own retry window (its
     /// table's `retry_for`), where it has one.
     windows: HashMap<usize, Duration>,
+    /// Route name → its sink's address without secrets, for route state.
+    addresses: HashMap<String, String>,
+    /// The types the default route takes, when the router's claim names
+    /// them (a lane's): None, every type no route names.
+    default_types: Option<Vec<String>>,
 }
 
 /// One route's sink and breaker.
@@ -56,6 +66,8 @@ struct Route {
     breaker: Mutex<Breaker>,
     /// The time of each call of its sink, once bound to a relay.
     request: OnceLock<Histogram>,
+    /// Its state for the console and whether it is paused, once bound.
+    status: OnceLock<Arc<RouteStatus>>,
 }
 
 impl Route {
@@ -66,12 +78,22 @@ impl Route {
             sink,
             breaker,
             request: OnceLock::new(),
+            status: OnceLock::new(),
         })
     }
 
     fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
         // The breaker is plain state; a panic elsewhere leaves it usable.
         self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// While an operator's pause of the route is honoured: why, to answer
+    /// its rows with. Its breaker is left alone: the sink said nothing.
+    fn paused(&self) -> Option<String> {
+        self.status
+            .get()
+            .is_some_and(|s| s.is_paused())
+            .then(|| format!("route {} is paused", self.name))
     }
 
     /// While the route is open: why, to answer its rows with.
@@ -147,6 +169,8 @@ impl Router {
             default: 0,
             sinks: vec![Route::new(default, name.into())],
             windows: HashMap::new(),
+            addresses: HashMap::new(),
+            default_types: None,
         }
     }
 
@@ -158,6 +182,20 @@ impl Router {
             .and_then(|t| self.routes.get(t).copied())
             .unwrap_or(self.default);
         self.windows.insert(at, window);
+        self
+    }
+
+    /// Names the address of the sink of the route `route` (without
+    /// secrets: [`crate::redact::url`]), as route state shows it.
+    pub fn with_address(mut self, route: impl Into<String>, address: impl Into<String>) -> Self {
+        self.addresses.insert(route.into(), address.into());
+        self
+    }
+
+    /// The default route takes only `types`: a router whose claim names
+    /// its types (a lane's), so its first route stands as the default.
+    pub fn with_default_types(mut self, types: Vec<String>) -> Self {
+        self.default_types = Some(types);
         self
     }
 
@@ -226,6 +264,10 @@ impl Router {
     /// answered unavailable without a call).
     async fn probe_all(&self) -> Result<(), DeliveryError> {
         let probes = self.sinks.iter().map(|route| async move {
+            // A paused route is not up for the relay, whatever its sink.
+            if let Some(paused) = route.paused() {
+                return Err(DeliveryError::unavailable(paused));
+            }
             let probe = route.sink.probe().await;
             let mut breaker = route.breaker();
             match &probe {
@@ -290,7 +332,25 @@ impl Sink for Router {
     }
 
     fn bind(&self, ctx: &crate::RelayContext) {
-        for route in &self.sinks {
+        for (i, route) in self.sinks.iter().enumerate() {
+            let types = if i == self.default {
+                self.default_types.clone()
+            } else {
+                let mut types: Vec<String> = self
+                    .routes
+                    .iter()
+                    .filter(|(_, at)| **at == i)
+                    .map(|(t, _)| t.clone())
+                    .collect();
+                types.sort();
+                Some(types)
+            };
+            let sink = sink_text(
+                route.sink.name(),
+                self.addresses.get(&route.name).map(String::as_str),
+            );
+            let _ = route.status.set(ctx.routes().register(&route.name, sink, types));
+            // After the route is registered: the breaker reports to it.
             route.breaker().bind(ctx);
             let _ = route
                 .request

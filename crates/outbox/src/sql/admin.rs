@@ -195,7 +195,7 @@ pub struct Throughput {
 }
 
 /// One event and what decides where it is (see `EVENT_STORY`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EventStory {
     /// The row.
     pub event: EventDetail,
@@ -245,7 +245,7 @@ pub fn partition_ranges(partitions: &[i32]) -> String {
 }
 
 /// A live relay.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RelayRow {
     /// Its id.
     pub relay_id: Uuid,

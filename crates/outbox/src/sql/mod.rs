@@ -10,7 +10,11 @@ use crate::{Config, InboxConfig};
 #[cfg(feature = "tokio-postgres")]
 mod admin;
 #[cfg(feature = "tokio-postgres")]
+mod audit;
+#[cfg(feature = "tokio-postgres")]
 pub(crate) mod catalog;
+#[cfg(feature = "tokio-postgres")]
+mod events;
 #[cfg(feature = "tokio-postgres")]
 pub mod fleet;
 #[cfg(feature = "tokio-postgres")]
@@ -24,6 +28,8 @@ mod relay;
 #[cfg(feature = "tokio-postgres")]
 mod replay;
 #[cfg(feature = "tokio-postgres")]
+mod routes;
+#[cfg(feature = "tokio-postgres")]
 pub(crate) mod typed;
 #[cfg(feature = "tokio-postgres")]
 pub(crate) mod wal;
@@ -32,6 +38,13 @@ pub(crate) mod wal;
 pub use admin::{
     Attempt, DeadByError, DeadFilter, DeadLetter, DeadPage, EventDetail, EventStory, PartitionRow, RelayRow,
     Throughput, TypeStats, partition_ranges,
+};
+#[cfg(feature = "tokio-postgres")]
+pub use audit::{AuditRow, AuditSql};
+#[cfg(feature = "tokio-postgres")]
+pub use events::{
+    AggregateEvent, AggregateQuery, ERROR_START, EVENTS_SCAN, EventFilter, EventRow, EventState, EventWalk,
+    EventsPage, EventsQuery, EventsSql, Keyset, UnknownState,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use floor::{ClaimFloor, FloorParams};
@@ -48,6 +61,11 @@ pub use relay::{
 #[cfg(feature = "tokio-postgres")]
 pub use replay::{
     NewReplay, PageParams, Removed, ReplayFilter, ReplayJob, ReplaySql, ReplayState, SaveReplay,
+};
+#[cfg(feature = "tokio-postgres")]
+pub use routes::{
+    BreakerState, HeartbeatParams, PausedRoute, ROLLUP_KEEP_DAYS, RollupDelta, RollupRow, RouteReport, RouteSql,
+    RouteState,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use wal::{

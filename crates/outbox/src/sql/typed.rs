@@ -50,6 +50,19 @@ impl PgType for &str {
     const TYPE: Type = Type::TEXT;
 }
 
+impl PgType for Vec<&str> {
+    const TYPE: Type = Type::TEXT_ARRAY;
+}
+
+/// Arrays with NULL elements.
+impl PgType for Vec<Option<&str>> {
+    const TYPE: Type = Type::TEXT_ARRAY;
+}
+
+impl PgType for Vec<Option<DateTime<Utc>>> {
+    const TYPE: Type = Type::TIMESTAMPTZ_ARRAY;
+}
+
 /// NULL, or a value of `T`'s type.
 impl<T: PgType> PgType for Option<T> {
     const TYPE: Type = T::TYPE;

@@ -6,5 +6,6 @@
 
 mod claim;
 mod contract;
+mod events;
 mod support;
 mod writer;

@@ -1186,7 +1186,8 @@ pub(crate) fn start_leases(
         poll: config.poll_interval,
         pooler: config.pooler,
     };
-    Some(Leases::start(settings, &OutboxSql::new(&config.outbox)))
+    let routes = crate::route_state::Publisher::new(&config.outbox, ctx, relay_id);
+    Some(Leases::start(settings, &OutboxSql::new(&config.outbox), routes))
 }
 
 /// The idle wait when nothing but a notification, a retry or a lease tick

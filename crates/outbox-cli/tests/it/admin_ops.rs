@@ -1,0 +1,302 @@
+//! The console's operations pages in headless Chromium against a real
+//! relay, PostgreSQL and HTTP receivers: a route paused from the console
+//! stops delivering within a heartbeat while the other route goes on, and
+//! resumes; a purge through its dry run writes an audit row; the replay
+//! jobs with their progress; the audit trail; live pages; and a pause
+//! reason holding markup shown as text.
+
+use fantoccini::{Client, Locator};
+use outbox::{Event, Outbox};
+use outbox_testkit::{Receiver, Respond};
+use serde_json::json;
+
+use crate::admin::{TOKEN, assert_inert, browser, screenshot, start_admin, start_chromedriver, text_of};
+use crate::support::{Db, LONG, run_cli, start_relay, stop_relay, text, wait_until};
+
+const SCRIPT: &str = "<script>alert(1)</script>";
+
+async fn write(db: &mut Db, aggregate_type: &str, n: usize) {
+    let tx = db.client.transaction().await.unwrap();
+    let events: Vec<Event> = (0..n)
+        .map(|i| {
+            Event::new(
+                aggregate_type,
+                format!("{aggregate_type}-{i}"),
+                "Happened",
+                json!({ "i": i }),
+            )
+        })
+        .collect();
+    Outbox::default().enqueue_all(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn waiting(db: &Db, aggregate_type: &str) -> i64 {
+    db.client
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_type = $1",
+            &[&aggregate_type],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn sign_in(b: &Client, base: &str) {
+    b.goto(&format!("{base}/login")).await.unwrap();
+    b.form(Locator::Css("form.login"))
+        .await
+        .unwrap()
+        .set_by_name("token", TOKEN)
+        .await
+        .unwrap()
+        .submit()
+        .await
+        .unwrap();
+    wait_until("the overview after sign-in", LONG, || async {
+        b.find(Locator::Id("backlog-total")).await.is_ok()
+    })
+    .await;
+}
+
+async fn click(b: &Client, css: &str) {
+    b.find(Locator::Css(css)).await.unwrap().click().await.unwrap();
+}
+
+/// The routes page's state cell of `route`, after a reload.
+async fn route_state(b: &Client, base: &str, route: &str) -> String {
+    b.goto(&format!("{base}/routes?live=0")).await.unwrap();
+    match b.find(Locator::Css(&format!("#route-{route} td.state"))).await {
+        Ok(cell) => cell.text().await.unwrap(),
+        Err(_) => String::new(),
+    }
+}
+
+#[tokio::test]
+async fn a_route_paused_from_the_console_stops_within_a_heartbeat_and_every_change_is_audited() {
+    let mut db = Db::start().await;
+    let orders = Receiver::start(Respond::Ok).await.unwrap();
+    let others = Receiver::start(Respond::Ok).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("outbox.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[default]\nsink = \"{}\"\n\n[routes.orders]\nsink = \"{}\"\n",
+            others.url(),
+            orders.url()
+        ),
+    )
+    .unwrap();
+    write(&mut db, "orders", 3).await;
+    write(&mut db, "payments", 2).await;
+    let relay = start_relay(
+        &db.url,
+        &others.url(),
+        &["--config", config.to_str().unwrap()],
+        &[],
+    )
+    .await;
+    db.wait_drained("the first events").await;
+    assert_eq!((orders.count(), others.count()), (3, 2));
+
+    let (_admin, base) = start_admin(&db.url, Some(TOKEN)).await;
+    let (_driver, webdriver) = start_chromedriver().await;
+    let b = browser(&webdriver).await;
+    sign_in(&b, &base).await;
+
+    // Live pages say so and carry the refresh; `live=0` stops it.
+    assert!(text_of(&b, "#live").await.starts_with("Refreshes every 5 s."));
+    assert_eq!(
+        b.find_all(Locator::Css("meta[http-equiv=refresh]"))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    b.goto(&format!("{base}/?live=0")).await.unwrap();
+    assert_eq!(
+        b.find_all(Locator::Css("meta[http-equiv=refresh]"))
+            .await
+            .unwrap()
+            .len(),
+        0
+    );
+
+    // Both routes, as the relay reports them on its heartbeat.
+    wait_until("both routes reported with their deliveries", LONG, || async {
+        b.goto(&format!("{base}/routes?live=0")).await.unwrap();
+        let delivered = |route: &'static str| {
+            let b = &b;
+            async move {
+                match b
+                    .find(Locator::Css(&format!("#route-{route} td.delivered")))
+                    .await
+                {
+                    Ok(cell) => cell.text().await.unwrap(),
+                    Err(_) => String::new(),
+                }
+            }
+        };
+        delivered("orders").await == "3" && delivered("default").await == "2"
+    })
+    .await;
+    assert_eq!(route_state(&b, &base, "orders").await, "delivering");
+
+    // Pause orders from the console, with a reason holding markup.
+    click(&b, "#pause-orders").await;
+    wait_until("the pause's confirmation", LONG, || async {
+        b.find(Locator::Id("dry-run")).await.is_ok()
+    })
+    .await;
+    let dry = text_of(&b, "#dry-run").await;
+    assert!(dry.starts_with("Pausing orders stops its delivery to"), "{dry}");
+    b.form(Locator::Id("route-form"))
+        .await
+        .unwrap()
+        .set_by_name("reason", SCRIPT)
+        .await
+        .unwrap();
+    click(&b, "#confirm").await;
+    wait_until("the pause's result", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    assert!(text_of(&b, "#result").await.starts_with("Paused route orders"));
+    wait_until("the relay honours the pause", LONG, || async {
+        route_state(&b, &base, "orders")
+            .await
+            .contains("every relay honours it")
+    })
+    .await;
+    let state = route_state(&b, &base, "orders").await;
+    assert!(state.contains("by admin"), "{state}");
+    assert!(state.contains(SCRIPT), "the reason shows as text: {state}");
+    assert_inert(&b).await;
+    screenshot(&b, "routes-paused.png").await;
+
+    // Orders wait, payments go on: once the later payments arrived, the
+    // orders written before them were claimed and left waiting.
+    write(&mut db, "orders", 5).await;
+    write(&mut db, "payments", 4).await;
+    wait_until("the payments delivered", LONG, || async { others.count() == 6 }).await;
+    assert_eq!(waiting(&db, "payments").await, 0);
+    assert_eq!(waiting(&db, "orders").await, 5, "a paused route delivers nothing");
+    assert_eq!(orders.count(), 3);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE aggregate_type = 'orders' AND attempts > 0")
+            .await,
+        0,
+        "a pause spends no attempt"
+    );
+
+    // Resume: every waiting order arrives, once.
+    click(&b, "#resume-orders").await;
+    wait_until("the resume's confirmation", LONG, || async {
+        b.find(Locator::Id("confirm")).await.is_ok()
+    })
+    .await;
+    click(&b, "#confirm").await;
+    wait_until("the resume's result", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    wait_until("the orders delivered", LONG, || async {
+        waiting(&db, "orders").await == 0
+    })
+    .await;
+    assert_eq!(orders.count(), 8);
+    assert_eq!(others.count(), 6);
+    wait_until("the route delivering again", LONG, || async {
+        route_state(&b, &base, "orders").await == "delivering"
+    })
+    .await;
+    screenshot(&b, "routes.png").await;
+
+    // Purge: two dead letters given up on long ago, through the dry run.
+    db.client
+        .execute(
+            "UPDATE outbox SET published_at = NULL, dead_at = now() - interval '40 days', \
+             given_up_at = now() - interval '40 days', attempts = 1, last_error = 'permanent: HTTP 422' \
+             WHERE id IN (SELECT id FROM outbox WHERE aggregate_type = 'payments' ORDER BY id LIMIT 2)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let before = db.count("SELECT count(*) FROM outbox").await;
+    b.goto(&format!("{base}/dead")).await.unwrap();
+    b.form(Locator::Id("purge"))
+        .await
+        .unwrap()
+        .submit()
+        .await
+        .unwrap();
+    wait_until("the purge's dry run", LONG, || async {
+        b.find(Locator::Id("dry-run")).await.is_ok()
+    })
+    .await;
+    assert!(
+        text_of(&b, "#dry-run")
+            .await
+            .starts_with("2 dead letters given up on before")
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        before,
+        "the dry run deleted nothing"
+    );
+    click(&b, "#confirm").await;
+    wait_until("the purge's result", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    assert!(text_of(&b, "#result").await.starts_with("Deleted 2 dead letters"));
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, before - 2);
+
+    // The audit trail: who did what to how many.
+    b.goto(&format!("{base}/audit")).await.unwrap();
+    let rows = b.find_all(Locator::Css("#audit tbody tr")).await.unwrap();
+    let mut trail = Vec::new();
+    for row in rows {
+        let action = row
+            .find(Locator::Css("td.action"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let who = row
+            .find(Locator::Css("td.who"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let affected = row
+            .find(Locator::Css("td.affected"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        trail.push(format!("{who} {action} {affected}"));
+    }
+    assert_eq!(trail, ["admin purge 2", "admin resume 1", "admin pause 1"]);
+    assert_inert(&b).await;
+    screenshot(&b, "audit.png").await;
+
+    // A replay job and its progress.
+    let replay = run_cli(
+        &["replay", "--to", &others.url(), "--aggregate-type", "payments"],
+        &[("DATABASE_URL", db.url.as_str())],
+    )
+    .await;
+    assert_eq!(replay.status.code(), Some(0), "{}", text(&replay.stderr));
+    b.goto(&format!("{base}/replays")).await.unwrap();
+    let job = text_of(&b, "#replay-1").await;
+    assert!(job.contains("done"), "{job}");
+    assert!(job.contains("4 of 4 sent"), "{job}");
+    screenshot(&b, "replays.png").await;
+    b.close().await.unwrap();
+    stop_relay(relay).await;
+}
