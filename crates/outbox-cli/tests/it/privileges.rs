@@ -147,10 +147,15 @@ async fn dry_run_changes_nothing_and_grant_is_idempotent() {
             "GRANT EXECUTE ON FUNCTION \"app\".\"outbox_relay_tick\"(uuid, text, interval, int4, int4[], \
              timestamptz[]) TO \"{role}\";"
         ),
+        format!("GRANT SELECT ON TABLE \"app\".\"outbox_routes\" TO \"{role}\";"),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE \"app\".\"outbox_route_state\" TO \"{role}\";"
+        ),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE \"app\".\"outbox_rollup\" TO \"{role}\";"),
     ] {
         assert!(printed.contains(&line), "{line} in {printed}");
     }
-    assert_eq!(printed.matches(';').count(), 6, "{printed}");
+    assert_eq!(printed.matches(';').count(), 9, "{printed}");
     assert!(
         !setup.may("app.outbox", "UPDATE").await,
         "a dry run grants nothing"
@@ -169,8 +174,8 @@ async fn dry_run_changes_nothing_and_grant_is_idempotent() {
     assert!(!setup.may("app.outbox", "DELETE").await, "least privilege");
     let granted = setup.count(acl).await;
     // SELECT on the ledger, SELECT and UPDATE on the outbox, four on each
-    // lease table.
-    assert_eq!(granted, 11);
+    // lease table, SELECT on the routes, four on route state and rollup.
+    assert_eq!(granted, 20);
     let second = setup.grant("relay").await;
     assert_eq!(setup.count(acl).await, granted, "twice is once");
     assert_eq!(text(&first.stdout), text(&second.stdout));

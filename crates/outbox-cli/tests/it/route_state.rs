@@ -341,3 +341,56 @@ async fn a_relay_with_one_sink_has_one_route_and_pausing_it_stops_its_claims() {
     assert_eq!(receiver.wait_for_count(5, LONG).await.unwrap().len(), 5);
     stop_relay(relay).await;
 }
+
+/// Route state refused by the server (a constraint here; a revoked grant
+/// alike) costs nothing but the console's view: delivery goes on, the
+/// failure is logged once, and once the write succeeds again the counts and
+/// the rollup carry everything booked meanwhile.
+#[tokio::test]
+async fn a_refused_route_state_write_never_stops_delivery_and_catches_up() {
+    let db = Db::start().await;
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    let relay = start_relay(&db.url, &receiver.url(), &FAST, &[]).await;
+    wait_until("the first route state", LONG, || async {
+        state_of(&db, "default").await.len() == 1
+    })
+    .await;
+    db.client
+        .batch_execute("ALTER TABLE outbox_route_state ADD CONSTRAINT refuse CHECK (delivered < 0) NOT VALID")
+        .await
+        .unwrap();
+    outbox::enqueue_all(&db.client, &events("orders", 0, 5))
+        .await
+        .unwrap();
+    db.wait_drained("delivered while route state is refused").await;
+    assert_eq!(receiver.count(), 5);
+    // Three lease ticks (each carrying a refused write) after delivery.
+    for _ in 0..3 {
+        let beat = db
+            .count("SELECT (extract(epoch FROM heartbeat_at) * 1e6)::int8 FROM outbox_relays")
+            .await;
+        wait_until("a lease tick", LONG, || async {
+            db.count("SELECT (extract(epoch FROM heartbeat_at) * 1e6)::int8 FROM outbox_relays")
+                .await
+                > beat
+        })
+        .await;
+    }
+    assert_eq!(
+        state_of(&db, "default").await[0].delivered,
+        0,
+        "the write was refused"
+    );
+    assert_eq!(relay.count_lines("writing route state failed"), 1, "logged once");
+
+    db.client
+        .batch_execute("ALTER TABLE outbox_route_state DROP CONSTRAINT refuse")
+        .await
+        .unwrap();
+    wait_until("route state caught up", LONG, || async {
+        state_of(&db, "default").await[0].delivered == 5 && rolled_up(&db, "default").await == (5, 0, 0)
+    })
+    .await;
+    assert_eq!(relay.count_lines("route state written again"), 1);
+    stop_relay(relay).await;
+}

@@ -131,7 +131,7 @@ impl Route {
 
     /// Delivers `rows`, or answers them unavailable while the route is open.
     async fn deliver(self: &Arc<Self>, rows: &[OutboxRow]) -> Vec<Delivery> {
-        if let Some(cause) = self.open_cause() {
+        if let Some(cause) = self.paused().or_else(|| self.open_cause()) {
             return rows
                 .iter()
                 .map(|_| Err(DeliveryError::unavailable(cause.clone())))
