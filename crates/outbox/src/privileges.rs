@@ -193,6 +193,11 @@ impl Role {
                     ),
                     need(Relays, "SELECT", "the relays"),
                     need(Leases, "SELECT", "the partitions each relay holds"),
+                    need(Routes, "SELECT", "the routes page: pauses"),
+                    need(RouteState, "SELECT", "the routes page: what relays report"),
+                    need(Rollup, "SELECT", "the routes page: deliveries per minute"),
+                    need(Replays, "SELECT", "the replays page"),
+                    need(Audit, "SELECT", "the audit trail"),
                 ]);
                 if self == Role::Admin {
                     list.extend([
@@ -202,7 +207,11 @@ impl Role {
                             "requeue (a dead letter is inserted again, same id)",
                         ),
                         need(Outbox, "UPDATE", "give up"),
-                        need(Outbox, "DELETE", "requeue"),
+                        need(Outbox, "DELETE", "requeue, purge"),
+                        need(Routes, "INSERT", "pause a route"),
+                        need(Routes, "UPDATE", "pause and resume a route"),
+                        need(Audit, "INSERT", "recording every change"),
+                        need(AuditSequence, "USAGE", "an audit row's id"),
                     ]);
                 }
             }
@@ -298,6 +307,9 @@ enum Object {
     Routes,
     RouteState,
     Rollup,
+    /// `<table>_audit` and its id sequence.
+    Audit,
+    AuditSequence,
     InboxSchema,
     Inbox,
     InboxLedger,
@@ -384,7 +396,8 @@ impl Tables {
             | Object::Replays
             | Object::Routes
             | Object::RouteState
-            | Object::Rollup => {
+            | Object::Rollup
+            | Object::Audit => {
                 let suffix = match r.object {
                     Object::Ledger => "_migrations",
                     Object::Relays => "_relays",
@@ -393,6 +406,7 @@ impl Tables {
                     Object::Routes => "_routes",
                     Object::RouteState => "_route_state",
                     Object::Rollup => "_rollup",
+                    Object::Audit => "_audit",
                     _ => "_replays",
                 };
                 ("table", o.companion(suffix)?, format!("table {}", bare(suffix)))
@@ -401,6 +415,11 @@ impl Tables {
                 "sequence",
                 o.companion("_replays")?,
                 format!("the id sequence of {}", bare("_replays")),
+            ),
+            Object::AuditSequence => (
+                "sequence",
+                o.companion("_audit")?,
+                format!("the id sequence of {}", bare("_audit")),
             ),
             Object::TickFn => (
                 "function",

@@ -363,6 +363,30 @@ async fn consume_and_admin_run_with_their_grants() {
         }
         let page = request.send().await.unwrap();
         assert_eq!(page.status().as_u16(), 200, "{kind}");
+        let h = reqwest::Client::new();
+        let with_token = |r: reqwest::RequestBuilder| match token {
+            Some(token) => r.bearer_auth(token),
+            None => r,
+        };
+        for path in ["/routes", "/audit", "/replays", "/api/routes", "/api/audit"] {
+            let page = with_token(h.get(format!("http://{listen}{path}"))).send().await.unwrap();
+            assert_eq!(page.status().as_u16(), 200, "{kind} {path}");
+        }
+        if token.is_some() {
+            // Changes and their audit rows, under the role's grants.
+            for (path, body) in [
+                ("/api/routes/pause", serde_json::json!({"route": "orders"})),
+                ("/api/routes/resume", serde_json::json!({"route": "orders"})),
+                ("/api/dead/purge", serde_json::json!({"older_than": 0})),
+            ] {
+                let done = with_token(h.post(format!("http://{listen}{path}")).json(&body))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(done.status().as_u16(), 200, "{kind} {path}: {}", done.text().await.unwrap());
+            }
+            assert_eq!(setup.count("SELECT count(*) FROM app.outbox_audit").await, 3);
+        }
         drop(console);
     }
     let out = run_cli(&["stats"], &setup.as_role()).await;
