@@ -124,6 +124,37 @@ async fn the_api_answers_the_documented_codes_and_every_change_is_audited_under_
     assert_eq!(status, StatusCode::OK);
     assert_eq!(story["story"]["event"]["id"], 1);
     assert_eq!(story["reasons"][0]["reason"], "dead");
+    // The story of an event with three failed attempts shows each, with
+    // what the receiver answered.
+    db.client
+        .execute(
+            "UPDATE outbox SET attempt_log = jsonb_build_array( \
+               jsonb_build_object('at', now() - interval '3 minutes', 'attempt', 1, 'outcome', 'retry', 'error', 'HTTP 500: {\"why\": \"db down\"}'), \
+               jsonb_build_object('at', now() - interval '2 minutes', 'attempt', 2, 'outcome', 'retry', 'error', 'HTTP 500: <b>still</b>'), \
+               jsonb_build_object('at', now() - interval '1 minute', 'attempt', 3, 'outcome', 'dead', 'error', 'permanent: HTTP 422')) \
+             WHERE id = 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (_, story) = get(&base, "/api/event?id=1", BOB).await;
+    let attempts = story["story"]["event"]["attempt_log"].as_array().unwrap();
+    assert_eq!(attempts.len(), 3, "{story}");
+    assert_eq!(attempts[2]["outcome"], "dead");
+    let page = http()
+        .get(format!("{base}/event?id=1"))
+        .bearer_auth(BOB)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let table = &page[page.find("<table id=\"attempts\"").expect("the attempts table")..];
+    let table = &table[..table.find("</table>").unwrap()];
+    assert_eq!(table.matches("<tr>").count(), 4, "a header and three attempts: {table}");
+    assert!(table.contains("HTTP 500: {&quot;why&quot;: &quot;db down&quot;}"), "{table}");
+    assert!(table.contains("HTTP 500: &lt;b&gt;still&lt;/b&gt;"), "escaped: {table}");
 
     // 422: filters and ids that do not parse; 404: no such event or
     // endpoint.

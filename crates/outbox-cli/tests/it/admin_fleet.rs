@@ -215,6 +215,33 @@ async fn admin_fleet_list_over_http_shows_each_tenant_by_backlog_with_totals() {
         .unwrap();
     assert_eq!(r.status(), StatusCode::NOT_FOUND);
 
+    // The picker in every page's header opens a tenant's outbox; its API
+    // is under the same prefix, and a schema outside the pattern is 404.
+    let picked = h
+        .get(format!("{base}/pick?schema=tenant_1"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(picked.status(), StatusCode::SEE_OTHER);
+    assert_eq!(picked.headers()["location"], "/o/tenant_1/");
+    let api = h
+        .get(format!("{base}/o/tenant_1/api/whoami"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(api.status(), StatusCode::OK);
+    let me: serde_json::Value = api.json().await.unwrap();
+    assert_eq!(me["outbox"], "tenant_1.outbox");
+    let api = h
+        .get(format!("{base}/o/other_0/api/overview"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(api.status(), StatusCode::NOT_FOUND);
+
     let refused = run_cli(
         &["admin", "--schemas", "tenant_%", "--databases", "app_%"],
         &[("DATABASE_URL", url.as_str())],

@@ -182,7 +182,9 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
                                 DROP CONSTRAINT outbox_event_type_is_a_name,
                                 DROP CONSTRAINT outbox_headers_are_string_tokens;
              DROP FUNCTION outbox_is_name(text), outbox_headers_ok(jsonb);
-             DELETE FROM outbox_migrations WHERE version IN (8, 9, 10);
+             DROP TABLE outbox_routes, outbox_route_state, outbox_rollup, outbox_audit;
+             DROP INDEX outbox_by_aggregate_idx;
+             DELETE FROM outbox_migrations WHERE version IN (8, 9, 10, 11);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers) VALUES
                  ('orders', 'good', 'OrderCreated', '{}', '{\"traceparent\": \"x\"}'),
                  ('billing / eu', 'space', 'Invoiced', '{}', '{}'),
@@ -200,7 +202,8 @@ async fn migrating_from_6_dead_letters_what_breaks_the_contract() {
         [
             (8, "table_contract"),
             (9, "notify_names_the_outbox"),
-            (10, "contract_inline")
+            (10, "contract_inline"),
+            (11, "operations")
         ]
     );
     let rows = db

@@ -278,7 +278,9 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
              ALTER TABLE outbox DROP COLUMN claimed_until, DROP COLUMN claimed_by;
              DROP TABLE outbox_replays, outbox_removed;
              ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
-             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 7, 8, 9, 10);
+             DROP TABLE outbox_routes, outbox_route_state, outbox_rollup, outbox_audit;
+             DROP INDEX outbox_by_aggregate_idx;
+             DELETE FROM outbox_migrations WHERE version IN (4, 5, 6, 7, 8, 9, 10, 11);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts)
              SELECT 'orders', g::text, 'E', '{}', g FROM generate_series(0, 6) g;
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, published_at)
@@ -297,7 +299,8 @@ async fn the_dead_at_migration_marks_old_dead_letters() {
             (7, "attempt_history"),
             (8, "table_contract"),
             (9, "notify_names_the_outbox"),
-            (10, "contract_inline")
+            (10, "contract_inline"),
+            (11, "operations")
         ]
     );
     let dead: Vec<i32> = db
@@ -322,7 +325,9 @@ async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
                                 DROP CONSTRAINT outbox_headers_are_string_tokens;
              DROP FUNCTION outbox_is_name(text), outbox_headers_ok(jsonb);
              ALTER TABLE outbox DROP COLUMN first_failed_at, DROP COLUMN attempt_log;
-             DELETE FROM outbox_migrations WHERE version IN (7, 8, 9, 10);
+             DROP TABLE outbox_routes, outbox_route_state, outbox_rollup, outbox_audit;
+             DROP INDEX outbox_by_aggregate_idx;
+             DELETE FROM outbox_migrations WHERE version IN (7, 8, 9, 10, 11);
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, attempts, last_error)
              SELECT 'orders', g::text, 'E', '{}', g, 'HTTP 500' FROM generate_series(0, 2) g;",
         )
@@ -340,7 +345,8 @@ async fn the_attempt_history_migration_upgrades_a_version_6_outbox() {
             (7, "attempt_history"),
             (8, "table_contract"),
             (9, "notify_names_the_outbox"),
-            (10, "contract_inline")
+            (10, "contract_inline"),
+            (11, "operations")
         ]
     );
     assert_eq!(report.version, outbox::OUTBOX_VERSION);
