@@ -46,8 +46,8 @@ pub(crate) async fn page(
                         tr #(format!("audit-{}", r.id)) {
                             td.num { (r.id) }
                             td { (view::when(r.at, now)) }
-                            td.who { (r.who) }
-                            td.action { (r.action) }
+                            td.by { (r.who) }
+                            td.act { (r.action) }
                             td.num.affected { (r.affected) }
                             td.mono { (r.detail.to_string()) }
                         }

@@ -1,5 +1,7 @@
 //! `GET /`: the backlog and its oldest age per aggregate type, events
-//! published over the last ten minutes, dead letters per aggregate type and
+//! delivered per minute over the last hour from the relays' rollup (or,
+//! when no relay writes one, published per 10 s over the last ten minutes,
+//! by `published_at`), dead letters per aggregate type and
 //! error, and the live relays with the partitions each holds; what keeps
 //! vacuum from cleaning the table (dead tuples, the oldest holder of the
 //! xmin horizon); with log tailing set up, the replication slot's retained
@@ -18,6 +20,23 @@ pub(crate) const THROUGHPUT: outbox::sql::Throughput = outbox::sql::Throughput {
     bucket_seconds: 10.0,
     buckets: 60,
 };
+
+/// The chart's span when it is drawn from the relays' rollup.
+const ROLLUP_MINUTES: i64 = 60;
+
+/// The rollup's rows summed over routes, one count per minute, newest
+/// first (as `OutboxSql::throughput` returns its buckets).
+fn per_minute(rows: &[outbox::sql::RollupRow], now: chrono::DateTime<chrono::Utc>) -> Vec<i64> {
+    let this_minute = now.timestamp().div_euclid(60);
+    let mut counts = vec![0; ROLLUP_MINUTES as usize];
+    for r in rows {
+        let ago = this_minute - r.minute.timestamp().div_euclid(60);
+        if let Some(slot) = usize::try_from(ago).ok().and_then(|i| counts.get_mut(i)) {
+            *slot += r.delivered;
+        }
+    }
+    counts
+}
 
 /// A relay silent for longer than this is flagged: the relays' default
 /// `--lease-timeout` (past it the others take its partitions over).
@@ -41,10 +60,22 @@ pub(crate) async fn page(
     let sql = &state.sql;
     let now = chrono::Utc::now();
     let stats = sql.stats(&*client).await.map_err(fail("reading the backlog"))?;
-    let throughput = sql
-        .throughput(&*client, &THROUGHPUT)
-        .await
-        .map_err(fail("reading the throughput"))?;
+    // The relays' rollup when they write one: a few rows, where counting
+    // `published_at` reads the whole table, every refresh.
+    let rolled = match &state.routes {
+        Some(routes) => routes
+            .rollup(&*client, now - chrono::Duration::minutes(ROLLUP_MINUTES))
+            .await
+            .map_err(fail("reading the relays' rollup"))?,
+        None => Vec::new(),
+    };
+    let throughput = if rolled.is_empty() {
+        sql.throughput(&*client, &THROUGHPUT)
+            .await
+            .map_err(fail("reading the throughput"))?
+    } else {
+        per_minute(&rolled, now)
+    };
     let dead = sql
         .dead_by_error(&*client, 50)
         .await
@@ -76,6 +107,19 @@ pub(crate) async fn page(
     let dead_total: i64 = stats.iter().map(|s| s.dead_letters).sum();
     let oldest = stats.iter().filter_map(|s| s.oldest_unpublished).min();
     let published: i64 = throughput.iter().sum();
+    let (span, bucket, counted) = if rolled.is_empty() {
+        (
+            f64::from(THROUGHPUT.buckets) * THROUGHPUT.bucket_seconds,
+            THROUGHPUT.bucket_seconds,
+            "published (counted by published_at, which outbox cleanup removes)",
+        )
+    } else {
+        (
+            ROLLUP_MINUTES as f64 * 60.0,
+            60.0,
+            "delivered (the relays' rollup: every route, per minute)",
+        )
+    };
     let backlog_of = |held: &[i32]| -> i64 {
         held.iter()
             .filter_map(|p| partitions.get(usize::try_from(*p).ok()?))
@@ -136,9 +180,9 @@ pub(crate) async fn page(
                 }
             }
         }
-        h2 { "Published, last " (view::duration(f64::from(THROUGHPUT.buckets) * THROUGHPUT.bucket_seconds)) }
-        p.muted { (published) " events published (counted by published_at, per " (THROUGHPUT.bucket_seconds) " s)" }
-        (crate::chart::throughput(&throughput, THROUGHPUT.bucket_seconds))
+        h2 { "Delivered, last " (view::duration(span)) }
+        p.muted #throughput-source { (published) " events " (counted) }
+        (crate::chart::throughput(&throughput, bucket))
         h2 { "Dead letters per aggregate type and error" }
         @if dead.is_empty() {
             p.muted { "No dead letters waiting for a decision." }

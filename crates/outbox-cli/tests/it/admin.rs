@@ -375,7 +375,11 @@ async fn admin_console_in_chromium_requeues_dead_letters_and_payloads_stay_inert
             .unwrap();
         (r.get(0), r.get(1), r.get(2))
     };
-    assert_eq!(audited, ("admin".to_owned(), "requeue".to_owned(), 3), "the audit row");
+    assert_eq!(
+        audited,
+        ("admin".to_owned(), "requeue".to_owned(), 3),
+        "the audit row"
+    );
     assert_eq!(
         admin.count_lines("admin: requeued 3 dead letters"),
         1,

@@ -152,9 +152,19 @@ async fn the_api_answers_the_documented_codes_and_every_change_is_audited_under_
         .unwrap();
     let table = &page[page.find("<table id=\"attempts\"").expect("the attempts table")..];
     let table = &table[..table.find("</table>").unwrap()];
-    assert_eq!(table.matches("<tr>").count(), 4, "a header and three attempts: {table}");
-    assert!(table.contains("HTTP 500: {&quot;why&quot;: &quot;db down&quot;}"), "{table}");
-    assert!(table.contains("HTTP 500: &lt;b&gt;still&lt;/b&gt;"), "escaped: {table}");
+    assert_eq!(
+        table.matches("<tr>").count(),
+        4,
+        "a header and three attempts: {table}"
+    );
+    assert!(
+        table.contains("HTTP 500: {&quot;why&quot;: &quot;db down&quot;}"),
+        "{table}"
+    );
+    assert!(
+        table.contains("HTTP 500: &lt;b&gt;still&lt;/b&gt;"),
+        "escaped: {table}"
+    );
 
     // 422: filters and ids that do not parse; 404: no such event or
     // endpoint.

@@ -142,6 +142,14 @@ async fn a_route_paused_from_the_console_stops_within_a_heartbeat_and_every_chan
     })
     .await;
     assert_eq!(route_state(&b, &base, "orders").await, "delivering");
+    // The overview's chart comes from the same rollup, not from rows.
+    b.goto(&format!("{base}/?live=0")).await.unwrap();
+    let source = text_of(&b, "#throughput-source").await;
+    assert!(
+        source.starts_with("5 events delivered (the relays' rollup"),
+        "{source}"
+    );
+    b.goto(&format!("{base}/routes?live=0")).await.unwrap();
 
     // Pause orders from the console, with a reason holding markup.
     click(&b, "#pause-orders").await;
@@ -259,14 +267,14 @@ async fn a_route_paused_from_the_console_stops_within_a_heartbeat_and_every_chan
     let mut trail = Vec::new();
     for row in rows {
         let action = row
-            .find(Locator::Css("td.action"))
+            .find(Locator::Css("td.act"))
             .await
             .unwrap()
             .text()
             .await
             .unwrap();
         let who = row
-            .find(Locator::Css("td.who"))
+            .find(Locator::Css("td.by"))
             .await
             .unwrap()
             .text()

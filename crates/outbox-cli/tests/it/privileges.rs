@@ -369,7 +369,10 @@ async fn consume_and_admin_run_with_their_grants() {
             None => r,
         };
         for path in ["/routes", "/audit", "/replays", "/api/routes", "/api/audit"] {
-            let page = with_token(h.get(format!("http://{listen}{path}"))).send().await.unwrap();
+            let page = with_token(h.get(format!("http://{listen}{path}")))
+                .send()
+                .await
+                .unwrap();
             assert_eq!(page.status().as_u16(), 200, "{kind} {path}");
         }
         if token.is_some() {
@@ -383,7 +386,12 @@ async fn consume_and_admin_run_with_their_grants() {
                     .send()
                     .await
                     .unwrap();
-                assert_eq!(done.status().as_u16(), 200, "{kind} {path}: {}", done.text().await.unwrap());
+                assert_eq!(
+                    done.status().as_u16(),
+                    200,
+                    "{kind} {path}: {}",
+                    done.text().await.unwrap()
+                );
             }
             assert_eq!(setup.count("SELECT count(*) FROM app.outbox_audit").await, 3);
         }

@@ -55,8 +55,8 @@ CREATE TABLE {rollup} (
     PRIMARY KEY (minute, route)
 );
 
--- {audit}: every change made from the console or its API: who (a named
--- token, or the identity a trusted proxy vouched for), what, to which
+-- {audit}: every change made from the console or its API: who (the
+-- name of the token that made it), what, to which
 -- rows (the selection, as JSON), how many it changed, and when.
 CREATE TABLE {audit} (
     id        bigserial   PRIMARY KEY,
@@ -73,5 +73,7 @@ CREATE TABLE {audit} (
 -- the aggregate type, which these pages may not know. Every insert pays
 -- one more index entry for it: measured with one-event transactions, see
 -- docs/admin.md#events. On the daily-partitioned layout it is created on
--- every partition, and on those made later.
-CREATE INDEX {by_aggregate_idx} ON {table} (aggregate_id, id);
+-- every partition, and on those made later. IF NOT EXISTS: on a large
+-- table, build it beforehand with CREATE INDEX CONCURRENTLY under this
+-- name (plain layout), and this migration takes no lock for it.
+CREATE INDEX IF NOT EXISTS {by_aggregate_idx} ON {table} (aggregate_id, id);

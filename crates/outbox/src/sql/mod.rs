@@ -64,8 +64,8 @@ pub use replay::{
 };
 #[cfg(feature = "tokio-postgres")]
 pub use routes::{
-    BreakerState, HeartbeatParams, PausedRoute, ROLLUP_KEEP_DAYS, RollupDelta, RollupRow, RouteReport, RouteSql,
-    RouteState,
+    BreakerState, HeartbeatParams, PausedRoute, ROLLUP_KEEP_DAYS, RollupDelta, RollupRow, RouteReport,
+    RouteSql, RouteState,
 };
 #[cfg(feature = "tokio-postgres")]
 pub use wal::{
