@@ -32,7 +32,8 @@ struct Kind {
     said: fn(u64) -> String,
 }
 
-/// A connection of its own and a transaction on it, for one change.
+/// A connection of its own for one change; the caller opens the
+/// transaction on it (a transaction borrows its client).
 async fn begin(state: &AppState) -> Result<tokio_postgres::Client, Failure> {
     state.db.own().await.map_err(fail("connecting to PostgreSQL"))
 }
@@ -56,8 +57,9 @@ async fn finish(
         .await
         .map_err(fail("recording the change in the audit table"))?;
     if kind.wake && rows > 0 {
-        // Requeued or given-up rows produce no INSERT, so no trigger
-        // wakes the relays; a NOTIFY in the transaction is sent at commit.
+        // A give-up makes an aggregate's later events claimable without
+        // any insert; a NOTIFY in the transaction is sent at commit, so
+        // relays wake when the change is visible, never before.
         state
             .sql
             .notify(&tx, state.outbox.channel.as_str())

@@ -830,23 +830,23 @@ async fn migrate_schemas_makes_every_tenants_outbox_once() {
     };
     let out = migrate(&["migrate", "--schemas", "tenant_%"]).await;
     assert!(
-        out.ends_with("2 outboxes migrated, 0 already up to date (schema version 10)\n"),
+        out.ends_with("2 outboxes migrated, 0 already up to date (schema version 11)\n"),
         "{out}"
     );
     assert!(
-        out.starts_with("tenant_0.outbox is at schema version 10\ntenant_1.outbox is at schema version 10\n"),
+        out.starts_with("tenant_0.outbox is at schema version 11\ntenant_1.outbox is at schema version 11\n"),
         "{out}"
     );
     let out = migrate(&["migrate", "--schemas", "tenant_%", "--databases", "app_%"]).await;
     assert!(out.starts_with("app_1/"), "app_0's are up to date: {out}");
     assert!(
-        out.ends_with("2 outboxes migrated, 2 already up to date (schema version 10)\n"),
+        out.ends_with("2 outboxes migrated, 2 already up to date (schema version 11)\n"),
         "{out}"
     );
     let out = migrate(&["migrate", "--schemas", "tenant_%", "--databases", "app_%"]).await;
     assert_eq!(
         out,
-        "0 outboxes migrated, 4 already up to date (schema version 10)\n"
+        "0 outboxes migrated, 4 already up to date (schema version 11)\n"
     );
     for (db, outboxes) in [("app_0", 2), ("app_1", 2), ("other", 0)] {
         let client = pg.connect(db).await.unwrap();
