@@ -38,6 +38,10 @@ async fn begin(state: &AppState) -> Result<tokio_postgres::Client, Failure> {
     state.db.own().await.map_err(fail("connecting to PostgreSQL"))
 }
 
+async fn transaction(client: &mut tokio_postgres::Client) -> Result<Transaction<'_>, Failure> {
+    client.transaction().await.map_err(fail("starting a transaction"))
+}
+
 /// Records the change `tx` made to `rows` rows as `kind` by `who` with
 /// `detail`, notifies the relays when it wakes them and changed rows, and
 /// commits.
@@ -87,10 +91,7 @@ pub(crate) async fn requeue(state: &AppState, who: &str, selection: &Selection) 
         said: |n| format!("requeued {}", view::dead_letters(n)),
     };
     let mut client = begin(state).await?;
-    let tx = client
-        .transaction()
-        .await
-        .map_err(fail("starting a transaction"))?;
+    let tx = transaction(&mut client).await?;
     let rows = state
         .sql
         .requeue_dead(&tx, &selection.filter())
@@ -107,10 +108,7 @@ pub(crate) async fn give_up(state: &AppState, who: &str, selection: &Selection) 
         said: |n| format!("gave up on {}", view::dead_letters(n)),
     };
     let mut client = begin(state).await?;
-    let tx = client
-        .transaction()
-        .await
-        .map_err(fail("starting a transaction"))?;
+    let tx = transaction(&mut client).await?;
     let rows = state
         .sql
         .give_up(&tx, &selection.ids)
@@ -134,10 +132,7 @@ pub(crate) async fn purge(
         said: |n| format!("purged {}", view::dead_letters(n)),
     };
     let mut client = begin(state).await?;
-    let tx = client
-        .transaction()
-        .await
-        .map_err(fail("starting a transaction"))?;
+    let tx = transaction(&mut client).await?;
     let mut rows = 0;
     loop {
         // The statement takes an age; the instant was fixed by the dry
@@ -178,10 +173,7 @@ pub(crate) async fn pause(
         },
     };
     let mut client = begin(state).await?;
-    let tx = client
-        .transaction()
-        .await
-        .map_err(fail("starting a transaction"))?;
+    let tx = transaction(&mut client).await?;
     let rows = u64::from(
         routes
             .pause(&tx, route, who, reason)
@@ -212,10 +204,7 @@ pub(crate) async fn resume(
         },
     };
     let mut client = begin(state).await?;
-    let tx = client
-        .transaction()
-        .await
-        .map_err(fail("starting a transaction"))?;
+    let tx = transaction(&mut client).await?;
     let rows = u64::from(
         routes
             .resume(&tx, route)

@@ -68,6 +68,12 @@ impl Token {
     pub fn new(token: String) -> Option<Token> {
         (token.chars().count() >= MIN_TOKEN_LEN).then_some(Token(token))
     }
+
+    /// Whether two tokens are the same secret (at startup, to refuse one
+    /// token under two names).
+    pub fn same_as(&self, other: &Token) -> bool {
+        self.0 == other.0
+    }
 }
 
 /// A token and the name the audit trail records for what it changes.

@@ -113,6 +113,17 @@ fn tokens(args: &AdminArgs) -> anyhow::Result<Vec<outbox_admin::NamedToken>> {
             return Err(ConfigError(format!("--admin-tokens-file {} holds no token", path.display())).into());
         }
         for t in named {
+            if tokens
+                .iter()
+                .any(|o: &outbox_admin::NamedToken| o.token.same_as(&t.token))
+            {
+                return Err(ConfigError(format!(
+                    "--admin-tokens-file {}: the token of {:?} is --admin-token's; give each name its own",
+                    path.display(),
+                    t.name
+                ))
+                .into());
+            }
             if tokens.iter().any(|o: &outbox_admin::NamedToken| o.name == t.name) {
                 return Err(ConfigError(format!(
                     "--admin-tokens-file {}: the name {:?} is --admin-token's; choose another",

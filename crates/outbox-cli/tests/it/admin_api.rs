@@ -395,6 +395,10 @@ async fn a_read_only_console_answers_403_to_every_change_and_bad_token_files_are
         ("a 0123456789abcdef\na 0123456789abcdeX", "already given"),
         ("# nobody\n", "holds no token"),
         (&format!("admin {ALICE}"), "--admin-token's"),
+        (
+            &format!("carol {TOKEN}"),
+            "the token of \"carol\" is --admin-token's",
+        ),
     ] {
         let file = dir.path().join("tokens");
         std::fs::write(&file, content).unwrap();
