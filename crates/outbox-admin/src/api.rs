@@ -205,13 +205,12 @@ impl Change {
     fn selection(&self, filtered_allowed: bool) -> Result<Selection, String> {
         match self.scope.as_str() {
             "selected" => {
-                let mut p: Vec<(String, String)> = self
+                let ids = self
                     .ids
                     .iter()
                     .map(|id| ("id".to_owned(), id.to_string()))
                     .collect();
-                p.retain(|(_, v)| !v.is_empty());
-                Selection::selected(&Params::from_pairs(p))
+                Selection::selected(&Params::from_pairs(ids))
             }
             "filtered" if filtered_allowed => {
                 let pairs = [
@@ -322,7 +321,7 @@ pub(crate) async fn purge(
         serde_json::Value::String(s) => s.clone(),
         other => other.to_string(),
     };
-    let age = crate::dead::purge_age(Some(&written)).map_err(ApiError::unprocessable)?;
+    let (age, before) = crate::dead::purge_age(Some(&written)).map_err(ApiError::unprocessable)?;
     if purge.dry_run {
         let client = client(&state).await?;
         let n = state
@@ -332,7 +331,6 @@ pub(crate) async fn purge(
             .map_err(fail("counting given-up dead letters"))?;
         return Ok(Json(json!({ "dry_run": true, "deleted": n })).into_response());
     }
-    let before = Utc::now() - chrono::Duration::from_std(age).unwrap_or(chrono::Duration::MAX);
     let done = actions::purge(&state, who, before).await?;
     Ok(Json(
         json!({ "deleted": done.rows, "audit_id": done.audit_id, "given_up_before": before.to_rfc3339() }),

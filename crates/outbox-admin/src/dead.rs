@@ -464,14 +464,20 @@ fn done(state: &crate::AppState, access: &Access, n: u64, message: &str) -> Resp
     (status, view::layout("Done", access, &state.frame, body)).into_response()
 }
 
-/// The purge form's age: whole days (`30`), or a humantime age (`12h`).
-pub(crate) fn purge_age(v: Option<&str>) -> Result<std::time::Duration, String> {
+/// The purge form's age: whole days (`30`), or a humantime age (`12h`),
+/// and the instant that far back.
+pub(crate) fn purge_age(v: Option<&str>) -> Result<(std::time::Duration, DateTime<Utc>), String> {
     let v = v.ok_or("older_than is required: how long ago the rows were given up on (e.g. 30d)")?;
     let parsed = match v.parse::<u64>() {
         Ok(days) => Ok(std::time::Duration::from_secs(days.saturating_mul(86_400))),
         Err(_) => humantime::parse_duration(v),
     };
-    parsed.map_err(|e| format!("older_than {v:?}: {e} (e.g. 30d, 12h)"))
+    let age = parsed.map_err(|e| format!("older_than {v:?}: {e} (e.g. 30d, 12h)"))?;
+    let before = chrono::Duration::from_std(age)
+        .ok()
+        .and_then(|d| Utc::now().checked_sub_signed(d))
+        .ok_or_else(|| format!("older_than {v:?} is too long"))?;
+    Ok((age, before))
 }
 
 /// `GET /dead/purge?older_than=30d`: the dry run of a purge of given-up
@@ -482,8 +488,8 @@ pub(crate) async fn purge_confirm(
     RawQuery(raw): RawQuery,
 ) -> Result<Response, Failure> {
     let p = Params::query(raw.as_deref());
-    let age = match purge_age(p.get("older_than")) {
-        Ok(age) => age,
+    let (age, before) = match purge_age(p.get("older_than")) {
+        Ok(cutoff) => cutoff,
         Err(message) => return Ok(bad_request(&state, &access, &message)),
     };
     let client = state
@@ -496,7 +502,6 @@ pub(crate) async fn purge_confirm(
         .count_purge_given_up(&*client, age)
         .await
         .map_err(|e| Failure("counting given-up dead letters".into(), e))?;
-    let before = Utc::now() - chrono::Duration::from_std(age).unwrap_or(chrono::Duration::MAX);
     let body = html! {
         p.message #dry-run { (view::dead_letters(count)) " given up on before " (view::instant(before)) " will be deleted." }
         p.muted { "Deleted rows are gone: their payloads cannot be requeued or inspected any more. The audit trail records who purged how many." }

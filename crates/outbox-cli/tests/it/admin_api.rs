@@ -274,8 +274,10 @@ async fn the_api_answers_the_documented_codes_and_every_change_is_audited_under_
     assert_eq!(status, StatusCode::OK, "{purged}");
     assert_eq!(purged["deleted"], 2);
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
-    let (status, _) = post(&base, "/api/dead/purge", BOB, json!({"older_than": "soon"})).await;
-    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    for older_than in [json!("soon"), json!(u64::MAX), json!("100000000d")] {
+        let (status, body) = post(&base, "/api/dead/purge", BOB, json!({ "older_than": older_than })).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{older_than}: {body}");
+    }
 
     // Routes: pause, 409 when paused already; resume, 409 when not paused.
     let (status, paused) = post(
