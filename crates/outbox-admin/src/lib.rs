@@ -1,14 +1,20 @@
-//! `outbox admin`: a server-rendered web console for one outbox table, or
-//! for every tenant outbox of a fleet (`--schemas`): a list of them, each
-//! with the one-outbox pages under `/o/<schema>/`.
+//! `outbox admin`: a server-rendered operations console for one outbox
+//! table, or for every tenant outbox of a fleet (`--schemas`): a list of
+//! them, each with the one-outbox pages under `/o/<schema>/`; and the same
+//! as a JSON API under `/api/`.
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`auth`](crate::auth) | the token, browser sessions, CSRF tokens, the security headers |
+//! | [`auth`](crate::auth) | named tokens, browser sessions, CSRF tokens, the security headers |
 //! | `fleet` | the list of a fleet's outboxes and the routing of `/o/<schema>/…` to one |
 //! | `db` | the one PostgreSQL connection, reopened when it drops |
 //! | `overview` | backlog per aggregate type, throughput chart, dead letters per error, relays |
-//! | `dead` | the dead-letter list and its actions: requeue and give up, each after a dry run |
+//! | `dead` | the dead-letter list and its actions: requeue, give up and purge, each after a dry run |
+//! | `routes` | routes → sinks as relays report them, and their pause and resume |
+//! | `replays` | the replay jobs and their progress |
+//! | `audit` | the audit trail's page |
+//! | `actions` | every change, in one transaction with its audit row and the relays' wake-up |
+//! | `api` | `/api/…`: the pages' data and actions as JSON, with status codes |
 //! | `story` | one event and why it is where it is |
 //! | `events` | every event by state and filters, one aggregate's history, and their JSON twins |
 //! | `view` | the page layout, shared snippets, durations and instants |
@@ -23,9 +29,10 @@
 //!
 //! The console reads through the typed statements of [`outbox::sql`] (the
 //! same ones `outbox stats`, `outbox relays` and `outbox dlq` run) and
-//! changes rows only through [`outbox::sql::OutboxSql::requeue_dead`] and
-//! [`outbox::sql::OutboxSql::give_up`], each after its dry-run count. It is
-//! never on the relay's path.
+//! changes rows only in `actions`: requeue, give up and purge through
+//! [`outbox::sql::OutboxSql`], pause and resume through
+//! [`outbox::sql::RouteSql`], each after its dry run or confirmation and
+//! recorded by [`outbox::sql::AuditSql`]. It is never on the relay's path.
 
 use std::sync::Arc;
 
