@@ -5,7 +5,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`auth`](crate::auth) | named tokens, browser sessions, CSRF tokens, the security headers |
+//! | [`auth`] | named tokens, browser sessions, CSRF tokens, the security headers |
 //! | `fleet` | the list of a fleet's outboxes and the routing of `/o/<schema>/…` to one |
 //! | `db` | the one PostgreSQL connection, reopened when it drops |
 //! | `overview` | backlog per aggregate type, throughput chart, dead letters per error, relays |
