@@ -226,7 +226,9 @@ pub(crate) async fn page(
                                     @if let Some(by) = &p.paused_by { " by " (by) }
                                     @if let Some(reason) = &p.reason { br; span.muted { (reason) } }
                                     br;
-                                    @if r.paused_relays == r.relays.len() {
+                                    @if r.relays.is_empty() {
+                                        span.error.unserved { "no live relay reports this route: nothing honours the pause (relays without leases, the WAL source and fleets never do)" }
+                                    } @else if r.paused_relays == r.relays.len() {
                                         span.muted.honoured { "every relay honours it" }
                                     } @else {
                                         span.muted.pending { (r.paused_relays) " of " (r.relays.len()) " relays honour it so far" }

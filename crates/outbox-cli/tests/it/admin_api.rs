@@ -295,6 +295,17 @@ async fn the_api_answers_the_documented_codes_and_every_change_is_audited_under_
     assert_eq!(orders["route"], "orders");
     assert_eq!(orders["pause"]["paused_by"], "alice@example.com");
     assert_eq!(orders["pause"]["reason"], "sink migration");
+    // No relay serves it here: the page says nothing honours the pause.
+    let page = http()
+        .get(format!("{base}/routes"))
+        .bearer_auth(BOB)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("nothing honours the pause"), "{page}");
     let (status, _) = post(&base, "/api/routes/resume", BOB, json!({"route": "orders"})).await;
     assert_eq!(status, StatusCode::OK);
     let (status, _) = post(&base, "/api/routes/resume", BOB, json!({"route": "orders"})).await;
