@@ -27,12 +27,10 @@ const ROLLUP_MINUTES: i64 = 60;
 /// The rollup's rows summed over routes, one count per minute, newest
 /// first (as `OutboxSql::throughput` returns its buckets).
 fn per_minute(rows: &[outbox::sql::RollupRow], now: chrono::DateTime<chrono::Utc>) -> Vec<i64> {
-    let this_minute = now.timestamp().div_euclid(60);
     let mut counts = vec![0; ROLLUP_MINUTES as usize];
     for r in rows {
-        let ago = this_minute - r.minute.timestamp().div_euclid(60);
-        if let Some(slot) = usize::try_from(ago).ok().and_then(|i| counts.get_mut(i)) {
-            *slot += r.delivered;
+        if let Some(ago) = crate::routes::minutes_ago(now, r.minute, ROLLUP_MINUTES) {
+            counts[ago] += r.delivered;
         }
     }
     counts

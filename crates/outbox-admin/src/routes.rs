@@ -145,18 +145,22 @@ pub(crate) async fn load(state: &crate::AppState) -> Result<Vec<Route>, Failure>
                 .iter()
                 .filter_map(|r| Some((r.last_error.clone()?, r.last_error_at?)))
                 .max_by_key(|(_, at)| *at);
-            let minutes = (0..MINUTES)
-                .map(|i| {
-                    let start = since + chrono::Duration::minutes(i + 1);
-                    let row = rollup.iter().filter(|r| r.route == route).find(|r| {
-                        let m = r.minute.timestamp() / 60;
-                        m == start.timestamp() / 60
-                    });
+            // One pass over the route's rows, each into its minute's slot.
+            let mut counts = vec![(0, 0, 0); MINUTES as usize];
+            for r in rollup.iter().filter(|r| r.route == route) {
+                if let Some(ago) = minutes_ago(now, r.minute, MINUTES) {
+                    counts[MINUTES as usize - 1 - ago] = (r.delivered, r.failed, r.dead);
+                }
+            }
+            let minutes = counts
+                .into_iter()
+                .enumerate()
+                .map(|(i, (delivered, failed, dead))| {
                     (
-                        start,
-                        row.map_or(0, |r| r.delivered),
-                        row.map_or(0, |r| r.failed),
-                        row.map_or(0, |r| r.dead),
+                        since + chrono::Duration::minutes(i as i64 + 1),
+                        delivered,
+                        failed,
+                        dead,
                     )
                 })
                 .collect();
@@ -181,6 +185,14 @@ pub(crate) async fn load(state: &crate::AppState) -> Result<Vec<Route>, Failure>
         })
         .collect();
     Ok(routes)
+}
+
+/// How many minutes before `now`'s minute `minute` is (0: this one), if
+/// fewer than `span`: the slot of a rollup row in a chart of `span`
+/// minutes.
+pub(crate) fn minutes_ago(now: DateTime<Utc>, minute: DateTime<Utc>, span: i64) -> Option<usize> {
+    let ago = now.timestamp().div_euclid(60) - minute.timestamp().div_euclid(60);
+    usize::try_from(ago).ok().filter(|a| (*a as i64) < span)
 }
 
 /// The per-minute bars of one series, oldest left, as the overview's chart
