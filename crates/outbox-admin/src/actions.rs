@@ -26,26 +26,26 @@ fn fail(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Failure {
 
 /// How an action is recorded: its name in the audit trail, whether it
 /// wakes the relays, and its log line for a count of rows.
-struct Kind {
-    action: &'static str,
-    wake: bool,
-    said: fn(u64) -> String,
+pub(crate) struct Kind {
+    pub(crate) action: &'static str,
+    pub(crate) wake: bool,
+    pub(crate) said: fn(u64) -> String,
 }
 
 /// A connection of its own for one change; the caller opens the
 /// transaction on it (a transaction borrows its client).
-async fn begin(state: &AppState) -> Result<tokio_postgres::Client, Failure> {
+pub(crate) async fn begin(state: &AppState) -> Result<tokio_postgres::Client, Failure> {
     state.db.own().await.map_err(fail("connecting to PostgreSQL"))
 }
 
-async fn transaction(client: &mut tokio_postgres::Client) -> Result<Transaction<'_>, Failure> {
+pub(crate) async fn transaction(client: &mut tokio_postgres::Client) -> Result<Transaction<'_>, Failure> {
     client.transaction().await.map_err(fail("starting a transaction"))
 }
 
 /// Records the change `tx` made to `rows` rows as `kind` by `who` with
 /// `detail`, notifies the relays when it wakes them and changed rows, and
 /// commits.
-async fn finish(
+pub(crate) async fn finish(
     state: &AppState,
     tx: Transaction<'_>,
     who: &str,

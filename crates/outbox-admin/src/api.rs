@@ -7,8 +7,8 @@
 //! | 200 | done, or read |
 //! | 401 | no token, or a wrong one |
 //! | 403 | read-only console, or a change sent with a browser's cookie instead of a bearer token |
-//! | 404 | nothing matched (an unknown event; a requeue or give-up that changed no row, where `outbox dlq` exits 1) |
-//! | 409 | the change conflicts with the state (a route already paused, or not paused) |
+//! | 404 | nothing matched (an unknown event or replay job; a requeue or give-up that changed no row, where `outbox dlq` exits 1) |
+//! | 409 | the change conflicts with the state (a route already paused, or not paused; a replay job done, running elsewhere, or not running) |
 //! | 422 | a filter or body that does not parse, with what is wrong |
 //! | 500 | PostgreSQL failed; the error chain is in `error` |
 //!
@@ -455,4 +455,124 @@ async fn route_change(state: &crate::AppState, access: &Access, bytes: &Bytes, p
         return Ok(problem(StatusCode::CONFLICT, &message));
     }
     Ok(Json(json!({ "route": change.route, "paused": pause, "audit_id": done.audit_id })).into_response())
+}
+
+/// A replay job refused: 404, 409 or 422 with its words.
+impl From<crate::jobs::JobError> for ApiError {
+    fn from(e: crate::jobs::JobError) -> ApiError {
+        use crate::jobs::JobError;
+        match e {
+            JobError::NotFound(m) => ApiError(StatusCode::NOT_FOUND, m),
+            JobError::Conflict(m) => ApiError(StatusCode::CONFLICT, m),
+            JobError::Unprocessable(m) => ApiError::unprocessable(m),
+            JobError::Failed(f) => f.into(),
+        }
+    }
+}
+
+/// The body of `POST /api/replays`: `outbox replay`'s flags.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartReplay {
+    to: String,
+    format: Option<String>,
+    aggregate_type: Option<String>,
+    aggregate_id: Option<String>,
+    event_type: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    /// `500`, `"500/s"` or `"unlimited"`.
+    rate: Option<serde_json::Value>,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// A JSON number or string as the form's text.
+fn text(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// `POST /api/replays`: starts a replay job (200 with the job), or with
+/// `dry_run` counts what it would send.
+pub(crate) async fn start_replay(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+    bytes: Bytes,
+) -> Answer {
+    let who = changer(&access)?;
+    let b: StartReplay = body(&bytes)?;
+    let pairs = [
+        ("to", Some(b.to)),
+        ("format", b.format),
+        ("aggregate_type", b.aggregate_type),
+        ("aggregate_id", b.aggregate_id),
+        ("event_type", b.event_type),
+        ("since", b.since),
+        ("until", b.until),
+        ("rate", b.rate.as_ref().map(text)),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| v.map(|v| (k.to_owned(), v)))
+    .collect();
+    let job = crate::jobs::NewJob::parse(&Params::from_pairs(pairs)).map_err(ApiError::unprocessable)?;
+    if b.dry_run {
+        let checked = state.runner.check(&state, &job).await?;
+        return Ok(Json(json!({ "dry_run": true, "would": checked })).into_response());
+    }
+    let (job, done) = state.runner.start(&state, who, &job).await?;
+    Ok(Json(json!({ "job": job, "audit_id": done.audit_id })).into_response())
+}
+
+/// The body of `POST /api/replays/resume`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResumeReplay {
+    id: i64,
+    /// The target's URL again, when the job's was masked.
+    to: Option<String>,
+    rate: Option<serde_json::Value>,
+}
+
+/// `POST /api/replays/resume`: resumes a stopped or failed job here.
+pub(crate) async fn resume_replay(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+    bytes: Bytes,
+) -> Answer {
+    let who = changer(&access)?;
+    let b: ResumeReplay = body(&bytes)?;
+    let rate = b
+        .rate
+        .as_ref()
+        .map(|r| outbox_relay::replay::parse_rate(&text(r)))
+        .transpose()
+        .map_err(|e| ApiError::unprocessable(format!("rate: {e}")))?;
+    let (job, done) = state
+        .runner
+        .resume(&state, who, b.id, b.to.as_deref(), rate)
+        .await?;
+    Ok(Json(json!({ "job": job, "audit_id": done.audit_id })).into_response())
+}
+
+/// The body of `POST /api/replays/cancel`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelReplay {
+    id: i64,
+}
+
+/// `POST /api/replays/cancel`: stops a job this console runs; answers the
+/// job as saved when it stopped.
+pub(crate) async fn cancel_replay(
+    State(state): State<crate::State>,
+    Extension(access): Extension<Access>,
+    bytes: Bytes,
+) -> Answer {
+    let who = changer(&access)?;
+    let b: CancelReplay = body(&bytes)?;
+    let (job, done) = state.runner.cancel(&state, who, b.id).await?;
+    Ok(Json(json!({ "job": job, "audit_id": done.audit_id })).into_response())
 }

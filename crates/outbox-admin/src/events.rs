@@ -163,7 +163,7 @@ fn keyset(p: &Params) -> Result<Keyset, String> {
 /// RFC 3339 (`2024-05-01T12:00:00Z`), or a date and time without an
 /// offset (`2024-05-01T12:00`, what a browser's datetime field sends) or
 /// a date, both read as UTC.
-fn parse_instant(v: &str) -> Result<DateTime<Utc>, String> {
+pub(crate) fn parse_instant(v: &str) -> Result<DateTime<Utc>, String> {
     if let Ok(t) = DateTime::parse_from_rfc3339(v) {
         return Ok(t.with_timezone(&Utc));
     }

@@ -40,6 +40,8 @@ const SHOWN: usize = 200;
 pub(crate) struct FleetState {
     pub(crate) db: Arc<Db>,
     pub(crate) auth: Arc<Auth>,
+    /// The replay jobs this console runs, of every tenant.
+    pub(crate) runner: Arc<crate::jobs::Runner>,
     /// The `LIKE` pattern of `--schemas`.
     pub(crate) schemas: String,
     /// Every tenant's settings but its schema.
@@ -320,6 +322,7 @@ async fn outbox_pages(State(state): State<Arc<FleetState>>, request: Request) ->
     let app = Arc::new(crate::AppState::new(
         Arc::clone(&state.db),
         Arc::clone(&state.auth),
+        Arc::clone(&state.runner),
         config,
         frame,
     ));

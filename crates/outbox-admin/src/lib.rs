@@ -11,7 +11,8 @@
 //! | `overview` | backlog per aggregate type, throughput chart, dead letters per error, relays |
 //! | `dead` | the dead-letter list and its actions: requeue, give up and purge, each after a dry run |
 //! | `routes` | routes → sinks as relays report them, and their pause and resume |
-//! | `replays` | the replay jobs and their progress |
+//! | `replays` | the replay jobs and their progress; the forms that start, cancel and resume them |
+//! | `jobs` | the replay jobs this console runs: start, resume, cancel, and their tasks |
 //! | `audit` | the audit trail's page |
 //! | `actions` | every change, in one transaction with its audit row and the relays' wake-up |
 //! | `api` | `/api/…`: the pages' data and actions as JSON, with status codes |
@@ -32,7 +33,9 @@
 //! changes rows only in `actions`: requeue, give up and purge through
 //! [`outbox::sql::OutboxSql`], pause and resume through
 //! [`outbox::sql::RouteSql`], each after its dry run or confirmation and
-//! recorded by [`outbox::sql::AuditSql`]. It is never on the relay's path.
+//! recorded by [`outbox::sql::AuditSql`]; and runs replay jobs in `jobs`,
+//! through the engine of [`outbox_relay::replay`]. It is never on the
+//! relay's path.
 
 use std::sync::Arc;
 
@@ -51,6 +54,7 @@ mod dead;
 mod events;
 mod fleet;
 mod form;
+mod jobs;
 mod overview;
 mod replays;
 mod routes;
@@ -58,6 +62,7 @@ mod story;
 mod view;
 
 pub use auth::{NamedToken, Token};
+pub use jobs::{ReplayTargets, Replays};
 
 /// What the console serves and how it guards it.
 #[derive(Debug)]
@@ -72,6 +77,9 @@ pub struct Admin {
     /// Whether the session cookie gets `Secure` (false on a loopback
     /// address, where tests and SSH tunnels speak plain HTTP).
     pub secure_cookie: bool,
+    /// How to build replay jobs' sinks; None: the replays page lists jobs
+    /// and cannot start or resume one.
+    pub replays: Option<Replays>,
 }
 
 /// The outboxes a console shows.
@@ -115,6 +123,8 @@ pub(crate) struct AppState {
     pub(crate) outbox: outbox::Config,
     /// Shared by every outbox of a fleet: one session signs in to all.
     pub(crate) auth: Arc<auth::Auth>,
+    /// The replay jobs this console runs, of every outbox it shows.
+    pub(crate) runner: Arc<jobs::Runner>,
     pub(crate) frame: view::Frame,
 }
 
@@ -123,6 +133,7 @@ impl AppState {
     pub(crate) fn new(
         db: Arc<db::Db>,
         auth: Arc<auth::Auth>,
+        runner: Arc<jobs::Runner>,
         outbox: outbox::Config,
         frame: view::Frame,
     ) -> AppState {
@@ -135,6 +146,7 @@ impl AppState {
             routes: outbox::sql::RouteSql::new(&outbox).ok(),
             outbox,
             auth,
+            runner,
             frame,
         }
     }
@@ -143,10 +155,11 @@ impl AppState {
 pub(crate) type State = Arc<AppState>;
 
 /// Serves the console on `listener` until `cancel`, then lets requests in
-/// flight finish.
+/// flight finish and stops the replay jobs it runs, each saved resumable.
 pub async fn serve(admin: Admin, listener: TcpListener, cancel: CancellationToken) -> Result<(), Error> {
     let db = Arc::new(db::Db::new(admin.pg));
     let auth = Arc::new(auth::Auth::new(admin.tokens, admin.secure_cookie));
+    let runner = Arc::new(jobs::Runner::new(admin.replays));
     let pages = match admin.scope {
         Scope::One(outbox) => {
             let frame = view::Frame {
@@ -154,19 +167,28 @@ pub async fn serve(admin: Admin, listener: TcpListener, cancel: CancellationToke
                 base: Some(String::new()),
                 fleet: false,
             };
-            pages(Arc::new(AppState::new(db, Arc::clone(&auth), outbox, frame)))
+            pages(Arc::new(AppState::new(
+                db,
+                Arc::clone(&auth),
+                Arc::clone(&runner),
+                outbox,
+                frame,
+            )))
         }
         Scope::Fleet { schemas, template } => fleet::routes(Arc::new(fleet::FleetState {
             db,
             auth: Arc::clone(&auth),
+            runner: Arc::clone(&runner),
             schemas,
             template,
         })),
     };
-    axum::serve(listener, guarded(pages, auth))
+    let served = axum::serve(listener, guarded(pages, auth))
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await
-        .map_err(Error::Serve)
+        .map_err(Error::Serve);
+    runner.shutdown().await;
+    served
 }
 
 /// One outbox's pages, paths relative to where they are served.
@@ -184,6 +206,13 @@ fn pages(state: State) -> Router {
         .route("/api/events", get(events::api_list))
         .route("/api/aggregate", get(events::api_aggregate))
         .route("/replays", get(replays::page))
+        .route("/replays/check", post(replays::check))
+        .route("/replays/start", post(replays::start))
+        .route(
+            "/replays/resume",
+            get(replays::resume_confirm).post(replays::resume),
+        )
+        .route("/replays/cancel", post(replays::cancel))
         .route("/routes", get(routes::page))
         .route("/routes/confirm", get(routes::confirm))
         .route("/routes/pause", post(routes::pause))
@@ -199,7 +228,9 @@ fn pages(state: State) -> Router {
         .route("/api/dead/give-up", post(api::give_up))
         .route("/api/dead/purge", post(api::purge))
         .route("/api/event", get(api::event))
-        .route("/api/replays", get(api::replays))
+        .route("/api/replays", get(api::replays).post(api::start_replay))
+        .route("/api/replays/resume", post(api::resume_replay))
+        .route("/api/replays/cancel", post(api::cancel_replay))
         .route("/api/audit", get(api::audit))
         .fallback(api::not_found)
         .with_state(state)

@@ -167,6 +167,7 @@ pub(crate) fn message_page(
 }
 
 /// A failed page: the error chain (escaped) and a 500, also logged.
+#[derive(Debug)]
 pub(crate) struct Failure(pub(crate) String, pub(crate) tokio_postgres::Error);
 
 impl IntoResponse for Failure {

@@ -789,6 +789,13 @@ pub(crate) struct AdminArgs {
     /// database (refused with exit 2).
     #[arg(long, value_name = "PATTERN", requires = "schemas", hide = true)]
     pub(crate) databases: Option<String>,
+    /// The routes file whose sink tables replay jobs started from the
+    /// console may name as `route:NAME` (the relay's --config).
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub(crate) config: Option<std::path::PathBuf>,
+    /// How replay jobs started from the console reach their sinks.
+    #[command(flatten)]
+    pub(crate) sink_options: Box<SinkArgs>,
 }
 
 /// `TYPE=MODE` of `--ordering-for`.
@@ -804,15 +811,7 @@ fn ordering_for(s: &str) -> Result<(String, OrderMode), String> {
 
 /// A replay rate in events per second: `N/s`, `N`, or `unlimited`.
 fn rate(s: &str) -> Result<f64, String> {
-    let s = s.trim();
-    if s == "unlimited" {
-        return Ok(f64::INFINITY);
-    }
-    let n = s.strip_suffix("/s").unwrap_or(s);
-    match n.trim().parse::<f64>() {
-        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
-        _ => Err(format!("{s:?} is not a rate (examples: 500/s, 2000, unlimited)")),
-    }
+    outbox_relay::replay::parse_rate(s)
 }
 
 /// An instant: RFC 3339, or a duration before now (this machine's clock).

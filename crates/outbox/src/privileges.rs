@@ -212,6 +212,10 @@ impl Role {
                         need(Routes, "UPDATE", "pause and resume a route"),
                         need(Audit, "INSERT", "recording every change"),
                         need(AuditSequence, "USAGE", "an audit row's id"),
+                        need(Replays, "INSERT", "a replay job started from the console"),
+                        need(Replays, "UPDATE", "a replay job's cursor and state"),
+                        need(ReplaysSequence, "USAGE", "a new replay job's id"),
+                        need(Removed, "SELECT", "what cleanup removed, counted before a replay"),
                     ]);
                 }
             }

@@ -3,8 +3,15 @@
 //! the console serves a fleet's tenant outboxes of the URL's database; each
 //! is checked when its page is asked for, as tenants come and go.
 
-use anyhow::Context;
+use std::path::PathBuf;
+use std::sync::Arc;
 
+use anyhow::Context;
+use outbox::sql::ReplayFilter;
+use outbox_relay::sink::format::Formatter;
+use outbox_relay::{Backoff, Sink, SinkOptions};
+
+use super::replay::target::{Target, format_name, parse_format};
 use crate::cli::{AdminArgs, Global};
 use crate::exit::ConfigError;
 
@@ -27,6 +34,16 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
         .into());
     }
     let config = super::outbox_config(g)?;
+    let replays = outbox_admin::Replays {
+        targets: Arc::new(Targets {
+            config: args.config,
+            options: super::sink_options(&config, *args.sink_options),
+        }),
+        backoff: Backoff {
+            max_attempts: g.max_attempts,
+            ..Backoff::default()
+        },
+    };
     let pg = super::pg_config(g)?;
     let client = super::connect(&pg).await?;
     // Without a token the console only reads.
@@ -82,6 +99,7 @@ pub(crate) async fn run(g: &Global, args: AdminArgs) -> anyhow::Result<()> {
         // (tests, an SSH tunnel) speaks; anywhere else a TLS proxy is
         // expected in front.
         secure_cookie: !loopback,
+        replays: Some(replays),
     };
     outbox_admin::serve(admin, listener, cancel).await?;
     tracing::info!("admin console stopped");
@@ -136,4 +154,37 @@ fn tokens(args: &AdminArgs) -> anyhow::Result<Vec<outbox_admin::NamedToken>> {
         }
     }
     Ok(tokens)
+}
+
+/// `outbox replay --to`'s targets, for the replay jobs the console runs:
+/// a sink URL, or `route:NAME` of `--config`, with the sink flags given
+/// to `outbox admin`.
+struct Targets {
+    config: Option<PathBuf>,
+    options: SinkOptions,
+}
+
+impl outbox_admin::ReplayTargets for Targets {
+    fn sink(
+        &self,
+        target: &str,
+        format: &str,
+        filter: Option<&mut ReplayFilter>,
+    ) -> Result<Box<dyn Sink>, String> {
+        let (format, mode) = parse_format(format).map_err(|e| format!("{e:#}"))?;
+        let mut options = self.options.clone();
+        let (_, _, source) = options.formatter.parts();
+        options.formatter = Formatter::new(format, mode, source.to_owned());
+        Target::parse(target)
+            .sink(self.config.as_deref(), &options, filter)
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    fn stored(&self, target: &str) -> String {
+        Target::parse(target).stored()
+    }
+
+    fn default_format(&self) -> String {
+        format_name(&self.options.formatter)
+    }
 }

@@ -7,7 +7,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::admin::{TOKEN, http};
-use crate::support::{Db, LONG, outbox_cmd, run_cli, text};
+use crate::support::{Db, LONG, outbox_cmd, run_cli, text, wait_until};
 
 const ALICE: &str = "alice-token-0123456789";
 const BOB: &str = "bob-token-9876543210ab";
@@ -384,6 +384,12 @@ async fn a_read_only_console_answers_403_to_every_change_and_bad_token_files_are
         ("/api/dead/give-up", json!({"scope": "selected", "ids": [1]})),
         ("/api/dead/purge", json!({"older_than": 0})),
         ("/api/routes/pause", json!({"route": "orders"})),
+        (
+            "/api/replays",
+            json!({"to": "http://127.0.0.1:1/", "dry_run": true}),
+        ),
+        ("/api/replays/resume", json!({"id": 1})),
+        ("/api/replays/cancel", json!({"id": 1})),
     ] {
         let r = http()
             .post(format!("{base}{path}"))
@@ -431,4 +437,152 @@ async fn a_read_only_console_answers_403_to_every_change_and_bad_token_files_are
             text(&out.stderr)
         );
     }
+}
+
+/// Job `id`'s state and sent count.
+async fn replay_job(db: &Db, id: i64) -> (String, i64) {
+    let row = db
+        .client
+        .query_one("SELECT state, sent FROM outbox_replays WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test]
+async fn replay_jobs_start_cancel_and_resume_through_the_api_with_the_documented_codes() {
+    let mut db = Db::start().await;
+    db.insert_events(30, 1).await;
+    db.client
+        .execute("UPDATE outbox SET published_at = now()", &[])
+        .await
+        .unwrap();
+    let receiver = outbox_testkit::Receiver::start(outbox_testkit::Respond::Ok)
+        .await
+        .unwrap();
+    let url = receiver.url();
+    let dir = tempfile::tempdir().unwrap();
+    let (_admin, base) = start(&db, &dir).await;
+
+    // A dry run counts, creates nothing, sends nothing.
+    let (status, dry) = post(&base, "/api/replays", ALICE, json!({"to": url, "dry_run": true})).await;
+    assert_eq!(status, StatusCode::OK, "{dry}");
+    assert_eq!(
+        (dry["would"]["matched"].as_i64(), dry["would"]["upto_id"].as_i64()),
+        (Some(30), Some(30))
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox_replays").await, 0);
+
+    // Bad requests are 422, naming what is wrong; nothing is created.
+    for (body, says) in [
+        (json!({"to": "nope://x"}), "unknown sink scheme"),
+        (json!({"to": url, "rate": "fast"}), "rate:"),
+        (json!({"to": url, "rate": 0}), "rate:"),
+        (json!({"to": url, "colour": "red"}), "unknown field"),
+        (json!({"to": url, "since": "last tuesday"}), "since:"),
+        (
+            json!({"to": url, "since": "2026-01-02", "until": "2026-01-01"}),
+            "since must be before until",
+        ),
+        (json!({"to": "route:orders"}), "--config"),
+        (json!({"to": url, "format": "xml"}), "format"),
+        (json!({}), "missing field `to`"),
+    ] {
+        let (status, answer) = post(&base, "/api/replays", ALICE, body.clone()).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {answer}");
+        let error = answer["error"].as_str().unwrap();
+        assert!(
+            error.to_lowercase().contains(&says.to_lowercase()),
+            "{body}: {error}"
+        );
+    }
+    assert_eq!(db.count("SELECT count(*) FROM outbox_replays").await, 0);
+
+    // A job at one event a second is running when bob cancels it.
+    let (status, started) = post(&base, "/api/replays", ALICE, json!({"to": url, "rate": "1/s"})).await;
+    assert_eq!(status, StatusCode::OK, "{started}");
+    assert_eq!(
+        (started["job"]["id"].as_i64(), started["job"]["matched"].as_i64()),
+        (Some(1), Some(30))
+    );
+    wait_until("the first event replayed", LONG, || async {
+        receiver.count() >= 1
+    })
+    .await;
+    let (status, again) = post(&base, "/api/replays/resume", BOB, json!({"id": 1})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{again}");
+    assert!(
+        again["error"]
+            .as_str()
+            .unwrap()
+            .contains("running in this console already")
+    );
+    let (status, cancelled) = post(&base, "/api/replays/cancel", BOB, json!({"id": 1})).await;
+    assert_eq!(status, StatusCode::OK, "{cancelled}");
+    assert_eq!(cancelled["job"]["state"], "stopped");
+    let sent = cancelled["job"]["sent"].as_i64().unwrap();
+    assert!((1..30).contains(&sent), "{cancelled}");
+    assert_eq!(replay_job(&db, 1).await, ("stopped".to_owned(), sent));
+    assert_eq!(receiver.count(), usize::try_from(sent).unwrap());
+    let (status, twice) = post(&base, "/api/replays/cancel", BOB, json!({"id": 1})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{twice}");
+    assert!(
+        twice["error"]
+            .as_str()
+            .unwrap()
+            .contains("is not running (stopped)"),
+        "{twice}"
+    );
+
+    // Resumed unpaced: the rest, once each.
+    let (status, resumed) = post(
+        &base,
+        "/api/replays/resume",
+        ALICE,
+        json!({"id": 1, "rate": "unlimited"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{resumed}");
+    wait_until("the job done", LONG, || async {
+        replay_job(&db, 1).await.0 == "done"
+    })
+    .await;
+    assert_eq!(replay_job(&db, 1).await, ("done".to_owned(), 30));
+    assert_eq!(receiver.count(), 30);
+    let (status, listed) = get(&base, "/api/replays", ALICE).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(listed["replays"][0]["state"], "done");
+
+    // Done, unknown, malformed.
+    for (path, body, code) in [
+        ("/api/replays/resume", json!({"id": 1}), StatusCode::CONFLICT),
+        ("/api/replays/cancel", json!({"id": 1}), StatusCode::CONFLICT),
+        ("/api/replays/resume", json!({"id": 99}), StatusCode::NOT_FOUND),
+        ("/api/replays/cancel", json!({"id": 99}), StatusCode::NOT_FOUND),
+        (
+            "/api/replays/resume",
+            json!({"id": "one"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "/api/replays/resume",
+            json!({"id": 1, "rate": "-1"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+    ] {
+        let (status, answer) = post(&base, path, ALICE, body.clone()).await;
+        assert_eq!(status, code, "{path} {body}: {answer}");
+    }
+    assert_eq!(
+        audit(&db).await,
+        [
+            ("alice@example.com".to_owned(), "replay-start".to_owned(), 30),
+            ("bob".to_owned(), "replay-cancel".to_owned(), 1),
+            (
+                "alice@example.com".to_owned(),
+                "replay-resume".to_owned(),
+                30 - sent
+            ),
+        ]
+    );
 }

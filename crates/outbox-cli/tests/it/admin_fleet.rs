@@ -346,13 +346,16 @@ async fn admin_fleet_in_chromium_lists_tenants_and_requeues_one_tenants_dead_let
     assert_eq!(text_of(&b, "#backlog-total").await, "4");
     assert_eq!(text_of(&b, "#dead-total").await, "0");
 
-    // Back to the list, then tenant_1's dead letters: requeue them.
-    b.find(Locator::Id("fleet-list"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    // Back to the list, then tenant_1's dead letters: requeue them. The
+    // link is clicked until it takes: under load a click can land while
+    // the page is still being replaced (a stale element).
+    wait_until("the link back to the list clicked", LONG, || async {
+        match b.find(Locator::Id("fleet-list")).await {
+            Ok(link) => link.click().await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
     wait_until("the list again", LONG, || async {
         b.find(Locator::Id("outboxes")).await.is_ok()
     })

@@ -304,7 +304,194 @@ async fn a_route_paused_from_the_console_stops_within_a_heartbeat_and_every_chan
     let job = text_of(&b, "#replay-1").await;
     assert!(job.contains("done"), "{job}");
     assert!(job.contains("4 of 4 sent"), "{job}");
-    screenshot(&b, "replays.png").await;
     b.close().await.unwrap();
     stop_relay(relay).await;
+}
+
+/// The job row's state and sent count.
+async fn job(db: &Db, id: i64) -> (String, i64) {
+    let row = db
+        .client
+        .query_one("SELECT state, sent FROM outbox_replays WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// "… S of M sent …" of a replays row.
+fn sent_of(row: &str) -> i64 {
+    let before = row.split(" of ").next().unwrap_or_default();
+    before
+        .rsplit(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(-1)
+}
+
+#[tokio::test]
+async fn a_replay_started_from_the_console_delivers_its_events_and_shows_progress() {
+    let mut db = Db::start().await;
+    write(&mut db, "orders", 200).await;
+    write(&mut db, "payments", 7).await;
+    db.client
+        .execute("UPDATE outbox SET published_at = now()", &[])
+        .await
+        .unwrap();
+    let receiver = Receiver::start(Respond::Ok).await.unwrap();
+    // A query value stands for a secret: used, never stored.
+    let url = format!("{}?token=s3cret", receiver.url());
+    let (_admin, base) = start_admin(&db.url, Some(TOKEN)).await;
+    let (_driver, webdriver) = start_chromedriver().await;
+    let b = browser(&webdriver).await;
+    sign_in(&b, &base).await;
+
+    // The form's dry run counts and creates nothing.
+    b.goto(&format!("{base}/replays")).await.unwrap();
+    assert_eq!(text_of(&b, "#replays-empty").await, "No replay job yet.");
+    let form = b.form(Locator::Id("replay-form")).await.unwrap();
+    form.set_by_name("to", &url).await.unwrap();
+    form.set_by_name("aggregate_type", "orders").await.unwrap();
+    // Five a second: a page of one event each, slow enough to cancel.
+    form.set_by_name("rate", "5/s").await.unwrap();
+    form.submit().await.unwrap();
+    wait_until("the replay's dry run", LONG, || async {
+        b.find(Locator::Id("dry-run")).await.is_ok()
+    })
+    .await;
+    let dry = text_of(&b, "#dry-run").await;
+    assert!(
+        dry.starts_with("Would replay 200 events with ids up to 207 to "),
+        "{dry}"
+    );
+    assert!(dry.contains("?token=*** (native, 5/s)"), "{dry}");
+    assert_eq!(db.count("SELECT count(*) FROM outbox_replays").await, 0);
+    assert_eq!(receiver.count(), 0, "a dry run sends nothing");
+    click(&b, "#confirm").await;
+    wait_until("the replay's start", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    let started = text_of(&b, "#result").await;
+    assert!(
+        started.starts_with("Started replay job 1: 200 events with ids up to 207 to "),
+        "{started}"
+    );
+
+    // Progress: the page refreshes itself while the job runs here.
+    wait_until("the first events replayed", LONG, || async {
+        receiver.count() >= 2
+    })
+    .await;
+    wait_until("the job's progress on its page", LONG, || async {
+        b.goto(&format!("{base}/replays")).await.unwrap();
+        let row = text_of(&b, "#replay-1").await;
+        row.contains("running here") && sent_of(&row) >= 1
+    })
+    .await;
+    assert_eq!(
+        b.find_all(Locator::Css("meta[http-equiv=refresh]"))
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "live while a job runs"
+    );
+    screenshot(&b, "replays-running.png").await;
+
+    // Cancel: it stops at a page boundary, every acknowledged event saved.
+    click(&b, "#cancel-1").await;
+    wait_until("the cancel's result", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    let cancelled = text_of(&b, "#result").await;
+    assert!(
+        cancelled.starts_with("Cancelled replay job 1: stopped after id"),
+        "{cancelled}"
+    );
+    let (state, sent) = job(&db, 1).await;
+    assert_eq!(state, "stopped");
+    assert!((1..200).contains(&sent), "{sent}");
+    assert_eq!(
+        receiver.count(),
+        usize::try_from(sent).unwrap(),
+        "the cursor holds every acknowledged event and nothing else"
+    );
+
+    // Resume: the masked target needs its URL again, and only its own.
+    b.goto(&format!("{base}/replays")).await.unwrap();
+    click(&b, "#resume-1").await;
+    wait_until("the resume's form", LONG, || async {
+        b.find(Locator::Id("replay-resume")).await.is_ok()
+    })
+    .await;
+    let form = b.form(Locator::Id("replay-resume")).await.unwrap();
+    form.set_by_name(
+        "to",
+        &format!(
+            "{}?token=s3cret",
+            Receiver::start(Respond::Ok).await.unwrap().url()
+        ),
+    )
+    .await
+    .unwrap();
+    form.submit().await.unwrap();
+    wait_until("the refusal", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    let refused = text_of(&b, "#result").await;
+    assert!(refused.contains("is not replay job 1's target"), "{refused}");
+    assert_eq!(job(&db, 1).await, ("stopped".to_owned(), sent));
+    b.goto(&format!("{base}/replays/resume?id=1")).await.unwrap();
+    let form = b.form(Locator::Id("replay-resume")).await.unwrap();
+    form.set_by_name("to", &url).await.unwrap();
+    form.set_by_name("rate", "unlimited").await.unwrap();
+    form.submit().await.unwrap();
+    wait_until("the resume's result", LONG, || async {
+        b.find(Locator::Id("result")).await.is_ok()
+    })
+    .await;
+    let resumed = text_of(&b, "#result").await;
+    assert!(resumed.starts_with("Resumed replay job 1"), "{resumed}");
+    wait_until("the job done", LONG, || async { job(&db, 1).await.0 == "done" }).await;
+
+    // Every order once, none of the payments; the secret nowhere stored.
+    let ids: std::collections::BTreeSet<String> = receiver
+        .received()
+        .iter()
+        .map(|p| p.header("idempotency-key").unwrap().to_owned())
+        .collect();
+    assert_eq!((receiver.count(), ids.len()), (200, 200));
+    assert_eq!(job(&db, 1).await, ("done".to_owned(), 200));
+    b.goto(&format!("{base}/replays")).await.unwrap();
+    let row = text_of(&b, "#replay-1").await;
+    assert!(row.contains("done") && row.contains("200 of 200 sent"), "{row}");
+    assert!(row.contains("?token=***"), "{row}");
+    screenshot(&b, "replays.png").await;
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM outbox_replays r, outbox_audit a \
+             WHERE r.target LIKE '%s3cret%' OR a.detail::text LIKE '%s3cret%'"
+        )
+        .await,
+        0
+    );
+    let trail: Vec<(String, String, i64)> = db
+        .client
+        .query("SELECT who, action, affected FROM outbox_audit ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        trail,
+        [
+            ("admin".to_owned(), "replay-start".to_owned(), 200),
+            ("admin".to_owned(), "replay-cancel".to_owned(), 1),
+            ("admin".to_owned(), "replay-resume".to_owned(), 200 - sent),
+        ]
+    );
+    b.close().await.unwrap();
 }

@@ -393,7 +393,34 @@ async fn consume_and_admin_run_with_their_grants() {
                     done.text().await.unwrap()
                 );
             }
-            assert_eq!(setup.count("SELECT count(*) FROM app.outbox_audit").await, 3);
+            // A replay job started from the console runs under them too:
+            // created, counted against what cleanup removed, saved done.
+            let receiver = outbox_testkit::Receiver::start(outbox_testkit::Respond::Ok)
+                .await
+                .unwrap();
+            let body = serde_json::json!({"to": receiver.url(), "rate": "unlimited"});
+            let started = with_token(h.post(format!("http://{listen}/api/replays")).json(&body))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(
+                started.status().as_u16(),
+                200,
+                "{kind} replay: {}",
+                started.text().await.unwrap()
+            );
+            wait_until("the console's replay job done", LONG, || async {
+                setup
+                    .count("SELECT count(*) FROM app.outbox_replays WHERE state = 'done'")
+                    .await
+                    == 1
+            })
+            .await;
+            let published = setup
+                .count("SELECT count(*) FROM app.outbox WHERE published_at IS NOT NULL")
+                .await;
+            assert_eq!(receiver.count(), usize::try_from(published).unwrap());
+            assert_eq!(setup.count("SELECT count(*) FROM app.outbox_audit").await, 4);
         }
         drop(console);
     }

@@ -63,6 +63,21 @@ use pace::Pace;
 /// million events an hour.
 pub const DEFAULT_RATE: f64 = 1000.0;
 
+/// A rate as people write it: `N/s`, `N` (events per second, positive),
+/// or `unlimited` (infinite), for `outbox replay --rate` and the console's
+/// replay form.
+pub fn parse_rate(s: &str) -> Result<f64, String> {
+    let s = s.trim();
+    if s == "unlimited" {
+        return Ok(f64::INFINITY);
+    }
+    let n = s.strip_suffix("/s").unwrap_or(s);
+    match n.trim().parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a rate (examples: 500/s, 2000, unlimited)")),
+    }
+}
+
 /// The largest page: one sink call, one statement.
 const MAX_PAGE: i64 = 500;
 
@@ -226,7 +241,7 @@ impl<'a> Replay<'a> {
     pub async fn run(
         &mut self,
         cancel: &CancellationToken,
-        progress: &mut dyn FnMut(&ReplayJob),
+        progress: &mut (dyn FnMut(&ReplayJob) + Send),
     ) -> Result<End, ReplayError> {
         match self.pages(cancel, progress).await {
             Ok(end) => {
@@ -261,7 +276,7 @@ impl<'a> Replay<'a> {
     async fn pages(
         &mut self,
         cancel: &CancellationToken,
-        progress: &mut dyn FnMut(&ReplayJob),
+        progress: &mut (dyn FnMut(&ReplayJob) + Send),
     ) -> Result<End, ReplayError> {
         let mut breaker = Breaker::new(self.sink.name(), None);
         if self.sink.has_route_breakers() {

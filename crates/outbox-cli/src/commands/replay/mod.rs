@@ -21,7 +21,7 @@ use crate::cli::{Global, ReplayArgs};
 use crate::exit::ConfigError;
 
 mod progress;
-mod target;
+pub(crate) mod target;
 
 use progress::Progress;
 use target::{Target, format_name, parse_format};

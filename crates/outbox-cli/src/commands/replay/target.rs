@@ -12,7 +12,7 @@ use crate::config::ConfigFile;
 use crate::exit::ConfigError;
 
 /// Where a replay sends.
-pub(super) enum Target {
+pub(crate) enum Target {
     /// A sink URL, as `relay --sink` takes it.
     Url(String),
     /// A sink table of the routes file: an aggregate type, or `default`.
@@ -20,7 +20,7 @@ pub(super) enum Target {
 }
 
 impl Target {
-    pub(super) fn parse(to: &str) -> Self {
+    pub(crate) fn parse(to: &str) -> Self {
         match to.strip_prefix("route:") {
             Some(name) => Self::Route(name.to_owned()),
             None => Self::Url(to.to_owned()),
@@ -29,7 +29,7 @@ impl Target {
 
     /// As the job row keeps it: never a password nor a query value
     /// (`outbox_relay::redact::url`), so a resume asks for those again.
-    pub(super) fn stored(&self) -> String {
+    pub(crate) fn stored(&self) -> String {
         match self {
             Self::Url(url) => outbox_relay::redact::url(url),
             Self::Route(name) => format!("route:{name}"),
@@ -38,13 +38,13 @@ impl Target {
 
     /// A job row's target as shown: masked again, for a job stored
     /// before every query value was (issue 35).
-    pub(super) fn shown(stored: &str) -> String {
+    pub(crate) fn shown(stored: &str) -> String {
         Self::parse(stored).stored()
     }
 
     /// The sink, built (no connection made). For a new job, `filter` is
     /// narrowed to the route's events.
-    pub(super) fn sink(
+    pub(crate) fn sink(
         &self,
         config_path: Option<&Path>,
         options: &SinkOptions,
@@ -114,14 +114,14 @@ impl Target {
 
 /// `native`, `cloudevents`, `cloudevents:binary`, `debezium`: the envelope
 /// as the job row keeps it.
-pub(super) fn format_name(formatter: &Formatter) -> String {
+pub(crate) fn format_name(formatter: &Formatter) -> String {
     match formatter.parts() {
         (Format::CloudEvents, CloudEventsMode::Binary, _) => "cloudevents:binary".to_owned(),
         (format, ..) => format.to_string(),
     }
 }
 
-pub(super) fn parse_format(name: &str) -> anyhow::Result<(Format, CloudEventsMode)> {
+pub(crate) fn parse_format(name: &str) -> anyhow::Result<(Format, CloudEventsMode)> {
     let (format, mode) = match name.split_once(':') {
         Some((f, "binary")) => (f, CloudEventsMode::Binary),
         _ => (name, CloudEventsMode::Structured),
