@@ -707,6 +707,17 @@ impl Relay {
         fatal.map_or(Ok(()), Err)
     }
 
+    /// Whether this relay's sink is alone (no router) and its route is
+    /// paused.
+    fn own_route_paused(&self) -> bool {
+        !self.sink.has_route_breakers()
+            && self
+                .ctx
+                .routes()
+                .get(DEFAULT_ROUTE)
+                .is_some_and(|r| r.is_paused())
+    }
+
     /// After a batch the sink was unavailable for (`cause`), or while the
     /// route of a sink alone is paused: claims nothing more meanwhile. Commits the outcomes (no attempt spent) and gives
     /// back the batch claimed ahead, so no transaction stays open; the loop
@@ -757,6 +768,14 @@ impl Relay {
         }
         if !source.may_deliver() {
             // Another relay may own these rows now: send nothing.
+            blocked.clear();
+            source.give_back().await?;
+            return Ok(Step::Continue);
+        }
+        if self.own_route_paused() {
+            // Paused while this claim waited for work (a heartbeat read
+            // the pause meanwhile): give the rows back unsent, no attempt
+            // spent; the loop's top holds until the route is resumed.
             blocked.clear();
             source.give_back().await?;
             return Ok(Step::Continue);
