@@ -197,14 +197,20 @@ fn outcome(state: &crate::AppState, access: &Access, status: StatusCode, message
     (status, view::layout("Replays", access, &state.frame, body)).into_response()
 }
 
-/// A job error as a page: 404, 409 or 422 with its words; a failed
-/// statement is the console's error page.
-fn refused(state: &crate::AppState, access: &Access, e: JobError) -> Result<Response, Failure> {
-    let (status, message) = match e {
-        JobError::NotFound(m) => (StatusCode::NOT_FOUND, m),
-        JobError::Conflict(m) => (StatusCode::CONFLICT, m),
-        JobError::Unprocessable(m) => (StatusCode::UNPROCESSABLE_ENTITY, m),
-        JobError::Failed(f) => return Err(f),
+/// What a posted form's handler ends with: its page, or a job error as a
+/// page (404, 409 or 422 with its words); a failed statement is the
+/// console's error page.
+fn answer(
+    state: &crate::AppState,
+    access: &Access,
+    done: Result<Response, JobError>,
+) -> Result<Response, Failure> {
+    let (status, message) = match done {
+        Ok(page) => return Ok(page),
+        Err(JobError::NotFound(m)) => (StatusCode::NOT_FOUND, m),
+        Err(JobError::Conflict(m)) => (StatusCode::CONFLICT, m),
+        Err(JobError::Unprocessable(m)) => (StatusCode::UNPROCESSABLE_ENTITY, m),
+        Err(JobError::Failed(f)) => return Err(f),
     };
     Ok(outcome(state, access, status, &message))
 }
@@ -220,21 +226,23 @@ pub(crate) async fn check(
     if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
         return Ok(refused);
     }
-    let job = match NewJob::parse(&p) {
-        Ok(job) => job,
-        Err(message) => {
-            return Ok(outcome(
-                &state,
-                &access,
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &message,
-            ));
-        }
-    };
-    let checked = match state.runner.check(&state, &job).await {
-        Ok(c) => c,
-        Err(e) => return refused(&state, &access, e),
-    };
+    let done = async {
+        let job = NewJob::parse(&p).map_err(JobError::Unprocessable)?;
+        let checked = state.runner.check(&state, &job).await?;
+        Ok(confirmation(&state, &access, &p, &job, &checked))
+    }
+    .await;
+    answer(&state, &access, done)
+}
+
+/// The dry run's page, with the form that starts the job.
+fn confirmation(
+    state: &crate::AppState,
+    access: &Access,
+    p: &Params,
+    job: &NewJob,
+    checked: &crate::jobs::Checked,
+) -> Response {
     let rate = if job.rate.is_finite() {
         format!("{}/s", job.rate)
     } else {
@@ -254,7 +262,7 @@ pub(crate) async fn check(
         }
         form #replay-start method="post" action=(state.frame.href("/replays/start")) {
             input type="hidden" name="csrf" value=(access.csrf());
-            @for (k, v) in job.fields(&p) { input type="hidden" name=(k) value=(v); }
+            @for (k, v) in job.fields(p) { input type="hidden" name=(k) value=(v); }
             div.actions {
                 button.danger #confirm type="submit" { "Yes, start the replay" }
                 a href=(state.frame.href("/replays")) { "Cancel" }
@@ -262,7 +270,7 @@ pub(crate) async fn check(
         }
         p.muted { "Starting counts again: events published meanwhile are included." }
     };
-    Ok(view::layout("Start a replay?", &access, &state.frame, body).into_response())
+    view::layout("Start a replay?", access, &state.frame, body).into_response()
 }
 
 /// `POST /replays/start`.
@@ -275,37 +283,25 @@ pub(crate) async fn start(
     if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
         return Ok(refused);
     }
-    let job = match NewJob::parse(&p) {
-        Ok(job) => job,
-        Err(message) => {
-            return Ok(outcome(
-                &state,
-                &access,
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &message,
-            ));
-        }
-    };
-    match state.runner.start(&state, access.who(), &job).await {
-        Ok((job, _)) => Ok(outcome(
-            &state,
-            &access,
-            StatusCode::OK,
-            &format!(
-                "Started replay job {}: {} events with ids up to {} to {}.",
-                job.id, job.matched, job.upto_id, job.target
-            ),
-        )),
-        Err(e) => refused(&state, &access, e),
+    let done = async {
+        let job = NewJob::parse(&p).map_err(JobError::Unprocessable)?;
+        let (job, _) = state.runner.start(&state, access.who(), &job).await?;
+        let said = format!(
+            "Started replay job {}: {} events with ids up to {} to {}.",
+            job.id, job.matched, job.upto_id, job.target
+        );
+        Ok(outcome(&state, &access, StatusCode::OK, &said))
     }
+    .await;
+    answer(&state, &access, done)
 }
 
-/// The job id of a form or query, or a 422 page.
-fn job_id(p: &Params) -> Result<i64, String> {
+/// The job id of a form or query.
+fn job_id(p: &Params) -> Result<i64, JobError> {
     p.get("id")
-        .ok_or("id is required")?
+        .ok_or_else(|| JobError::Unprocessable("id is required".to_owned()))?
         .parse::<i64>()
-        .map_err(|_| "id is not a job id".to_owned())
+        .map_err(|_| JobError::Unprocessable("id is not a job id".to_owned()))
 }
 
 /// `GET /replays/resume?id=`: what resuming the job does, and its form
@@ -316,31 +312,24 @@ pub(crate) async fn resume_confirm(
     RawQuery(raw): RawQuery,
 ) -> Result<Response, Failure> {
     let p = Params::query(raw.as_deref());
-    let id = match job_id(&p) {
-        Ok(id) => id,
-        Err(message) => {
-            return Ok(outcome(
-                &state,
-                &access,
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &message,
-            ));
-        }
-    };
-    let Some(sql) = &state.replays else {
-        return refused(&state, &access, JobError::NotFound(format!("no replay job {id}")));
-    };
-    let client = state
-        .db
-        .client()
-        .await
-        .map_err(|e| Failure("connecting to PostgreSQL".into(), e))?;
-    let Some(job) = sql
-        .job(&*client, id)
-        .await
-        .map_err(|e| Failure("reading the replay job".into(), e))?
-    else {
-        return refused(&state, &access, JobError::NotFound(format!("no replay job {id}")));
+    let found = async {
+        let id = job_id(&p)?;
+        let missing = || JobError::NotFound(format!("no replay job {id}"));
+        let sql = state.replays.as_ref().ok_or_else(missing)?;
+        let client = state
+            .db
+            .client()
+            .await
+            .map_err(|e| Failure("connecting to PostgreSQL".into(), e))?;
+        sql.job(&*client, id)
+            .await
+            .map_err(|e| Failure("reading the replay job".into(), e))?
+            .ok_or_else(missing)
+    }
+    .await;
+    let job = match found {
+        Ok(job) => job,
+        Err(e) => return answer(&state, &access, Err(e)),
     };
     let needs_url = job.target.contains(outbox_relay::redact::HIDDEN);
     let body = html! {
@@ -381,41 +370,25 @@ pub(crate) async fn resume(
     if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
         return Ok(refused);
     }
-    let parsed = job_id(&p).and_then(|id| {
+    let done = async {
+        let id = job_id(&p)?;
         let rate = p
             .get("rate")
             .map(outbox_relay::replay::parse_rate)
             .transpose()
-            .map_err(|e| format!("rate: {e}"))?;
-        Ok((id, rate))
-    });
-    let (id, rate) = match parsed {
-        Ok(v) => v,
-        Err(message) => {
-            return Ok(outcome(
-                &state,
-                &access,
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &message,
-            ));
-        }
-    };
-    match state
-        .runner
-        .resume(&state, access.who(), id, p.get("to"), rate)
-        .await
-    {
-        Ok((job, _)) => Ok(outcome(
-            &state,
-            &access,
-            StatusCode::OK,
-            &format!(
-                "Resumed replay job {}: after id {}, {} of {} sent so far.",
-                job.id, job.cursor_id, job.sent, job.matched
-            ),
-        )),
-        Err(e) => refused(&state, &access, e),
+            .map_err(|e| JobError::Unprocessable(format!("rate: {e}")))?;
+        let (job, _) = state
+            .runner
+            .resume(&state, access.who(), id, p.get("to"), rate)
+            .await?;
+        let said = format!(
+            "Resumed replay job {}: after id {}, {} of {} sent so far.",
+            job.id, job.cursor_id, job.sent, job.matched
+        );
+        Ok(outcome(&state, &access, StatusCode::OK, &said))
     }
+    .await;
+    answer(&state, &access, done)
 }
 
 /// `POST /replays/cancel`: stops a job this console runs, at its next page.
@@ -428,31 +401,18 @@ pub(crate) async fn cancel(
     if let Some(refused) = auth::refusal(&state.auth, &state.frame, &access, &p) {
         return Ok(refused);
     }
-    let id = match job_id(&p) {
-        Ok(id) => id,
-        Err(message) => {
-            return Ok(outcome(
-                &state,
-                &access,
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &message,
-            ));
-        }
-    };
-    match state.runner.cancel(&state, access.who(), id).await {
-        Ok((job, _)) => Ok(outcome(
-            &state,
-            &access,
-            StatusCode::OK,
-            &format!(
-                "Cancelled replay job {}: {} after id {}, {} of {} sent; resume it from this page.",
-                job.id,
-                job.state.as_str(),
-                job.cursor_id,
-                job.sent,
-                job.matched
-            ),
-        )),
-        Err(e) => refused(&state, &access, e),
+    let done = async {
+        let (job, _) = state.runner.cancel(&state, access.who(), job_id(&p)?).await?;
+        let said = format!(
+            "Cancelled replay job {}: {} after id {}, {} of {} sent; resume it from this page.",
+            job.id,
+            job.state.as_str(),
+            job.cursor_id,
+            job.sent,
+            job.matched
+        );
+        Ok(outcome(&state, &access, StatusCode::OK, &said))
     }
+    .await;
+    answer(&state, &access, done)
 }
