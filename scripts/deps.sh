@@ -5,7 +5,8 @@
 # `promtool check`) prometheus exist.
 # As root on Debian it installs the missing packages; otherwise it prints the
 # exact command and exits 1. ensure_tansu builds the Kafka-protocol
-# broker the Kafka tests run, once, with cargo.
+# broker the Kafka tests run, once, with cargo; `ensure_deps brokers` also
+# installs moto (the SQS and SNS tests' AWS emulator) with pip, once.
 
 find_initdb() {
     if [ -n "${OUTBOX_PG_BIN:-}" ] && [ -x "$OUTBOX_PG_BIN/initdb" ]; then return 0; fi
@@ -43,6 +44,7 @@ ensure_deps() {
         echo "cargo not found: install Rust from your distribution or rustup, then re-run" >&2
         exit 1
     }
+    if [ "${1:-}" = brokers ]; then ensure_moto; fi
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "installing ${missing[*]} with apt-get" >&2
@@ -53,6 +55,45 @@ ensure_deps() {
         echo "install them with:  sudo apt-get install -y ${missing[*]}" >&2
         exit 1
     fi
+}
+
+# The SQS and SNS tests run moto, an AWS emulator (a Python package), from a
+# virtual environment in ~/.cache/outbox-tools/moto (OUTBOX_TOOLS to put it
+# elsewhere, OUTBOX_MOTO_SERVER to use a moto_server you have), installed once
+# with pip: Debian's pip refuses to install into the system's Python. Sets
+# OUTBOX_MOTO_SERVER, where the testkit looks first.
+MOTO_VERSION=5.2.5
+
+ensure_moto() {
+    if [ -n "${OUTBOX_MOTO_SERVER:-}" ]; then
+        [ -x "$OUTBOX_MOTO_SERVER" ] && return 0
+        echo "OUTBOX_MOTO_SERVER=$OUTBOX_MOTO_SERVER is not an executable file" >&2
+        exit 1
+    fi
+    local venv="${OUTBOX_TOOLS:-$HOME/.cache/outbox-tools}/moto"
+    export OUTBOX_MOTO_SERVER="$venv/bin/moto_server"
+    if [ -x "$OUTBOX_MOTO_SERVER" ] &&
+        "$venv/bin/python3" -c "import importlib.metadata as m, sys; sys.exit(m.version('moto') != '$MOTO_VERSION')" 2>/dev/null; then
+        return 0
+    fi
+    # `python3 -m venv` needs Debian's python3-venv (ensurepip).
+    if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+        if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "installing python3-venv with apt-get (for moto)" >&2
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+        else
+            echo "missing: python3-venv (for moto, the SQS and SNS tests' AWS emulator)" >&2
+            echo "install it with:  sudo apt-get install -y python3-venv" >&2
+            exit 1
+        fi
+    fi
+    echo "installing moto $MOTO_VERSION (the SQS and SNS tests' AWS emulator) into $venv; this happens once" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "moto[server]==$MOTO_VERSION" || {
+        echo "installing moto failed; the SQS and SNS tests need it (or set OUTBOX_MOTO_SERVER)" >&2
+        exit 1
+    }
 }
 
 # The RabbitMQ tests that need no private node use the machine's broker on

@@ -395,6 +395,17 @@ pub(crate) struct RelayArgs {
     /// configuration error.
     #[arg(help_heading = "Running", long, env = "OUTBOX_HTTP")]
     pub(crate) http: Option<std::net::SocketAddr>,
+    /// Export OpenTelemetry traces (OTLP/HTTP, protobuf) to this collector,
+    /// e.g. http://127.0.0.1:4318 (`/v1/traces` is added) [default: off,
+    /// unless OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    /// is set]. A span per batch and per event: docs/tracing.md.
+    #[arg(
+        help_heading = "Running",
+        long,
+        env = "OUTBOX_OTLP_ENDPOINT",
+        value_name = "URL"
+    )]
+    pub(crate) otlp_endpoint: Option<String>,
     /// How often `--retention` runs.
     #[arg(help_heading = "Running", long, env = "OUTBOX_RETENTION_INTERVAL", default_value = "1h", value_parser = positive_duration)]
     pub(crate) retention_interval: Duration,
@@ -572,6 +583,12 @@ pub(crate) struct ConsumeArgs {
     /// (for NATS: the durable consumer's ack_wait, set when it is created).
     #[arg(long, default_value = "30s", value_parser = positive_duration)]
     pub(crate) claim_idle: Duration,
+    /// Export a span per inbox transaction, a child of the event's
+    /// `traceparent`, over OTLP/HTTP to this collector (as `outbox relay
+    /// --otlp-endpoint`) [default: off, unless OTEL_EXPORTER_OTLP_ENDPOINT or
+    /// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set].
+    #[arg(long, env = "OUTBOX_OTLP_ENDPOINT", value_name = "URL")]
+    pub(crate) otlp_endpoint: Option<String>,
     #[command(flatten)]
     pub(crate) inbox_table: InboxTableArgs,
 }

@@ -4,7 +4,8 @@
 //! relay's name (as `outbox relays` lists it), its outbox (the `outbox`
 //! label of every metric it records), its readiness ([`Health`]), its
 //! running totals ([`Counters`]), its routes' state for the console
-//! (`route_state::RouteBoard`) and where its signals go ([`Signals`]).
+//! (`route_state::RouteBoard`), where its signals go ([`Signals`]) and
+//! its spans' exporter, if tracing is on ([`Tracing`]).
 //! The source, the lease task, the breakers and the backlog gauges all
 //! take it from the relay instead of reaching for a process global, so two
 //! relays in one process never overwrite each other's health, metrics or
@@ -22,6 +23,7 @@ use tokio::sync::mpsc;
 use crate::counters::Counters;
 use crate::health::Health;
 use crate::route_state::RouteBoard;
+use crate::trace::Tracing;
 
 /// See the [module docs](self).
 #[derive(Debug, Clone)]
@@ -37,6 +39,8 @@ struct Inner {
     counters: Arc<Counters>,
     routes: Arc<RouteBoard>,
     signals: Signals,
+    /// Its spans' exporter; None: tracing is off.
+    tracing: Option<Tracing>,
 }
 
 impl RelayContext {
@@ -52,6 +56,7 @@ impl RelayContext {
                 counters: Arc::default(),
                 routes: Arc::default(),
                 signals,
+                tracing: None,
             }),
         }
     }
@@ -68,8 +73,31 @@ impl RelayContext {
                 counters: Arc::clone(&i.counters),
                 routes: Arc::clone(&i.routes),
                 signals,
+                tracing: i.tracing.clone(),
             }),
         }
+    }
+
+    /// The same relay, its batches traced by `tracing`.
+    pub(crate) fn with_tracing(&self, tracing: Tracing) -> Self {
+        let i = &self.inner;
+        Self {
+            inner: Arc::new(Inner {
+                name: i.name.clone(),
+                outbox: i.outbox.clone(),
+                health: Arc::clone(&i.health),
+                counters: Arc::clone(&i.counters),
+                routes: Arc::clone(&i.routes),
+                signals: i.signals.clone(),
+                tracing: Some(tracing),
+            }),
+        }
+    }
+
+    /// Its spans' exporter, if tracing is on: the one check the cycle
+    /// makes per batch when it is off.
+    pub(crate) fn tracing(&self) -> Option<&Tracing> {
+        self.inner.tracing.as_ref()
     }
 
     /// How this relay shows in `outbox relays` and in its logs.

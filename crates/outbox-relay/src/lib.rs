@@ -26,6 +26,7 @@
 //! | [`metric`] | what the relay records for Prometheus through the `metrics` facade: names, descriptions, handles |
 //! | [`health`] | one relay's readiness (PostgreSQL, leases, each sink's breaker), and the process's [`health::Registry`] that `/readyz` reports |
 //! | `backlog` | [`Backlog`]: the backlog and dead-letter gauges, from one query on a schedule |
+//! | [`trace`] | OpenTelemetry traces over OTLP/HTTP: the exporter ([`trace::Tracing`]), a batch's spans from its receipt, an inbox transaction's span |
 //!
 //! Each sink is a feature, all but `kafka` on by default (it builds
 //! librdkafka, a C library; the `outbox` binary turns it on):
@@ -61,6 +62,7 @@ mod retention;
 mod route_state;
 pub mod sink;
 mod source;
+pub mod trace;
 mod wake;
 
 pub use backlog::{Backlog, HORIZON_WARN};

@@ -108,6 +108,8 @@ pub(crate) struct Plan {
     pub(crate) blocked: Blocked,
     /// Delivered, failed and dead rows per aggregate type, for the metrics.
     pub(crate) tallies: Vec<Tally>,
+    /// The batch's timings and events for its spans, while tracing is on.
+    pub(crate) trace: Option<Box<crate::trace::BatchTrace>>,
 }
 
 /// What the relay decides before the sink sees a batch: which rows it

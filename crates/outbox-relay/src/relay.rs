@@ -71,6 +71,7 @@ use crate::source::poll::{self, Lane, PollSource};
 use crate::source::tenant::TenantSource;
 use crate::source::wal::WalSource;
 use crate::source::{Book, Claim, Receipt, Receipts, Source, SourceError};
+use crate::trace::BatchTrace;
 use outbox::sql::ClaimSpec;
 
 /// How a cycle ended.
@@ -135,7 +136,12 @@ impl Books {
 }
 
 impl Book for Books {
-    fn book(&mut self, r: Receipt) {
+    fn book(&mut self, mut r: Receipt) {
+        if let Some(trace) = r.trace.take()
+            && let Some(tracing) = self.ctx.tracing()
+        {
+            tracing.batch(&self.ctx, &r, *trace);
+        }
         let counters = self.ctx.counters();
         counters.batches.fetch_add(1, Ordering::Relaxed);
         counters
@@ -388,6 +394,15 @@ impl Relay {
     #[must_use]
     pub fn with_signals(mut self, signals: Signals) -> Self {
         self.ctx = self.ctx.with_signals(signals);
+        self
+    }
+
+    /// Traces this relay's batches with `tracing` (see [`crate::trace`]):
+    /// a span per batch, its claim, delivery and mark, and one per event
+    /// sent. Without it the cycle takes no timing for spans.
+    #[must_use]
+    pub fn with_tracing(mut self, tracing: crate::trace::Tracing) -> Self {
+        self.ctx = self.ctx.with_tracing(tracing);
         self
     }
 
@@ -787,8 +802,21 @@ impl Relay {
         let screened = plan::screen(&batch.rows, &batch.unreadable, blocked, self.max_event_bytes());
         let sendable = screened.sendable(&batch.rows);
         let to_send = sendable.as_deref().unwrap_or(&batch.rows);
+        // Timings for spans only while tracing is on: one check per batch.
+        let traced = self.ctx.tracing().is_some();
+        let delivering = traced.then(Instant::now);
         let (mut sent, overlapped) =
             tokio::join!(self.deliver(to_send, source.lapse()), source.overlap(batch.full),);
+        let trace = delivering.map(|started| {
+            let deliver = (started, Instant::now());
+            Box::new(BatchTrace::new(
+                self.sink.as_ref(),
+                batch.claim,
+                deliver,
+                to_send,
+                &sent,
+            ))
+        });
         let open = breaker.record(&mut sent);
         let answers = screened.merge(batch.rows.len(), sent);
         if let Some(failpoint) = self.config.failpoint {
@@ -805,6 +833,7 @@ impl Relay {
             blocked,
         );
         *blocked = std::mem::take(&mut plan.blocked);
+        plan.trace = trace;
         // A drain stops at the first sink outage, even of one route: it
         // cannot wait for the route to come back, and must say so.
         let pause = open || (self.config.drain && plan.failures.unavailable > 0);

@@ -23,7 +23,9 @@
 //!
 //! The sinks here: [`RedisSink`], [`HttpSink`], [`NatsSink`], [`AmqpSink`].
 //! The Kafka one lives with the Kafka tests, because its client (librdkafka)
-//! is optional in the `outbox` binary.
+//! is optional in the `outbox` binary; so do the SQS and SNS ones (the AWS
+//! SDK), with the SQS tests, which give the relay AWS credentials through
+//! [`SinkUnderTest::relay_env`].
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -161,6 +163,11 @@ pub trait SinkUnderTest: Sized {
     fn url(&self) -> String;
     /// Flags the relay needs besides `--sink` (e.g. `--amqp-exchange`).
     fn relay_flags(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Environment the relay needs (e.g. AWS credentials and region for
+    /// an emulator).
+    fn relay_env(&self) -> Vec<(String, String)> {
         Vec::new()
     }
     /// Stops the broker; its port refuses connections afterwards.
@@ -305,6 +312,14 @@ impl Harness {
         Spawned::spawn(cmd).expect("spawn the relay")
     }
 
+    /// [`Harness::relay`] to `sink`, with its [`SinkUnderTest::relay_env`].
+    fn relay_to<S: SinkUnderTest>(&self, sink: &S, flags: &[String], envs: &[(&str, &str)]) -> Spawned {
+        let own = sink.relay_env();
+        let mut all: Vec<(&str, &str)> = own.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        all.extend_from_slice(envs);
+        self.relay(&sink.url(), flags, &all)
+    }
+
     /// SIGTERM, and the documented exit: 0.
     async fn stop_relay(mut relay: Spawned) {
         assert_running(&relay);
@@ -443,7 +458,7 @@ pub async fn in_order<S: SinkUnderTest>(relay: &Path) -> Run<S> {
     let sink = start::<S>().await;
     h.insert_events(5_000, 10).await;
 
-    let relay = h.relay(&sink.url(), &flags(&sink, &["--batch-size", "500"]), &[]);
+    let relay = h.relay_to(&sink, &flags(&sink, &["--batch-size", "500"]), &[]);
     wait_until("all 5,000 events published", Some(&relay), || async {
         h.unpublished().await == 0
     })
@@ -488,7 +503,7 @@ pub async fn broker_down<S: SinkUnderTest>(relay: &Path) -> Run<S> {
     let mut h = Harness::start(relay).await;
     let mut sink = start::<S>().await;
     h.insert_events(2_000, 4).await;
-    let relay = h.relay(&sink.url(), &flags(&sink, &[]), &[]);
+    let relay = h.relay_to(&sink, &flags(&sink, &[]), &[]);
     wait_until("200 events published", Some(&relay), || async {
         h.published().await >= 200
     })
@@ -596,11 +611,7 @@ pub async fn kill_between_ack_and_mark<S: SinkUnderTest>(relay: &Path) -> Run<S>
     let ids: HashSet<String> = h.enqueue(&events).await.iter().map(ToString::to_string).collect();
 
     let batch = flags(&sink, &["--batch-size", "3"]);
-    let mut relay = h.relay(
-        &sink.url(),
-        &batch,
-        &[("OUTBOX_FAILPOINT", "pause-after-deliver")],
-    );
+    let mut relay = h.relay_to(&sink, &batch, &[("OUTBOX_FAILPOINT", "pause-after-deliver")]);
     // The failpoint parks the relay for good after the broker acknowledged
     // the first batch, so 3 stored means it is between the ack and the mark.
     wait_until("the first batch of 3 stored", Some(&relay), || async {
@@ -618,7 +629,7 @@ pub async fn kill_between_ack_and_mark<S: SinkUnderTest>(relay: &Path) -> Run<S>
         S::NAME
     );
 
-    let relay = h.relay(&sink.url(), &batch, &[]);
+    let relay = h.relay_to(&sink, &batch, &[]);
     wait_until("all 5 published after the restart", Some(&relay), || async {
         h.unpublished().await == 0
     })
@@ -681,7 +692,7 @@ pub async fn oversized<S: SinkUnderTest>(relay: &Path) -> Run<S> {
 
     let mut extra = sink.relay_flags();
     extra.extend(sink.oversize_flags());
-    let relay = h.relay(&sink.url(), &extra, &[]);
+    let relay = h.relay_to(&sink, &extra, &[]);
     wait_until("3 delivered and the big one dead", Some(&relay), || async {
         h.published().await == 3
             && h.count("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")

@@ -34,6 +34,16 @@ pub enum Error {
         /// The command that installs it.
         install: &'static str,
     },
+    /// moto (the AWS emulator the SQS and SNS tests use) is not installed.
+    #[error(
+        "moto_server (the AWS emulator the SQS and SNS tests use) not found in OUTBOX_MOTO_SERVER, \
+         on PATH or in ~/.cache/outbox-tools/moto/bin; install it with `{install}` (or run \
+         scripts/test.sh, which does)"
+    )]
+    MotoNotInstalled {
+        /// The commands that install it.
+        install: &'static str,
+    },
     /// `pgbouncer` is neither on `PATH` nor in `/usr/sbin`.
     #[error("pgbouncer not found on PATH or in /usr/sbin; install it with `apt-get install pgbouncer`")]
     PgBouncerNotInstalled,

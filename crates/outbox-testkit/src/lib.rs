@@ -13,8 +13,10 @@
 //! | [`Redis`] | a redis-server without persistence: start, stop, restart |
 //! | [`Nats`] | a nats-server with JetStream and its own store: start, stop, restart |
 //! | [`Kafka`] | a Kafka-protocol broker (tansu) with its own store: start, stop, restart |
+//! | [`Moto`] | an AWS emulator (moto) for SQS and SNS whose state survives a restart: start, stop, restart |
 //! | [`RabbitMq`] | a private RabbitMQ node: start, stop, restart |
 //! | [`Receiver`], [`Respond`], [`Post`] | an HTTP endpoint that records POSTs and answers as scripted |
+//! | [`OtlpReceiver`], [`ReceivedSpan`] | an OTLP/HTTP trace receiver (`POST /v1/traces`, protobuf) that keeps every span |
 //! | [`Spawned`] | a child process: captured output lines, optionally a `NOTIFY_SOCKET`; signal, wait, kill (what it started too) on drop. Every server above runs in one |
 //! | [`Notifications`] | a `NOTIFY_SOCKET` to wait on: `READY=1`, `OUTBOX_FAILPOINT=… reached` |
 //! | [`conformance`] | the scenarios every sink passes, and the sinks that run them |
@@ -28,6 +30,7 @@
 //!
 //! | variable | effect |
 //! |---|---|
+//! | `OUTBOX_MOTO_SERVER` | the `moto_server` script [`Moto`] runs, with the Python its `#!` line names (default: one written by pip on `PATH`, else `~/.cache/outbox-tools/moto/bin/moto_server`) |
 //! | `OUTBOX_TANSU` | the tansu binary [`Kafka`] runs (default: `tansu` on `PATH`, else `~/.cache/outbox-tools/bin/tansu`) |
 //! | `OUTBOX_PG_BIN` | directory holding `initdb` and `postgres` |
 //! | `OUTBOX_TESTKIT_TMPDIR` | where clusters and the initdb template go (default: `TMPDIR`, else `/dev/shm` when it has 1 GiB free, else `/tmp`) |
@@ -47,8 +50,10 @@
 pub mod conformance;
 mod error;
 pub mod kafka;
+pub mod moto;
 mod nats;
 mod notify;
+mod otlp;
 mod pgbouncer;
 mod postgres;
 mod rabbitmq;
@@ -60,8 +65,10 @@ mod support;
 
 pub use error::Error;
 pub use kafka::Kafka;
+pub use moto::Moto;
 pub use nats::Nats;
 pub use notify::Notifications;
+pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use postgres::{PgSettings, Postgres};
 pub use rabbitmq::RabbitMq;

@@ -20,6 +20,7 @@ mod stats;
 use anyhow::Context;
 use outbox::privileges::{Needs, Role};
 use outbox_relay::pg::PgConfig;
+use outbox_relay::trace::Tracing;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
@@ -127,6 +128,39 @@ pub(crate) fn shutdown_token() -> anyhow::Result<CancellationToken> {
         cancel.cancel();
     });
     Ok(token)
+}
+
+/// The OTLP trace exporter `endpoint` (`--otlp-endpoint`) or the
+/// `OTEL_EXPORTER_OTLP_*` variables ask for, named `service` unless
+/// `OTEL_SERVICE_NAME` says otherwise; None when tracing is off. A bad
+/// endpoint or header is a configuration error (exit 2).
+pub(crate) fn start_traces(endpoint: Option<&str>, service: &str) -> anyhow::Result<Option<Tracing>> {
+    let tracing = Tracing::from_env(endpoint, service).map_err(|e| {
+        let mut message = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(cause) = source {
+            message.push_str(&format!(": {cause}"));
+            source = cause.source();
+        }
+        ConfigError(message)
+    })?;
+    if tracing.is_some() {
+        tracing::info!("exporting traces over OTLP/HTTP");
+    }
+    Ok(tracing)
+}
+
+/// How long the exporter may take, on the way out, to send the spans it
+/// still holds: a collector that is down must not hold up a stop.
+const TRACES_FLUSH: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Sends the spans still queued and stops the exporter, on every way out
+/// of a command that traces; at most [`TRACES_FLUSH`]. Off the runtime's
+/// thread: the SDK's shutdown blocks.
+pub(crate) async fn flush_traces(tracing: Option<Tracing>) {
+    if let Some(tracing) = tracing {
+        let _ = tokio::task::spawn_blocking(move || tracing.shutdown(TRACES_FLUSH)).await;
+    }
 }
 
 /// `1 live relay`, `3 live relays`: counts in the commands' own lines.

@@ -156,6 +156,7 @@ pub(crate) fn each_listed(
 pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
     let listed = listed(&layered)?;
     let (g, args, file) = layered.into_relay();
+    let otlp_endpoint = args.otlp_endpoint.clone();
     let pg = super::pg_config(&g)?;
     if args.check {
         return super::check::run(&pg, prepare(&g, args, file)?).await;
@@ -233,6 +234,11 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // From here every way out goes through `flush_traces`.
+    let traces = super::start_traces(otlp_endpoint.as_deref(), "outbox-relay")?;
+    if let Some(traces) = &traces {
+        relay = relay.with_tracing(traces.clone());
+    }
     let result = relay.run(cancel.clone()).await.context("running the relay");
     cancel.cancel();
     if let Some(task) = retention {
@@ -243,6 +249,8 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
         // A scraper holding a connection open must not hold up the exit.
         let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
     }
+    // SIGTERM, a drain's end and a failure alike: the relay has returned.
+    super::flush_traces(traces).await;
     result?;
     if drain {
         drain_verdict(&counters)?;

@@ -21,14 +21,21 @@ async fn configuration_errors_exit_2_naming_the_value() {
     let url = db.url.as_str();
     let env = [("DATABASE_URL", url)];
     // The schemes offered instead are the ones this binary was built with.
-    let unknown = if cfg!(feature = "kafka") {
-        "unknown sink scheme \"ftp\" in \"ftp://host/x\" \
-         (known: redis, rediss, http, https, nats, amqp, amqps, kafka)"
-    } else {
-        "unknown sink scheme \"ftp\" in \"ftp://host/x\" \
-         (known: redis, rediss, http, https, nats, amqp, amqps)"
-    };
-    expect_config_error(&["relay", "--sink", "ftp://host/x"], &env, unknown).await;
+    let mut known = vec!["redis", "rediss", "http", "https", "nats", "amqp", "amqps"];
+    for (on, scheme) in [
+        (cfg!(feature = "kafka"), "kafka"),
+        (cfg!(feature = "sqs"), "sqs"),
+        (cfg!(feature = "sns"), "sns"),
+    ] {
+        if on {
+            known.push(scheme);
+        }
+    }
+    let unknown = format!(
+        "unknown sink scheme \"ftp\" in \"ftp://host/x\" (known: {})",
+        known.join(", ")
+    );
+    expect_config_error(&["relay", "--sink", "ftp://host/x"], &env, &unknown).await;
     expect_config_error(&["relay", "--sink", "not a url"], &env, "not a url").await;
     expect_config_error(&["relay", "--sink", "redis://"], &env, "redis://").await;
     expect_config_error(

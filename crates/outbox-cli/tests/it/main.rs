@@ -48,9 +48,12 @@ mod routed_metrics;
 mod routing;
 mod scale;
 mod secrets;
+#[cfg(all(feature = "sqs", feature = "sns"))]
+mod sqs;
 mod support;
 mod table_contract;
 mod tls;
+mod tracing;
 mod wal;
 mod wal_ops;
 mod webhooks;

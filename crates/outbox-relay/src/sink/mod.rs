@@ -25,6 +25,8 @@ use self::format::Formatter;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+#[cfg(any(feature = "sqs", feature = "sns"))]
+pub mod aws;
 #[cfg(test)]
 pub(crate) mod fake;
 pub mod format;
@@ -37,6 +39,10 @@ pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod router;
+#[cfg(feature = "sns")]
+pub mod sns;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 pub mod template;
 
 /// The name of the route of a sink used without a routes file, and of a
@@ -355,6 +361,10 @@ pub const SINKS: &[Registration] = &[
     Registration::new(&["amqp", "amqps"], |url, o| Ok(Box::new(amqp::AmqpSink::new(url, o)?))),
     #[cfg(feature = "kafka")]
     Registration::unparsed(&["kafka"], |url, o| Ok(Box::new(kafka::KafkaSink::new(url, o)?))),
+    #[cfg(feature = "sqs")]
+    Registration::unparsed(&["sqs"], |url, o| Ok(Box::new(sqs::SqsSink::new(url, o)?))),
+    #[cfg(feature = "sns")]
+    Registration::unparsed(&["sns"], |url, o| Ok(Box::new(sns::SnsSink::new(url, o)?))),
 ];
 
 /// The schemes this build handles, in [`SINKS`] order.

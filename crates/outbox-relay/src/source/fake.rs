@@ -373,6 +373,7 @@ impl FakeSource {
             unreadable: Vec::new(),
             full,
             overlapped,
+            claim: None,
         })
     }
 

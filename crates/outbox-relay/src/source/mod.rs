@@ -74,6 +74,9 @@ pub(crate) struct Batch {
     /// outcomes were committed: rows of aggregates that batch blocked must
     /// be held back.
     pub(crate) overlapped: bool,
+    /// The claim's round trip (sent, answered), for its span; None for a
+    /// source with no claim of its own (the WAL's stream).
+    pub(crate) claim: Option<(Instant, Instant)>,
 }
 
 /// A settled batch, handed back by its source once its outcomes are
@@ -97,6 +100,8 @@ pub(crate) struct Receipt {
     pub(crate) claimed_at: Instant,
     /// When its outcomes became durable.
     pub(crate) durable_at: Instant,
+    /// Its timings and events, while tracing is on.
+    pub(crate) trace: Option<Box<crate::trace::BatchTrace>>,
 }
 
 /// Whoever turns receipts into counters, metrics, logs and signals: the
@@ -150,6 +155,7 @@ impl Receipts {
             tallies: outcomes.tallies,
             claimed_at,
             durable_at: Instant::now(),
+            trace: outcomes.trace,
         });
     }
 }
@@ -161,6 +167,7 @@ pub(crate) struct Outcomes {
     pub(crate) published: usize,
     pub(crate) failures: Failures,
     pub(crate) tallies: Vec<Tally>,
+    pub(crate) trace: Option<Box<crate::trace::BatchTrace>>,
 }
 
 impl Outcomes {
@@ -169,6 +176,15 @@ impl Outcomes {
             published: plan.published,
             failures: plan.failures,
             tallies: plan.tallies,
+            trace: plan.trace,
+        }
+    }
+
+    /// The round trip that makes these outcomes durable is sent now: where
+    /// the batch's `outbox.mark` span starts (when it is traced).
+    pub(crate) fn marking(&mut self) {
+        if let Some(trace) = &mut self.trace {
+            trace.marking = Instant::now();
         }
     }
 }

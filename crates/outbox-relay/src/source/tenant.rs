@@ -208,6 +208,7 @@ impl TenantSource {
             unreadable: claimed.unreadable,
             full,
             overlapped: false,
+            claim: None,
         }))
     }
 }

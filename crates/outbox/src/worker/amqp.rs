@@ -46,6 +46,9 @@ pub struct AmqpWorker {
     /// Test hook: park forever after a commit, before the ack.
     #[doc(hidden)]
     pub pause_after_commit: bool,
+    /// Told of each inbox transaction, e.g. to trace it (`outbox consume`
+    /// makes a span of each). None by default.
+    pub observer: Option<std::sync::Arc<dyn super::Observe>>,
 }
 
 impl AmqpWorker {
@@ -59,6 +62,7 @@ impl AmqpWorker {
             inbox,
             prefetch: 10,
             pause_after_commit: false,
+            observer: None,
         }
     }
 
@@ -128,6 +132,7 @@ impl AmqpWorker {
                 &mut effect,
                 &mut stats,
                 self.pause_after_commit,
+                self.observer.as_deref(),
             )
             .await?
             {

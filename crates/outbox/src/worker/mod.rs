@@ -111,6 +111,48 @@ impl WorkerError {
     }
 }
 
+/// Whoever wants to know of each inbox transaction a worker runs (a
+/// tracer: `outbox consume` makes a span of each, whose parent is the
+/// event's `traceparent`). Called after the commit or rollback, before the
+/// acknowledgement, on the worker's task: keep it short.
+///
+/// ```
+/// use std::time::SystemTime;
+/// use outbox::worker::{InboxOutcome, Observe, Received};
+///
+/// #[derive(Debug)]
+/// struct Log;
+///
+/// impl Observe for Log {
+///     fn inbox(&self, m: &Received, outcome: InboxOutcome, started: SystemTime, ended: SystemTime) {
+///         let took = ended.duration_since(started).unwrap_or_default();
+///         println!("{} {outcome:?} in {took:?}", m.event_id);
+///     }
+/// }
+/// ```
+pub trait Observe: Send + Sync + std::fmt::Debug {
+    /// `message` went through the inbox from `started` to `ended`.
+    fn inbox(
+        &self,
+        message: &Received,
+        outcome: InboxOutcome,
+        started: std::time::SystemTime,
+        ended: std::time::SystemTime,
+    );
+}
+
+/// How one inbox transaction ended (see [`Observe`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InboxOutcome {
+    /// The side effect ran and committed.
+    Processed,
+    /// The event_id was recorded already: committed without the effect.
+    Duplicate,
+    /// The side effect failed and was rolled back.
+    Failed,
+}
+
 /// How running one message through the inbox ended.
 #[cfg(any(feature = "redis", feature = "nats", feature = "amqp"))]
 enum Applied {
@@ -148,7 +190,14 @@ async fn apply<E: std::fmt::Display>(
     effect: &mut impl AsyncFnMut(&tokio_postgres::Transaction<'_>, &Received) -> Result<(), E>,
     stats: &mut WorkerStats,
     pause_after_commit: bool,
+    observer: Option<&dyn Observe>,
 ) -> Result<Applied, WorkerError> {
+    let started = std::time::SystemTime::now();
+    let observe = |outcome| {
+        if let Some(observer) = observer {
+            observer.inbox(message, outcome, started, std::time::SystemTime::now());
+        }
+    };
     let tx = db
         .transaction()
         .await
@@ -166,8 +215,14 @@ async fn apply<E: std::fmt::Display>(
                 .await
                 .map_err(crate::Error::pg("committing the inbox transaction"))?;
             match done {
-                crate::Processed::New(()) => stats.processed += 1,
-                crate::Processed::Duplicate => stats.duplicates += 1,
+                crate::Processed::New(()) => {
+                    stats.processed += 1;
+                    observe(InboxOutcome::Processed);
+                }
+                crate::Processed::Duplicate => {
+                    stats.duplicates += 1;
+                    observe(InboxOutcome::Duplicate);
+                }
             }
             if pause_after_commit {
                 tracing::warn!(event_id = %message.event_id, "failpoint: committed, parked before the acknowledgement");
@@ -179,6 +234,8 @@ async fn apply<E: std::fmt::Display>(
         Err(Failed::Outbox(e)) => Err(e.into()),
         // Dropping the transaction rolls it back.
         Err(Failed::Effect(error)) => {
+            drop(tx);
+            observe(InboxOutcome::Failed);
             tracing::warn!(event_id = %message.event_id, %error, "side effect failed; will retry");
             Ok(Applied::EffectFailed)
         }

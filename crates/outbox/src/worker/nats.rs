@@ -33,6 +33,9 @@ pub struct NatsWorker {
     /// Test hook: park forever after a commit, before the ack.
     #[doc(hidden)]
     pub pause_after_commit: bool,
+    /// Told of each inbox transaction, e.g. to trace it (`outbox consume`
+    /// makes a span of each). None by default.
+    pub observer: Option<std::sync::Arc<dyn super::Observe>>,
 }
 
 impl NatsWorker {
@@ -45,6 +48,7 @@ impl NatsWorker {
             inbox,
             ack_wait: Duration::from_secs(30),
             pause_after_commit: false,
+            observer: None,
         }
     }
 
@@ -110,6 +114,7 @@ impl NatsWorker {
                 &mut effect,
                 &mut stats,
                 self.pause_after_commit,
+                self.observer.as_deref(),
             )
             .await?
             {

@@ -39,6 +39,9 @@ pub struct RedisWorker {
     /// Test hook: park forever after a commit, before the `XACK`.
     #[doc(hidden)]
     pub pause_after_commit: bool,
+    /// Told of each inbox transaction, e.g. to trace it (`outbox consume`
+    /// makes a span of each). None by default.
+    pub observer: Option<std::sync::Arc<dyn super::Observe>>,
 }
 
 impl RedisWorker {
@@ -62,6 +65,7 @@ impl RedisWorker {
             count: 100,
             block: Duration::from_secs(1),
             pause_after_commit: false,
+            observer: None,
         })
     }
 
@@ -194,7 +198,17 @@ impl RedisWorker {
             tracing::warn!(entry = %entry.id, stream = %self.stream, to = %aside, "not an outbox event; moved aside");
             return Ok(());
         };
-        match super::apply(db, &self.inbox, &message, effect, stats, self.pause_after_commit).await? {
+        match super::apply(
+            db,
+            &self.inbox,
+            &message,
+            effect,
+            stats,
+            self.pause_after_commit,
+            self.observer.as_deref(),
+        )
+        .await?
+        {
             Applied::Committed => self.ack(redis, &entry.id).await,
             // The entry stays pending and is retried after `claim_idle`.
             Applied::EffectFailed => Ok(()),

@@ -153,6 +153,8 @@ struct Claimed {
     epoch: u64,
     /// When its claim was sent: a deadline claim's deadline counts from here.
     sent: Instant,
+    /// When the claim's round trip was answered.
+    answered: Instant,
 }
 
 /// A deadline claim in flight: its fence, its rows, and the local instant
@@ -469,9 +471,10 @@ impl PollSource {
 
     /// Commits the settled batch on its own, before a wait or a fresh claim.
     async fn commit_settled(&mut self) -> Result<(), SourceError> {
-        let Some(settled) = self.pipeline.settled.take() else {
+        let Some(mut settled) = self.pipeline.settled.take() else {
             return Ok(());
         };
+        settled.outcomes.marking();
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
         let done = self.round_trip(ss.get(settled.conn), Some(settled), None).await?;
         self.committed(done.settled);
@@ -884,7 +887,7 @@ impl PollSource {
         conn: Conn,
         claimed: ClaimedRows,
         epoch: u64,
-        sent: Instant,
+        (sent, answered): (Instant, Instant),
         overlapped: bool,
     ) -> Claim {
         let ClaimedRows {
@@ -929,6 +932,7 @@ impl PollSource {
             unreadable,
             full,
             overlapped,
+            claim: Some((sent, answered)),
         })
     }
 }
@@ -943,7 +947,7 @@ impl Source for PollSource {
             return Ok(Claim::Cancelled);
         }
         if let Some(c) = self.pipeline.prefetched.take() {
-            return Ok(self.hand_out(c.conn, c.rows, c.epoch, c.sent, true));
+            return Ok(self.hand_out(c.conn, c.rows, c.epoch, (c.sent, c.answered), true));
         }
         self.commit_settled().await?;
         let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
@@ -966,7 +970,7 @@ impl Source for PollSource {
             let claimed = trip.claimed.is_some();
             let rows = trip.claimed.unwrap_or_default();
             if !rows.rows.is_empty() {
-                return Ok(self.hand_out(Conn::Listening, rows, epoch, sent, false));
+                return Ok(self.hand_out(Conn::Listening, rows, epoch, (sent, Instant::now()), false));
             }
             if claimed {
                 let ss = self.sessions.as_ref().ok_or(SourceError::ConnectionLost)?;
@@ -1034,8 +1038,11 @@ impl Source for PollSource {
             return Ok(());
         };
         let other = conn.other();
-        let settled = self.pipeline.settled.take();
+        let mut settled = self.pipeline.settled.take();
         debug_assert!(settled.as_ref().is_none_or(|s| s.conn == other));
+        if let Some(settled) = &mut settled {
+            settled.outcomes.marking();
+        }
         let epoch = self.lease_epoch();
         let ss = self.sessions.as_mut().ok_or(SourceError::ConnectionLost)?;
         // Notifications up to here are covered by the next claim.
@@ -1057,6 +1064,7 @@ impl Source for PollSource {
                 rows,
                 epoch,
                 sent,
+                answered: Instant::now(),
             }),
             None => None,
         };

@@ -989,6 +989,7 @@ impl Source for WalSource {
                         unreadable,
                         full,
                         overlapped: false,
+                        claim: None,
                     }));
                 }
             }
