@@ -207,7 +207,11 @@ impl Book for Routed {
         let books = self.by_outbox.entry(label).or_insert_with_key(|label| {
             // Its signals go nowhere: the fleet signals for the process.
             let (signals, _) = Signals::channel();
-            let ctx = RelayContext::new(Some(label.clone()), label.clone(), signals);
+            let mut ctx = RelayContext::new(Some(label.clone()), label.clone(), signals);
+            // Traced as the fleet is, under the outbox's own label.
+            if let Some(tracing) = self.own.ctx.tracing() {
+                ctx = ctx.with_tracing(tracing.clone());
+            }
             Books::new(&ctx, Arc::clone(&self.sink))
         });
         books.book(r);
@@ -310,9 +314,18 @@ impl Relay {
     /// The relay of one outbox of a fleet (see `crate::fleet`), labelled
     /// `label` in its metrics and logs; its signals go nowhere (the fleet
     /// signals for the process).
-    pub(crate) fn for_fleet(pg: PgConfig, sink: Arc<dyn Sink>, config: RelayConfig, label: String) -> Self {
+    pub(crate) fn for_fleet(
+        pg: PgConfig,
+        sink: Arc<dyn Sink>,
+        config: RelayConfig,
+        label: String,
+        tracing: Option<&crate::trace::Tracing>,
+    ) -> Self {
         let (signals, _) = Signals::channel();
-        let ctx = RelayContext::new(Some(label.clone()), label, signals);
+        let mut ctx = RelayContext::new(Some(label.clone()), label, signals);
+        if let Some(tracing) = tracing {
+            ctx = ctx.with_tracing(tracing.clone());
+        }
         Self::with_context(pg, sink, config, ctx, true)
     }
 

@@ -20,6 +20,7 @@ pub(crate) async fn run(
     prepared: Prepared,
     fleet: Fleet,
     endpoint: Option<Endpoint>,
+    otlp_endpoint: Option<&str>,
 ) -> anyhow::Result<()> {
     let Prepared {
         config,
@@ -61,6 +62,12 @@ pub(crate) async fn run(
     )
     .map_err(|e| ConfigError(e.to_string()))?;
     let cancel = super::shutdown_token()?;
+    // From here every way out goes through `flush_traces`.
+    let traces = super::start_traces(otlp_endpoint, "outbox-relay")?;
+    let fleet = match &traces {
+        Some(traces) => fleet.with_tracing(traces.clone()),
+        None => fleet,
+    };
     let server = endpoint.map(|endpoint| {
         let relays = Arc::new(Registry::default());
         relays.register("fleet", fleet.health());
@@ -71,5 +78,6 @@ pub(crate) async fn run(
     if let Some(server) = server {
         let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
     }
+    super::flush_traces(traces).await;
     result
 }

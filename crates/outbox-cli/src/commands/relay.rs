@@ -177,7 +177,14 @@ pub(crate) async fn run(layered: Layered) -> anyhow::Result<()> {
             discover_interval: args.discover_interval,
             split: args.fleet_split,
         };
-        return super::fleet::run(pg, prepare(&g, args, file)?, fleet, endpoint).await;
+        return super::fleet::run(
+            pg,
+            prepare(&g, args, file)?,
+            fleet,
+            endpoint,
+            otlp_endpoint.as_deref(),
+        )
+        .await;
     }
     if args.fleet_split {
         return Err(ConfigError(

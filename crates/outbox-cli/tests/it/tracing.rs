@@ -404,3 +404,107 @@ async fn a_collector_that_never_answers_holds_up_neither_delivery_nor_the_stop()
     );
     drop(blackhole);
 }
+
+/// A fleet (`--schemas`) traces every tenant's batches as a relay of that
+/// outbox alone would: each batch and event span carries its own outbox in
+/// `outbox.table`, every event has exactly one span, linked to its writer.
+#[tokio::test]
+async fn a_fleet_traces_each_tenants_batches_under_its_own_outbox() {
+    use outbox_testkit::Postgres;
+    const PER_TENANT: usize = 20;
+    let pg = Postgres::start().await.unwrap();
+    let redis = Redis::start().await.unwrap();
+    let otlp = OtlpReceiver::start().await.unwrap();
+    let configs = crate::fleet::tenants(&pg, "app_0", 3, true).await;
+    let client = pg.connect("app_0").await.unwrap();
+    // event_id → (its outbox, its writer's trace and span).
+    let mut writers: HashMap<String, (String, String, String)> = HashMap::new();
+    for (t, config) in configs.iter().enumerate() {
+        let events: Vec<Event> = (0..PER_TENANT)
+            .map(|i| {
+                let (tp, trace, span) = traceparent(t * 1000 + i);
+                let event = Event::new(
+                    "orders",
+                    format!("t{t}-{}", i % 4),
+                    "OrderPlaced",
+                    json!({"i": i}),
+                )
+                .with_header("traceparent", tp);
+                writers.insert(event.event_id.to_string(), (config.display_name(), trace, span));
+                event
+            })
+            .collect();
+        Outbox::new(config.clone())
+            .enqueue_all(&client, &events)
+            .await
+            .unwrap();
+    }
+    let url = format!("{}?application_name=fleet_traced", pg.url("app_0"));
+    let fleet = start_relay(
+        &url,
+        &redis.url(),
+        &[
+            "--schemas",
+            "tenant_%",
+            "--discover-interval",
+            "500ms",
+            "--otlp-endpoint",
+            &otlp.endpoint(),
+        ],
+        &[FAST_EXPORT],
+    )
+    .await;
+    wait_until("every tenant's events delivered", LONG, || async {
+        crate::fleet::unpublished(&client, &configs).await == 0
+    })
+    .await;
+    let total = PER_TENANT * configs.len();
+    otlp.wait_for("an event span per event", LONG, |s| {
+        named(s, "outbox.event").len() >= total
+    })
+    .await
+    .unwrap();
+    crate::fleet::stop_fleet(fleet).await;
+    let spans = otlp.spans();
+
+    let events = named(&spans, "outbox.event");
+    assert_eq!(events.len(), total, "one span per event, none twice");
+    let mut per_outbox: BTreeMap<String, usize> = BTreeMap::new();
+    for event in &events {
+        let id = event.str_attribute("messaging.message.id").expect("message id");
+        let (outbox, trace, span) = &writers[id];
+        assert_eq!(event.str_attribute("outbox.table"), Some(outbox.as_str()), "{id}");
+        assert_eq!(event.links, [(trace.clone(), span.clone())], "{id}");
+        *per_outbox.entry(outbox.clone()).or_default() += 1;
+    }
+    let expected: BTreeMap<String, usize> = configs.iter().map(|c| (c.display_name(), PER_TENANT)).collect();
+    assert_eq!(per_outbox, expected);
+    let batches = named(&spans, "outbox.batch");
+    let mut batched: BTreeMap<String, i64> = BTreeMap::new();
+    for batch in &batches {
+        let outbox = batch
+            .str_attribute("outbox.table")
+            .expect("its outbox")
+            .to_owned();
+        *batched.entry(outbox).or_default() += int(batch, "messaging.batch.message_count");
+        let children: HashSet<&str> = spans
+            .iter()
+            .filter(|s| s.parent_span_id.as_deref() == Some(batch.span_id.as_str()))
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(
+            children,
+            HashSet::from(["outbox.claim", "outbox.deliver", "outbox.mark"]),
+            "{}",
+            batch.span_id
+        );
+    }
+    let per_tenant = i64::try_from(PER_TENANT).unwrap();
+    assert_eq!(
+        batched,
+        configs
+            .iter()
+            .map(|c| (c.display_name(), per_tenant))
+            .collect::<BTreeMap<_, _>>()
+    );
+}

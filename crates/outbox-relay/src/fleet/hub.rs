@@ -726,7 +726,13 @@ impl Hub {
             // other processes' relays for it.
             entry.own = Own::Serving;
             let stop = CancellationToken::new();
-            let relay = Relay::for_fleet(pg, Arc::clone(&entry.sink), config, label.clone());
+            let relay = Relay::for_fleet(
+                pg,
+                Arc::clone(&entry.sink),
+                config,
+                label.clone(),
+                self.shared.tracing.as_ref(),
+            );
             entry.running = Some((stop.clone(), spawn_relay(&label, relay.run(stop))));
             debug!(outbox = %label, "serving outbox split");
             return;
@@ -746,7 +752,13 @@ impl Hub {
         entry.own = Own::Serving;
         let tenant = Arc::clone(&entry.tenant);
         let stop = CancellationToken::new();
-        let relay = Relay::for_fleet(pg, Arc::clone(&entry.sink), config, label.clone());
+        let relay = Relay::for_fleet(
+            pg,
+            Arc::clone(&entry.sink),
+            config,
+            label.clone(),
+            self.shared.tracing.as_ref(),
+        );
         let run = relay.run_tenant(Arc::clone(&tenant), db, statements, stop.clone());
         entry.running = Some((stop, spawn_relay(&label, run)));
         tenant.serve(true);

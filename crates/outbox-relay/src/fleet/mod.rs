@@ -338,6 +338,8 @@ pub(crate) struct Shared {
     /// `READY=1`, and `OUTBOX_FLEET=takeover-waiting` when an outbox taken
     /// over waits for the previous owner's batch (tests wait for it).
     signals: Signals,
+    /// Every outbox's relay traces its batches with it, labelled by outbox.
+    tracing: Option<crate::trace::Tracing>,
 }
 
 /// See the [module docs](self). Build with [`Fleet::new`], run with
@@ -372,6 +374,7 @@ impl Fleet {
                 sink,
                 health: Arc::default(),
                 signals: Signals::Process,
+                tracing: None,
             }),
         })
     }
@@ -383,6 +386,17 @@ impl Fleet {
         Arc::get_mut(&mut self.shared)
             .expect("not running yet: the only reference")
             .signals = signals;
+        self
+    }
+
+    /// Traces every outbox's batches with `tracing`, as
+    /// [`Relay::with_tracing`](crate::Relay::with_tracing) does one relay's:
+    /// each span carries its outbox in `outbox.table`.
+    #[must_use]
+    pub fn with_tracing(mut self, tracing: crate::trace::Tracing) -> Self {
+        Arc::get_mut(&mut self.shared)
+            .expect("not running yet: the only reference")
+            .tracing = Some(tracing);
         self
     }
 

@@ -91,6 +91,7 @@ async fn run_database(
         Arc::clone(&shared.sink),
         config.relay.clone(),
         database.clone(),
+        shared.tracing.as_ref(),
     );
     let health = Arc::clone(&shared.health);
     let ready = move || {

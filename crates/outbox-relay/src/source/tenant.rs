@@ -170,6 +170,8 @@ impl TenantSource {
             self.roll_back().await?;
             return Ok(None);
         }
+        // The claim's round trip, for its span: only while tracing is on.
+        let sent = self.ctx.tracing().is_some().then(Instant::now);
         let claimed = match &prepared {
             Some(statement) => self.statements.claim_prepared(client, statement, &params).await,
             None => self.statements.claim_whole_first(client, &params).await,
@@ -192,6 +194,7 @@ impl TenantSource {
             session.restore();
             return Ok(None);
         }
+        let answered = Instant::now();
         let full = claimed.rows.len() == self.config.batch_size as usize || claimed.cut;
         let mut rows = claimed.rows;
         for row in &mut rows {
@@ -208,7 +211,7 @@ impl TenantSource {
             unreadable: claimed.unreadable,
             full,
             overlapped: false,
-            claim: None,
+            claim: sent.map(|sent| (sent, answered)),
         }))
     }
 }
