@@ -185,6 +185,60 @@ async fn each_batch_is_a_span_and_each_event_links_to_its_writer() {
         assert!(waited > 0.0, "written before the relay started, so it waited");
     }
     assert_eq!(seen.len(), 250);
+
+    // One real trace as a waterfall, for docs/tracing.md.
+    let smallest = batches
+        .iter()
+        .min_by_key(|b| int(b, "messaging.batch.message_count"))
+        .unwrap();
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("the target tmp dir is inside the target dir")
+        .join("test-artifacts/tracing");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("one-trace.txt"), waterfall(&spans, smallest)).unwrap();
+}
+
+/// `batch` and its descendants as text: name, start after the batch's,
+/// duration, and a bar on a 48-column time axis (the first three event
+/// spans, then how many more).
+fn waterfall(spans: &[ReceivedSpan], batch: &ReceivedSpan) -> String {
+    const WIDTH: f64 = 48.0;
+    let t0 = batch.start_unix_nano;
+    let total = (batch.end_unix_nano - t0).max(1) as f64;
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let line = |depth: usize, s: &ReceivedSpan| {
+        let from = ((s.start_unix_nano - t0) as f64 / total * WIDTH).round() as usize;
+        let to = (((s.end_unix_nano - t0) as f64 / total * WIDTH).round() as usize).max(from + 1);
+        let bar = format!("{}{}", " ".repeat(from), "█".repeat(to - from));
+        format!(
+            "{:<28} {:>8.2} ms {:>8.2} ms  |{bar:<48}|\n",
+            format!("{}{}", "  ".repeat(depth), s.name),
+            ms(s.start_unix_nano - t0),
+            ms(s.end_unix_nano - s.start_unix_nano),
+        )
+    };
+    let children = |parent: &ReceivedSpan| {
+        let mut c: Vec<&ReceivedSpan> = spans
+            .iter()
+            .filter(|s| s.parent_span_id.as_deref() == Some(parent.span_id.as_str()))
+            .collect();
+        c.sort_by_key(|s| (s.start_unix_nano, s.name.clone()));
+        c
+    };
+    let mut out = format!("{:<28} {:>11} {:>11}\n", "span", "start", "duration");
+    out.push_str(&line(0, batch));
+    for child in children(batch) {
+        out.push_str(&line(1, child));
+        let events = children(child);
+        for event in events.iter().take(3) {
+            out.push_str(&line(2, event));
+        }
+        if events.len() > 3 {
+            out.push_str(&format!("    … {} more outbox.event\n", events.len() - 3));
+        }
+    }
+    out
 }
 
 /// A relay killed with SIGKILL while a batch is at the sink: that batch
