@@ -438,6 +438,47 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     parts.join(": ")
 }
 
+/// A FIFO entry's `MessageGroupId` (the aggregate id) and
+/// `MessageDeduplicationId` (the event id, so AWS drops a re-send within
+/// its five-minute window), or why the aggregate id cannot be a group id.
+pub fn fifo_ids(service: &str, row: &OutboxRow) -> Result<(String, String), DeliveryError> {
+    if let Some(problem) = group_id_problem(&row.aggregate_id) {
+        return Err(DeliveryError::permanent(format!(
+            "{service}: aggregate id {:?} cannot be a FIFO MessageGroupId: {problem}",
+            row.aggregate_id
+        )));
+    }
+    Ok((row.aggregate_id.clone(), row.event_id.to_string()))
+}
+
+/// Each entry's answer to a batch call (`call`, e.g. `SendMessageBatch`),
+/// in the order of `ids`: delivered when `succeeded` lists it, its failure
+/// classified when `failed` gives its code, sender fault and message, and
+/// retryable when the answer names it nowhere.
+pub fn answers<'a>(
+    service: &str,
+    call: &str,
+    ids: &[String],
+    succeeded: impl Fn(&str) -> bool,
+    failed: impl Fn(&str) -> Option<(&'a str, bool, Option<&'a str>)>,
+) -> Vec<Delivery> {
+    ids.iter()
+        .map(|id| {
+            if succeeded(id) {
+                return Ok(());
+            }
+            match failed(id) {
+                Some((code, sender_fault, message)) => {
+                    Err(classify_entry(service, code, sender_fault, message))
+                }
+                None => Err(DeliveryError::retryable(format!(
+                    "{service}: {call} did not answer for the entry"
+                ))),
+            }
+        })
+        .collect()
+}
+
 /// One entry's failure inside a batch answer. A sender fault is the
 /// event's (too large, invalid characters, a bad attribute): permanent,
 /// unless AWS says it throttled. Anything else is AWS's: retryable.

@@ -191,15 +191,8 @@ impl SnsSink {
             builder = builder.message_attributes(name, value);
         }
         if self.is_fifo() {
-            if let Some(problem) = aws::group_id_problem(&row.aggregate_id) {
-                return Err(DeliveryError::permanent(format!(
-                    "sns: aggregate id {:?} cannot be a FIFO MessageGroupId: {problem}",
-                    row.aggregate_id
-                )));
-            }
-            builder = builder
-                .message_group_id(&row.aggregate_id)
-                .message_deduplication_id(row.event_id.to_string());
+            let (group, dedup) = aws::fifo_ids("sns", row)?;
+            builder = builder.message_group_id(group).message_deduplication_id(dedup);
         }
         let item = builder
             .build()
@@ -221,25 +214,16 @@ impl SnsSink {
             .send()
             .await
             .map_err(|e| call_error(&e))?;
-        Ok(ids
-            .iter()
-            .map(|id| {
-                if answer.successful().iter().any(|s| s.id() == Some(id.as_str())) {
-                    return Ok(());
-                }
-                match answer.failed().iter().find(|f| f.id() == id) {
-                    Some(f) => Err(aws::classify_entry(
-                        "sns",
-                        f.code(),
-                        f.sender_fault(),
-                        f.message(),
-                    )),
-                    None => Err(DeliveryError::retryable(
-                        "sns: PublishBatch did not answer for the entry",
-                    )),
-                }
-            })
-            .collect())
+        Ok(aws::answers(
+            "sns",
+            "PublishBatch",
+            &ids,
+            |id| answer.successful().iter().any(|s| s.id() == Some(id)),
+            |id| {
+                let f = answer.failed().iter().find(|f| f.id() == id)?;
+                Some((f.code(), f.sender_fault(), f.message()))
+            },
+        ))
     }
 
     async fn deliver_batch(&self, batch: &[OutboxRow]) -> Vec<Delivery> {

@@ -196,15 +196,8 @@ impl SqsSink {
             builder = builder.message_attributes(name, value);
         }
         if self.is_fifo() {
-            if let Some(problem) = aws::group_id_problem(&row.aggregate_id) {
-                return Err(DeliveryError::permanent(format!(
-                    "sqs: aggregate id {:?} cannot be a FIFO MessageGroupId: {problem}",
-                    row.aggregate_id
-                )));
-            }
-            builder = builder
-                .message_group_id(&row.aggregate_id)
-                .message_deduplication_id(row.event_id.to_string());
+            let (group, dedup) = aws::fifo_ids("sqs", row)?;
+            builder = builder.message_group_id(group).message_deduplication_id(dedup);
         }
         let item = builder
             .build()
@@ -226,25 +219,16 @@ impl SqsSink {
             .send()
             .await
             .map_err(|e| call_error(&e))?;
-        Ok(ids
-            .iter()
-            .map(|id| {
-                if answer.successful().iter().any(|s| s.id() == id) {
-                    return Ok(());
-                }
-                match answer.failed().iter().find(|f| f.id() == id) {
-                    Some(f) => Err(aws::classify_entry(
-                        "sqs",
-                        f.code(),
-                        f.sender_fault(),
-                        f.message(),
-                    )),
-                    None => Err(DeliveryError::retryable(
-                        "sqs: SendMessageBatch did not answer for the entry",
-                    )),
-                }
-            })
-            .collect())
+        Ok(aws::answers(
+            "sqs",
+            "SendMessageBatch",
+            &ids,
+            |id| answer.successful().iter().any(|s| s.id() == id),
+            |id| {
+                let f = answer.failed().iter().find(|f| f.id() == id)?;
+                Some((f.code(), f.sender_fault(), f.message()))
+            },
+        ))
     }
 
     async fn deliver_batch(&self, batch: &[OutboxRow]) -> Vec<Delivery> {
