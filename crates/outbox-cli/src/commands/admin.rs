@@ -1,7 +1,9 @@
 //! `outbox admin`: checks the flags (a token, or a loopback address), binds,
 //! and hands over to `outbox_admin` until SIGINT/SIGTERM. With `--schemas`
 //! the console serves a fleet's tenant outboxes of the URL's database; each
-//! is checked when its page is asked for, as tenants come and go.
+//! is checked when its page is asked for, as tenants come and go. The
+//! replay jobs the console runs get their sinks from `Targets`: `outbox
+//! replay --to`'s own rules, with the sink flags given to `outbox admin`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
