@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use outbox_testkit::conformance::{self, AmqpSink, HttpSink, NatsSink, RedisSink};
+use outbox_testkit::conformance::{AmqpSink, HttpSink, NatsSink, RedisSink};
 
 #[cfg(feature = "kafka")]
 use crate::kafka::KafkaSink;
@@ -15,16 +15,18 @@ pub(crate) fn relay() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_outbox"))
 }
 
-/// `scenario!(test_name, scenario_fn, Sink)`: one test running one scenario.
+/// `scenario!(test_name, scenario_fn, Sink)`: one test running one scenario
+/// (also for the sinks whose tests live elsewhere, as SQS's and SNS's).
 macro_rules! scenario {
     ($(#[$attr:meta])* $test:ident, $scenario:ident, $sink:ty) => {
         $(#[$attr])*
         #[tokio::test]
         async fn $test() {
-            let _ = conformance::$scenario::<$sink>(relay()).await;
+            let _ = outbox_testkit::conformance::$scenario::<$sink>($crate::conformance::relay()).await;
         }
     };
 }
+pub(crate) use scenario;
 
 scenario!(conformance_redis_in_order, in_order, RedisSink);
 scenario!(conformance_redis_broker_down, broker_down, RedisSink);

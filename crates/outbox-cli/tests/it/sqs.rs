@@ -19,7 +19,7 @@ use outbox_testkit::conformance::{self, Delivered, LONG, Scenario, SinkUnderTest
 use outbox_testkit::{Moto, moto};
 use serde_json::json;
 
-use crate::conformance::relay;
+use crate::conformance::scenario;
 use crate::support::{Db, start_relay, stop_relay, wait_until};
 
 /// The queue (and topic) every scenario's events go to.
@@ -491,16 +491,6 @@ impl SinkUnderTest for SnsFifoSink {
     fn check(&self, scenario: Scenario, delivered: &[Delivered]) {
         check_attributes(Self::NAME, scenario, delivered, true);
     }
-}
-
-/// `scenario!(test_name, scenario_fn, Sink)`: one test running one scenario.
-macro_rules! scenario {
-    ($test:ident, $scenario:ident, $sink:ty) => {
-        #[tokio::test]
-        async fn $test() {
-            let _ = conformance::$scenario::<$sink>(relay()).await;
-        }
-    };
 }
 
 scenario!(conformance_sqs_in_order, in_order, SqsSink);
