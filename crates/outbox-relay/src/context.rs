@@ -31,7 +31,9 @@ pub struct RelayContext {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
+/// Cloned only to make a context that differs in one part: the health,
+/// counters and routes stay shared (they are `Arc`s).
+#[derive(Debug, Clone)]
 struct Inner {
     name: String,
     outbox: String,
@@ -64,32 +66,20 @@ impl RelayContext {
     /// The same relay (name, outbox, health, counters), its signals sent
     /// to `signals`.
     pub(crate) fn with_signals(&self, signals: Signals) -> Self {
-        let i = &self.inner;
         Self {
             inner: Arc::new(Inner {
-                name: i.name.clone(),
-                outbox: i.outbox.clone(),
-                health: Arc::clone(&i.health),
-                counters: Arc::clone(&i.counters),
-                routes: Arc::clone(&i.routes),
                 signals,
-                tracing: i.tracing.clone(),
+                ..(*self.inner).clone()
             }),
         }
     }
 
     /// The same relay, its batches traced by `tracing`.
     pub(crate) fn with_tracing(&self, tracing: Tracing) -> Self {
-        let i = &self.inner;
         Self {
             inner: Arc::new(Inner {
-                name: i.name.clone(),
-                outbox: i.outbox.clone(),
-                health: Arc::clone(&i.health),
-                counters: Arc::clone(&i.counters),
-                routes: Arc::clone(&i.routes),
-                signals: i.signals.clone(),
                 tracing: Some(tracing),
+                ..(*self.inner).clone()
             }),
         }
     }

@@ -7,7 +7,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::admin::{TOKEN, http};
-use crate::support::{Db, LONG, outbox_cmd, run_cli, text, wait_until};
+use crate::support::{Db, LONG, outbox_cmd, replay_job, run_cli, text, wait_until};
 
 const ALICE: &str = "alice-token-0123456789";
 const BOB: &str = "bob-token-9876543210ab";
@@ -437,16 +437,6 @@ async fn a_read_only_console_answers_403_to_every_change_and_bad_token_files_are
             text(&out.stderr)
         );
     }
-}
-
-/// Job `id`'s state and sent count.
-async fn replay_job(db: &Db, id: i64) -> (String, i64) {
-    let row = db
-        .client
-        .query_one("SELECT state, sent FROM outbox_replays WHERE id = $1", &[&id])
-        .await
-        .unwrap();
-    (row.get(0), row.get(1))
 }
 
 #[tokio::test]

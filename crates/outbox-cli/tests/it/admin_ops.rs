@@ -11,7 +11,7 @@ use outbox_testkit::{Receiver, Respond};
 use serde_json::json;
 
 use crate::admin::{TOKEN, assert_inert, browser, screenshot, start_admin, start_chromedriver, text_of};
-use crate::support::{Db, LONG, run_cli, start_relay, stop_relay, text, wait_until};
+use crate::support::{Db, LONG, replay_job, run_cli, start_relay, stop_relay, text, wait_until};
 
 const SCRIPT: &str = "<script>alert(1)</script>";
 
@@ -308,16 +308,6 @@ async fn a_route_paused_from_the_console_stops_within_a_heartbeat_and_every_chan
     stop_relay(relay).await;
 }
 
-/// The job row's state and sent count.
-async fn job(db: &Db, id: i64) -> (String, i64) {
-    let row = db
-        .client
-        .query_one("SELECT state, sent FROM outbox_replays WHERE id = $1", &[&id])
-        .await
-        .unwrap();
-    (row.get(0), row.get(1))
-}
-
 /// "… S of M sent …" of a replays row.
 fn sent_of(row: &str) -> i64 {
     let before = row.split(" of ").next().unwrap_or_default();
@@ -409,7 +399,7 @@ async fn a_replay_started_from_the_console_delivers_its_events_and_shows_progres
         cancelled.starts_with("Cancelled replay job 1: stopped after id"),
         "{cancelled}"
     );
-    let (state, sent) = job(&db, 1).await;
+    let (state, sent) = replay_job(&db, 1).await;
     assert_eq!(state, "stopped");
     assert!((1..200).contains(&sent), "{sent}");
     assert_eq!(
@@ -442,7 +432,7 @@ async fn a_replay_started_from_the_console_delivers_its_events_and_shows_progres
     .await;
     let refused = text_of(&b, "#result").await;
     assert!(refused.contains("is not replay job 1's target"), "{refused}");
-    assert_eq!(job(&db, 1).await, ("stopped".to_owned(), sent));
+    assert_eq!(replay_job(&db, 1).await, ("stopped".to_owned(), sent));
     b.goto(&format!("{base}/replays/resume?id=1")).await.unwrap();
     let form = b.form(Locator::Id("replay-resume")).await.unwrap();
     form.set_by_name("to", &url).await.unwrap();
@@ -454,7 +444,10 @@ async fn a_replay_started_from_the_console_delivers_its_events_and_shows_progres
     .await;
     let resumed = text_of(&b, "#result").await;
     assert!(resumed.starts_with("Resumed replay job 1"), "{resumed}");
-    wait_until("the job done", LONG, || async { job(&db, 1).await.0 == "done" }).await;
+    wait_until("the job done", LONG, || async {
+        replay_job(&db, 1).await.0 == "done"
+    })
+    .await;
 
     // Every order once, none of the payments; the secret nowhere stored.
     let ids: std::collections::BTreeSet<String> = receiver
@@ -463,7 +456,7 @@ async fn a_replay_started_from_the_console_delivers_its_events_and_shows_progres
         .map(|p| p.header("idempotency-key").unwrap().to_owned())
         .collect();
     assert_eq!((receiver.count(), ids.len()), (200, 200));
-    assert_eq!(job(&db, 1).await, ("done".to_owned(), 200));
+    assert_eq!(replay_job(&db, 1).await, ("done".to_owned(), 200));
     b.goto(&format!("{base}/replays")).await.unwrap();
     let row = text_of(&b, "#replay-1").await;
     assert!(row.contains("done") && row.contains("200 of 200 sent"), "{row}");

@@ -298,3 +298,13 @@ pub fn first_delivery_violations(events: &[StreamEvent]) -> usize {
         .collect();
     order_violations(&firsts)
 }
+
+/// Replay job `id`'s state and sent count, from `outbox_replays`.
+pub async fn replay_job(db: &Db, id: i64) -> (String, i64) {
+    let row = db
+        .client
+        .query_one("SELECT state, sent FROM outbox_replays WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
