@@ -698,7 +698,16 @@ impl Relay {
             {
                 break;
             }
-            match self.cycle(&mut source, &mut blocked, &mut breaker, &cancel).await {
+            match self
+                .cycle(
+                    &mut source,
+                    &mut blocked,
+                    &mut breaker,
+                    own_route.as_deref(),
+                    &cancel,
+                )
+                .await
+            {
                 Ok(Step::Continue) => {}
                 Ok(Step::Unavailable) => {
                     blocked.clear();
@@ -735,17 +744,6 @@ impl Relay {
         fatal.map_or(Ok(()), Err)
     }
 
-    /// Whether this relay's sink is alone (no router) and its route is
-    /// paused.
-    fn own_route_paused(&self) -> bool {
-        !self.sink.has_route_breakers()
-            && self
-                .ctx
-                .routes()
-                .get(DEFAULT_ROUTE)
-                .is_some_and(|r| r.is_paused())
-    }
-
     /// After a batch the sink was unavailable for (`cause`), or while the
     /// route of a sink alone is paused: claims nothing more meanwhile. Commits the outcomes (no attempt spent) and gives
     /// back the batch claimed ahead, so no transaction stays open; the loop
@@ -773,12 +771,15 @@ impl Relay {
     }
 
     /// One batch, top to bottom. `blocked` carries the aggregates the last
-    /// batch failed, whose later events must not overtake the failure.
+    /// batch failed, whose later events must not overtake the failure;
+    /// `own_route` is a sink alone's route (None behind a router), whose
+    /// pause gives a claimed batch back unsent.
     async fn cycle(
         &self,
         source: &mut impl Source,
         blocked: &mut Blocked,
         breaker: &mut Breaker,
+        own_route: Option<&RouteStatus>,
         cancel: &CancellationToken,
     ) -> Result<Step, SourceError> {
         // 1. Wait and claim: the rows are locked and provisionally marked
@@ -800,7 +801,7 @@ impl Relay {
             source.give_back().await?;
             return Ok(Step::Continue);
         }
-        if self.own_route_paused() {
+        if own_route.is_some_and(RouteStatus::is_paused) {
             // Paused while this claim waited for work (a heartbeat read
             // the pause meanwhile): give the rows back unsent, no attempt
             // spent; the loop's top holds until the route is resumed.
