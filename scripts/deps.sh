@@ -61,8 +61,10 @@ ensure_deps() {
 # virtual environment in ~/.cache/outbox-tools/moto (OUTBOX_TOOLS to put it
 # elsewhere, OUTBOX_MOTO_SERVER to use a moto_server you have), installed once
 # with pip: Debian's pip refuses to install into the system's Python. Sets
-# OUTBOX_MOTO_SERVER, where the testkit looks first.
+# OUTBOX_MOTO_SERVER, where the testkit looks first. AWS's Python SQS
+# extended client goes beside it: the claim-check tests read with it.
 MOTO_VERSION=5.2.5
+EXTENDED_CLIENT_VERSION=1.0.1
 
 ensure_moto() {
     if [ -n "${OUTBOX_MOTO_SERVER:-}" ]; then
@@ -73,7 +75,7 @@ ensure_moto() {
     local venv="${OUTBOX_TOOLS:-$HOME/.cache/outbox-tools}/moto"
     export OUTBOX_MOTO_SERVER="$venv/bin/moto_server"
     if [ -x "$OUTBOX_MOTO_SERVER" ] &&
-        "$venv/bin/python3" -c "import importlib.metadata as m, sys; sys.exit(m.version('moto') != '$MOTO_VERSION')" 2>/dev/null; then
+        "$venv/bin/python3" -c "import importlib.metadata as m, sys; sys.exit(m.version('moto') != '$MOTO_VERSION' or m.version('amazon-sqs-extended-client') != '$EXTENDED_CLIENT_VERSION')" 2>/dev/null; then
         return 0
     fi
     # `python3 -m venv` needs Debian's python3-venv (ensurepip).
@@ -88,9 +90,10 @@ ensure_moto() {
             exit 1
         fi
     fi
-    echo "installing moto $MOTO_VERSION (the SQS and SNS tests' AWS emulator) into $venv; this happens once" >&2
+    echo "installing moto $MOTO_VERSION (the SQS and SNS tests' AWS emulator) and AWS's SQS extended client $EXTENDED_CLIENT_VERSION into $venv; this happens once" >&2
     rm -rf "$venv"
-    python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "moto[server]==$MOTO_VERSION" || {
+    python3 -m venv "$venv" &&
+        "$venv/bin/pip" install --quiet "moto[server]==$MOTO_VERSION" "amazon-sqs-extended-client==$EXTENDED_CLIENT_VERSION" || {
         echo "installing moto failed; the SQS and SNS tests need it (or set OUTBOX_MOTO_SERVER)" >&2
         exit 1
     }

@@ -31,7 +31,7 @@ use crate::{Error, Spawned};
 /// The commands that install moto where [`Moto::start`] looks after
 /// `OUTBOX_MOTO_SERVER` and `PATH`.
 pub const INSTALL: &str = "python3 -m venv ~/.cache/outbox-tools/moto && \
-     ~/.cache/outbox-tools/moto/bin/pip install 'moto[server]==5.2.5'";
+     ~/.cache/outbox-tools/moto/bin/pip install 'moto[server]==5.2.5' 'amazon-sqs-extended-client==1.0.1'";
 
 /// The Python the server runs: patches three hot spots of moto's SQS and
 /// its recorder's interleaved lines (see the comments in it); replays the
@@ -200,6 +200,12 @@ impl Moto {
         self.port
     }
 
+    /// The Python interpreter moto runs with, which also has AWS's Python
+    /// SQS extended client (see [`INSTALL`]).
+    pub fn python(&self) -> &Path {
+        &self.python
+    }
+
     /// `http://127.0.0.1:<port>`: the endpoint URL for AWS clients.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
@@ -213,6 +219,8 @@ impl Moto {
             ("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID),
             ("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY),
             ("AWS_REGION", REGION),
+            // Python's botocore reads only this one.
+            ("AWS_DEFAULT_REGION", REGION),
             ("AWS_EC2_METADATA_DISABLED", "true"),
             ("AWS_CONFIG_FILE", "/dev/null"),
             ("AWS_SHARED_CREDENTIALS_FILE", "/dev/null"),

@@ -50,6 +50,8 @@ mod scale;
 mod secrets;
 #[cfg(all(feature = "sqs", feature = "sns"))]
 mod sqs;
+#[cfg(all(feature = "sqs", feature = "sns"))]
+mod sqs_claim_check;
 mod support;
 mod table_contract;
 mod tls;

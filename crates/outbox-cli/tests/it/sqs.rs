@@ -5,6 +5,8 @@
 //! once) and an SNS topic subscribed to a queue with raw message delivery;
 //! then what only these sinks do: a message whose attributes take it over
 //! the limit, a queue that does not exist, and a throughput smoke figure.
+//! The claim check through S3 is `sqs_claim_check.rs`'s, with these
+//! helpers (the [`Reader`] follows its pointers).
 //!
 //! moto is found through `OUTBOX_MOTO_SERVER`, `PATH` or
 //! `~/.cache/outbox-tools/moto`, where `scripts/deps.sh` installs it;
@@ -23,18 +25,21 @@ use crate::conformance::scenario;
 use crate::support::{Db, start_relay, stop_relay, wait_until};
 
 /// The queue (and topic) every scenario's events go to.
-const QUEUE: &str = "outbox-orders";
+pub(crate) const QUEUE: &str = "outbox-orders";
 /// The standard queue's `MaximumMessageSize`: SQS's historical 256 KiB.
-const MAX_MESSAGE: usize = 256 * 1024;
+pub(crate) const MAX_MESSAGE: usize = 256 * 1024;
+/// The size attributes of a message whose body is in S3 (the extended
+/// clients' of today, and the 1.x Java client's).
+pub(crate) const SIZE_ATTRIBUTES: [&str; 2] = ["ExtendedPayloadSize", "SQSLargePayloadSize"];
 
-fn failed(doing: &str, e: impl std::fmt::Display) -> outbox_testkit::Error {
+pub(crate) fn failed(doing: &str, e: impl std::fmt::Display) -> outbox_testkit::Error {
     outbox_testkit::Error::Failed {
         doing: doing.to_owned(),
         detail: e.to_string(),
     }
 }
 
-fn sqs_client(moto: &Moto) -> aws_sdk_sqs::Client {
+pub(crate) fn sqs_client(moto: &Moto) -> aws_sdk_sqs::Client {
     let config = aws_sdk_sqs::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new(moto::REGION))
@@ -50,7 +55,7 @@ fn sqs_client(moto: &Moto) -> aws_sdk_sqs::Client {
     aws_sdk_sqs::Client::from_conf(config)
 }
 
-fn sns_client(moto: &Moto) -> aws_sdk_sns::Client {
+pub(crate) fn sns_client(moto: &Moto) -> aws_sdk_sns::Client {
     let config = aws_sdk_sns::Config::builder()
         .behavior_version(aws_sdk_sns::config::BehaviorVersion::latest())
         .region(aws_sdk_sns::config::Region::new(moto::REGION))
@@ -66,7 +71,11 @@ fn sns_client(moto: &Moto) -> aws_sdk_sns::Client {
     aws_sdk_sns::Client::from_conf(config)
 }
 
-async fn create_queue(moto: &Moto, name: &str, fifo: bool) -> Result<String, outbox_testkit::Error> {
+pub(crate) async fn create_queue(
+    moto: &Moto,
+    name: &str,
+    fifo: bool,
+) -> Result<String, outbox_testkit::Error> {
     let mut create = sqs_client(moto)
         .create_queue()
         .queue_name(name)
@@ -85,22 +94,118 @@ async fn create_queue(moto: &Moto, name: &str, fifo: bool) -> Result<String, out
         .ok_or_else(|| failed(&format!("creating queue {name}"), "no queue URL"))
 }
 
+pub(crate) fn s3_client(moto: &Moto) -> aws_sdk_s3::Client {
+    let config = aws_sdk_s3::Config::builder()
+        .behavior_version(aws_sdk_s3::config::BehaviorVersion::latest())
+        .region(aws_sdk_s3::config::Region::new(moto::REGION))
+        .credentials_provider(aws_sdk_s3::config::Credentials::new(
+            moto::ACCESS_KEY_ID,
+            moto::SECRET_ACCESS_KEY,
+            None,
+            None,
+            "moto",
+        ))
+        .endpoint_url(moto.endpoint())
+        .force_path_style(true)
+        .build();
+    aws_sdk_s3::Client::from_conf(config)
+}
+
 /// What a queue held, read by receiving and deleting everything (so a
 /// FIFO queue hands out every group) into a cache, which `stored` counts
-/// with what is still in the queue.
-struct Reader {
+/// with what is still in the queue. A message with a claim check's size
+/// attribute is read from S3, as the extended clients read it.
+pub(crate) struct Reader {
     client: aws_sdk_sqs::Client,
+    s3: aws_sdk_s3::Client,
     url: String,
     read: Mutex<Vec<Delivered>>,
 }
 
 impl Reader {
-    fn new(moto: &Moto, url: String) -> Reader {
+    pub(crate) fn new(moto: &Moto, url: String) -> Reader {
         Reader {
             client: sqs_client(moto),
+            s3: s3_client(moto),
             url,
             read: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The queue's URL.
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The body of `m`, and properties saying where it was when a claim
+    /// check stored it (see [`claimed`](Self::claimed)).
+    async fn body(
+        &self,
+        m: &aws_sdk_sqs::types::Message,
+    ) -> Result<(Vec<u8>, Vec<(String, String)>), outbox_testkit::Error> {
+        let attributes = m.message_attributes().cloned().unwrap_or_default();
+        let size = SIZE_ATTRIBUTES.iter().find_map(|name| {
+            let value = attributes.get(*name)?;
+            assert_eq!(value.data_type(), "Number", "{name} is a Number");
+            value.string_value().map(str::to_owned)
+        });
+        let body = m.body().unwrap_or_default();
+        match size {
+            Some(size) => {
+                let mut claimed = Vec::new();
+                let body = self.claimed(body, &size, &mut claimed).await?;
+                Ok((body, claimed))
+            }
+            None => Ok((body.as_bytes().to_vec(), Vec::new())),
+        }
+    }
+
+    /// The body a claim check stored, given the message's `body` (its
+    /// pointer) and size attribute; checks the size and records where it
+    /// was as properties `claim check` (`bucket/key`), `pointer class` and
+    /// `object content-type`.
+    async fn claimed(
+        &self,
+        body: &str,
+        size: &str,
+        properties: &mut Vec<(String, String)>,
+    ) -> Result<Vec<u8>, outbox_testkit::Error> {
+        let pointer: serde_json::Value =
+            serde_json::from_str(body).map_err(|e| failed("reading a pointer", e))?;
+        let (class, bucket, key) = (
+            pointer[0].as_str().unwrap_or_default(),
+            pointer[1]["s3BucketName"].as_str().unwrap_or_default(),
+            pointer[1]["s3Key"].as_str().unwrap_or_default(),
+        );
+        let object = self
+            .s3
+            .get_object()
+            .bucket(bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(|e| {
+                failed(
+                    &format!("reading s3://{bucket}/{key}"),
+                    aws_sdk_s3::error::DisplayErrorContext(e),
+                )
+            })?;
+        let content_type = object.content_type().unwrap_or_default().to_owned();
+        let bytes = object
+            .body
+            .collect()
+            .await
+            .map_err(|e| failed("reading an object", e))?
+            .to_vec();
+        assert_eq!(
+            size,
+            bytes.len().to_string(),
+            "the size attribute is the stored body's size"
+        );
+        properties.push(("claim check".into(), format!("{bucket}/{key}")));
+        properties.push(("pointer class".into(), class.to_owned()));
+        properties.push(("object content-type".into(), content_type));
+        Ok(bytes)
     }
 
     async fn in_queue(&self) -> Result<usize, outbox_testkit::Error> {
@@ -129,12 +234,12 @@ impl Reader {
             + count(QueueAttributeName::ApproximateNumberOfMessagesNotVisible))
     }
 
-    async fn stored(&self) -> Result<usize, outbox_testkit::Error> {
+    pub(crate) async fn stored(&self) -> Result<usize, outbox_testkit::Error> {
         let cached = self.read.lock().unwrap().len();
         Ok(cached + self.in_queue().await?)
     }
 
-    async fn delivered(&self) -> Result<Vec<Delivered>, outbox_testkit::Error> {
+    pub(crate) async fn delivered(&self) -> Result<Vec<Delivered>, outbox_testkit::Error> {
         let deadline = Instant::now() + LONG;
         loop {
             let out = self
@@ -162,10 +267,14 @@ impl Reader {
                 continue;
             }
             let mut delete = self.client.delete_message_batch().queue_url(&self.url);
-            for (n, m) in messages.iter().enumerate() {
-                let mut d = Delivered::from_json(m.body().unwrap_or_default().as_bytes())
-                    .map_err(|e| failed("reading a message", e))?;
+            // The stored bodies of the messages that point to S3, read
+            // concurrently.
+            let bodies = futures::future::join_all(messages.iter().map(|m| self.body(m))).await;
+            for ((n, m), body) in messages.iter().enumerate().zip(bodies) {
                 let attributes = m.message_attributes().cloned().unwrap_or_default();
+                let (body, claimed) = body?;
+                let mut d = Delivered::from_json(&body).map_err(|e| failed("reading a message", e))?;
+                d.properties.extend(claimed);
                 let text = |name: &str| {
                     attributes
                         .get(name)
@@ -212,8 +321,11 @@ impl Reader {
 }
 
 /// What every queue-read sink checks: the attributes the sink sets.
-fn check_attributes(sink: &str, scenario: Scenario, delivered: &[Delivered], fifo: bool) {
+pub(crate) fn check_attributes(sink: &str, scenario: Scenario, delivered: &[Delivered], fifo: bool) {
     for d in delivered {
+        if !sink.contains("claim-check") {
+            assert_eq!(d.property("claim check"), None, "{sink}: no claim check");
+        }
         assert_eq!(
             d.property("attribute content-type"),
             Some("application/json"),
@@ -269,7 +381,11 @@ pub(crate) struct SnsFifoSink {
 
 /// Creates topic `name` subscribed to a new queue `<name>-subscriber`
 /// (both FIFO when `fifo`), raw message delivery; the queue's reader.
-async fn topic_with_queue(moto: &Moto, name: &str, fifo: bool) -> Result<Reader, outbox_testkit::Error> {
+pub(crate) async fn topic_with_queue(
+    moto: &Moto,
+    name: &str,
+    fifo: bool,
+) -> Result<Reader, outbox_testkit::Error> {
     let queue = match name.strip_suffix(".fifo") {
         Some(base) => format!("{base}-subscriber.fifo"),
         None => format!("{name}-subscriber"),
@@ -324,6 +440,7 @@ macro_rules! common {
         }
     };
 }
+pub(crate) use common;
 
 impl SinkUnderTest for SqsSink {
     const NAME: &'static str = "sqs";
@@ -534,7 +651,7 @@ scenario!(conformance_sns_fifo_oversized, oversized, SnsFifoSink);
 scenario!(conformance_sns_fifo_bad_urls, bad_urls, SnsFifoSink);
 
 /// Commits `events` in one transaction.
-async fn enqueue(db: &mut Db, events: &[outbox::Event]) {
+pub(crate) async fn enqueue(db: &mut Db, events: &[outbox::Event]) {
     let tx = db.client.transaction().await.expect("begin");
     outbox::Outbox::default()
         .enqueue_all(&tx, events)
@@ -543,7 +660,7 @@ async fn enqueue(db: &mut Db, events: &[outbox::Event]) {
     tx.commit().await.expect("commit");
 }
 
-fn env_refs(env: &[(String, String)]) -> Vec<(&str, &str)> {
+pub(crate) fn env_refs(env: &[(String, String)]) -> Vec<(&str, &str)> {
     env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }
 

@@ -4,9 +4,11 @@
 //! the size of a message as AWS counts it, and sending a batch in batch
 //! calls of ten without overtaking a failed event of the same aggregate.
 //!
-//! It owns no protocol: each sink builds its own entries and makes its own
-//! call ([`deliver`] is given the call), and classifies what AWS answered
-//! with [`classify_entry`] and [`CallError`].
+//! It owns no protocol: each sink builds its own entries from the
+//! [`messages`] of a batch (which stores in S3 those over the limit when
+//! the sink has a [`ClaimCheck`]) and makes its own call ([`deliver`] is
+//! given the call), and classifies what AWS answered with
+//! [`classify_entry`] and [`CallError`].
 //!
 //! Order: a batch goes out in *waves*, each holding at most one event per
 //! aggregate (the first not yet sent), split into batch calls of up to ten
@@ -31,6 +33,7 @@ use futures::StreamExt;
 use outbox::OutboxRow;
 use serde_json::Value;
 
+use super::claim_check::{self, ClaimCheck, Stored};
 use super::format::{Format, Formatter, Protocol};
 use super::{Delivery, DeliveryError, SinkError};
 
@@ -47,8 +50,10 @@ pub const CONCURRENCY: usize = 16;
 /// The attribute holding, as a JSON object, the headers that did not fit
 /// in attributes of their own.
 pub const OVERFLOW_ATTRIBUTE: &str = "headers";
-/// The data type of every attribute the sinks set.
-const STRING: &str = "String";
+/// The data type of every attribute the sinks set but the claim check's.
+pub const STRING: &str = "String";
+/// The data type of the claim check's size attribute.
+pub const NUMBER: &str = "Number";
 
 /// The query parameters of an `sqs://` or `sns://` URL.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -61,6 +66,9 @@ pub struct Settings {
     /// `?account=`: the account that owns the queue or topic, when a name
     /// is given rather than its URL or ARN.
     pub account: Option<String>,
+    /// `?claim-check=s3://…` and the `claim-check-…` options: where
+    /// messages over the limit go (see [`claim_check`]).
+    pub claim_check: Option<claim_check::Settings>,
 }
 
 /// Splits `scheme://rest?query` into `rest` and the parsed query.
@@ -78,12 +86,35 @@ pub fn split_url(url: &str, scheme: &str) -> Result<(String, Settings), SinkErro
         return Err(invalid("a fragment ('#') has no meaning here".to_owned()));
     }
     let mut settings = Settings::default();
+    // The claim check's options, checked once its location is known.
+    let mut over = None;
+    let mut legacy = None;
+    let mut path_style = None;
     for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
         let value = value.into_owned();
         if value.is_empty() {
             return Err(invalid(format!("?{key}= is empty")));
         }
         let slot = match key.as_ref() {
+            "claim-check" => {
+                settings.claim_check = Some(claim_check::Settings::location(&value).map_err(invalid)?);
+                continue;
+            }
+            "claim-check-over" => {
+                over =
+                    Some(value.parse::<usize>().map_err(|_| {
+                        invalid(format!("claim-check-over {value:?} is not a number of bytes"))
+                    })?);
+                continue;
+            }
+            "claim-check-legacy" => {
+                legacy = Some(boolean(&key, &value).map_err(invalid)?);
+                continue;
+            }
+            "claim-check-path-style" => {
+                path_style = Some(boolean(&key, &value).map_err(invalid)?);
+                continue;
+            }
             "region" => {
                 if !value
                     .chars()
@@ -115,13 +146,36 @@ pub fn split_url(url: &str, scheme: &str) -> Result<(String, Settings), SinkErro
             }
             other => {
                 return Err(invalid(format!(
-                    "unknown parameter {other:?} (known: region, endpoint, account)"
+                    "unknown parameter {other:?} (known: region, endpoint, account, claim-check, \
+                     claim-check-over, claim-check-legacy, claim-check-path-style)"
                 )));
             }
         };
         *slot = Some(value);
     }
+    match settings.claim_check.as_mut() {
+        Some(claim_check) => {
+            claim_check.over = over;
+            claim_check.legacy = legacy.unwrap_or(false);
+            claim_check.path_style = path_style;
+        }
+        None if over.is_some() || legacy.is_some() || path_style.is_some() => {
+            return Err(invalid(
+                "the claim-check-… options need ?claim-check=s3://<bucket>[/<prefix>]".to_owned(),
+            ));
+        }
+        None => {}
+    }
     Ok((target.to_owned(), settings))
+}
+
+/// `true` or `false`.
+fn boolean(key: &str, value: &str) -> Result<bool, String> {
+    match value {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(format!("{key} {value:?} is neither true nor false")),
+    }
 }
 
 /// The SDK configuration: credentials from the default chain (environment,
@@ -195,8 +249,12 @@ pub fn group_id_problem(id: &str) -> Option<String> {
 pub struct Message {
     /// The body.
     pub body: String,
-    /// The message attributes, at most [`MAX_ATTRIBUTES`], in order.
+    /// The message attributes, at most [`MAX_ATTRIBUTES`] with
+    /// [`offloaded`](Self::offloaded)'s, in order.
     pub attributes: Vec<(String, String)>,
+    /// Where the claim check stored the body, when it did: the body is
+    /// its pointer, and the message has one more attribute, a [`NUMBER`].
+    pub offloaded: Option<Stored>,
 }
 
 impl Message {
@@ -208,8 +266,10 @@ impl Message {
     /// the format names one, then the format's headers (CloudEvents binary
     /// `ce-…`, Debezium `key`, the row's headers) in order; those that do
     /// not fit in ten, or whose name or value SQS refuses, go together as a
-    /// JSON object in the last one, `headers`.
-    pub fn of(formatter: &Formatter, row: &OutboxRow) -> Message {
+    /// JSON object in the last one, `headers`. `room` is how many
+    /// attributes it may have: [`MAX_ATTRIBUTES`], or one fewer to leave
+    /// the claim check its own.
+    pub fn of(formatter: &Formatter, row: &OutboxRow, room: usize) -> Message {
         let formatted = formatter.message(row, Protocol::Http);
         // The native HTTP body carries the headers; attributes copy them,
         // for filter policies and consumers that read only attributes.
@@ -223,20 +283,41 @@ impl Message {
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
         Message {
             body,
-            attributes: attributes(&row.event_id.to_string(), formatted.content_type, headers),
+            attributes: attributes(&row.event_id.to_string(), formatted.content_type, headers, room),
+            offloaded: None,
         }
+    }
+
+    /// The `content-type` attribute, if the format gave one.
+    fn content_type(&self) -> Option<&str> {
+        self.attributes
+            .iter()
+            .find(|(name, _)| name == "content-type")
+            .map(|(_, value)| value.as_str())
     }
 
     /// The size AWS counts against its limit: the body plus each
     /// attribute's name, data type and value.
     pub fn bytes(&self) -> usize {
-        self.body.len()
-            + self
-                .attributes
-                .iter()
-                .map(|(name, value)| name.len() + STRING.len() + value.len())
-                .sum::<usize>()
+        let offloaded = self
+            .offloaded
+            .as_ref()
+            .map_or(0, |s| number_bytes(s.attribute, s.bytes));
+        self.body.len() + offloaded + self.attribute_bytes()
     }
+
+    /// What the string attributes add to [`bytes`](Self::bytes).
+    fn attribute_bytes(&self) -> usize {
+        self.attributes
+            .iter()
+            .map(|(name, value)| name.len() + STRING.len() + value.len())
+            .sum()
+    }
+}
+
+/// What a `Number` attribute adds to a message's size.
+fn number_bytes(name: &str, value: usize) -> usize {
+    name.len() + NUMBER.len() + value.to_string().len()
 }
 
 /// A row's `headers` object as pairs: strings as they are, anything else
@@ -255,12 +336,16 @@ fn attributes(
     event_id: &str,
     content_type: Option<&str>,
     headers: Vec<(String, String)>,
+    room: usize,
 ) -> Vec<(String, String)> {
     let mut out = vec![("id".to_owned(), event_id.to_owned())];
     if let Some(content_type) = content_type {
         out.push(("content-type".to_owned(), content_type.to_owned()));
     }
     let reserved = ["id", "content-type", OVERFLOW_ATTRIBUTE];
+    // The extended clients take a message with a size attribute for a
+    // pointer to S3, so no row header may pose as one.
+    let claim_check = [claim_check::SIZE_ATTRIBUTE, claim_check::LEGACY_SIZE_ATTRIBUTE];
     let mut fitting = Vec::new();
     let mut overflow = Vec::new();
     for (name, value) in headers {
@@ -269,13 +354,16 @@ fn attributes(
             // Debezium `id` is the event_id anyway).
             continue;
         }
-        if attribute_name_problem(&name).is_none() && value_ok(&value) {
+        if attribute_name_problem(&name).is_none()
+            && value_ok(&value)
+            && !claim_check.contains(&name.as_str())
+        {
             fitting.push((name, value));
         } else {
             overflow.push((name, value));
         }
     }
-    let room = MAX_ATTRIBUTES - out.len();
+    let room = room.min(MAX_ATTRIBUTES) - out.len();
     if fitting.len() > room || (!overflow.is_empty() && fitting.len() == room) {
         let keep = room - 1;
         let mut rest = fitting.split_off(keep);
@@ -332,6 +420,85 @@ pub fn too_large(service: &str, bytes: usize, limit: usize, what: &str) -> Deliv
     ))
 }
 
+/// Each row of `batch` as the message to send (`service`'s, to a queue or
+/// topic that takes `limit` bytes, the limit being `what`), or why it
+/// cannot be sent. A message over the limit is a permanent failure, unless
+/// the sink has a claim check: then it, and any over the claim check's
+/// threshold, is stored in S3 (up to [`CONCURRENCY`] at once) and replaced
+/// by its pointer; that failing leaves its row unsent (see
+/// [`claim_check`]).
+pub async fn messages(
+    service: &str,
+    formatter: &Formatter,
+    batch: &[OutboxRow],
+    (limit, what): (usize, &str),
+    claim_check: Option<&ClaimCheck>,
+) -> Vec<Result<Message, DeliveryError>> {
+    let room = MAX_ATTRIBUTES - usize::from(claim_check.is_some());
+    let mut out: Vec<Result<Message, DeliveryError>> = batch
+        .iter()
+        .map(|row| Ok(Message::of(formatter, row, room)))
+        .collect();
+    let Some(claim_check) = claim_check else {
+        for message in &mut out {
+            let bytes = message.as_ref().map_or(0, Message::bytes);
+            if bytes > limit {
+                *message = Err(too_large(service, bytes, limit, what));
+            }
+        }
+        return out;
+    };
+    let threshold = claim_check.threshold(limit);
+    for message in &mut out {
+        let Ok(m) = message else { continue };
+        if m.bytes() <= threshold {
+            continue;
+        }
+        // Refused before its body is stored for nothing.
+        let stored = m.attribute_bytes()
+            + claim_check.pointer_bytes()
+            + number_bytes(claim_check.size_attribute(), m.body.len());
+        if stored > limit {
+            *message = Err(DeliveryError::permanent(format!(
+                "{service}: message too large even with its body in S3: {stored} bytes (the pointer and \
+                 attributes), over the limit of {limit} bytes ({what}); it was not sent"
+            )));
+        }
+    }
+    // Futures built in a loop, not by closures over the iterator: those
+    // would make the sink's future not `Send` (their lifetimes are not
+    // general enough).
+    let mut stores = Vec::new();
+    for (i, message) in out.iter().enumerate() {
+        if let Ok(m) = message
+            && m.bytes() > threshold
+        {
+            stores.push(async move {
+                let stored = claim_check
+                    .store(service, &batch[i], &m.body, m.content_type())
+                    .await;
+                (i, stored)
+            });
+        }
+    }
+    let stored: Vec<(usize, Result<Stored, DeliveryError>)> = futures::stream::iter(stores)
+        .buffered(CONCURRENCY)
+        .collect()
+        .await;
+    for (i, stored) in stored {
+        match (stored, &mut out[i]) {
+            (Ok(stored), Ok(message)) => {
+                message.body.clone_from(&stored.pointer);
+                message.offloaded = Some(stored);
+            }
+            (Err(e), _) => out[i] = Err(e),
+            // Only messages were stored.
+            (Ok(_), Err(_)) => {}
+        }
+    }
+    out
+}
+
 /// Why a whole batch call failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallError {
@@ -347,7 +514,8 @@ pub enum CallError {
 }
 
 impl CallError {
-    fn delivery(&self) -> DeliveryError {
+    /// The failure of each event of the call.
+    pub fn delivery(&self) -> DeliveryError {
         match self {
             Self::Unavailable(m) => DeliveryError::unavailable(m.clone()),
             Self::Retryable(m) => DeliveryError::retryable(m.clone()),
@@ -690,6 +858,37 @@ mod tests {
     }
 
     #[test]
+    fn splits_claim_check_parameters() {
+        let (_, s) = split_url(
+            "sqs://q?claim-check=s3://payloads/orders&claim-check-over=0&claim-check-legacy=true\
+             &claim-check-path-style=false",
+            "sqs",
+        )
+        .unwrap();
+        let c = s.claim_check.unwrap();
+        assert_eq!((c.bucket.as_str(), c.prefix.as_str()), ("payloads", "orders/"));
+        assert_eq!((c.over, c.legacy, c.path_style), (Some(0), true, Some(false)));
+        let (_, s) = split_url("sqs://q?claim-check=s3://payloads", "sqs").unwrap();
+        let c = s.claim_check.unwrap();
+        assert_eq!((c.over, c.legacy, c.path_style), (None, false, None));
+        for (url, needle) in [
+            ("sqs://q?claim-check-legacy=true", "need ?claim-check="),
+            (
+                "sqs://q?claim-check=s3://payloads&claim-check-over=-1",
+                "not a number",
+            ),
+            (
+                "sqs://q?claim-check=s3://payloads&claim-check-path-style=1",
+                "neither true nor false",
+            ),
+            ("sqs://q?claim-check=https://payloads", "not an s3://"),
+        ] {
+            let e = split_url(url, "sqs").unwrap_err().to_string();
+            assert!(e.contains(needle), "{url}: {e}");
+        }
+    }
+
+    #[test]
     fn checks_names_and_group_ids() {
         assert_eq!(name_problem("orders", 80), None);
         assert_eq!(name_problem("Orders_1-x.fifo", 80), None);
@@ -708,7 +907,7 @@ mod tests {
     #[test]
     fn attributes_stay_within_ten_and_overflow_into_headers() {
         let headers: Vec<(String, String)> = (0..12).map(|i| (format!("h{i:02}"), format!("v{i}"))).collect();
-        let a = attributes("E", Some("application/json"), headers);
+        let a = attributes("E", Some("application/json"), headers, MAX_ATTRIBUTES);
         assert_eq!(a.len(), MAX_ATTRIBUTES);
         assert_eq!(a[0], ("id".into(), "E".into()));
         assert_eq!(a[1], ("content-type".into(), "application/json".into()));
@@ -720,9 +919,16 @@ mod tests {
         assert_eq!(rest.as_object().unwrap().len(), 5, "{rest}");
         assert_eq!(rest["h11"], "v11");
 
+        // With a claim check, nine, the tenth being the size attribute's.
+        let headers: Vec<(String, String)> = (0..12).map(|i| (format!("h{i:02}"), format!("v{i}"))).collect();
+        let a = attributes("E", Some("application/json"), headers, MAX_ATTRIBUTES - 1);
+        assert_eq!(a.len(), MAX_ATTRIBUTES - 1);
+        assert_eq!(a[7], ("h05".into(), "v5".into()));
+        assert_eq!(a[8].0, OVERFLOW_ATTRIBUTE);
+
         // Exactly ten fit without an overflow attribute.
         let headers: Vec<(String, String)> = (0..8).map(|i| (format!("h{i}"), "v".into())).collect();
-        let a = attributes("E", Some("application/json"), headers);
+        let a = attributes("E", Some("application/json"), headers, MAX_ATTRIBUTES);
         assert_eq!(a.len(), 10);
         assert!(a.iter().all(|(n, _)| n != OVERFLOW_ATTRIBUTE));
 
@@ -734,12 +940,18 @@ mod tests {
             ("a b".to_owned(), "2".to_owned()),
             ("empty".to_owned(), String::new()),
             ("traceparent".to_owned(), "t".to_owned()),
+            ("ExtendedPayloadSize".to_owned(), "3".to_owned()),
+            ("SQSLargePayloadSize".to_owned(), "4".to_owned()),
         ];
-        let a = attributes("E", None, headers);
+        let a = attributes("E", None, headers, MAX_ATTRIBUTES);
         assert_eq!(a[0], ("id".into(), "E".into()));
         assert_eq!(a[1], ("traceparent".into(), "t".into()));
         let rest: Value = serde_json::from_str(&a[2].1).unwrap();
-        assert_eq!(rest, json!({"AWS.x": "1", "a b": "2", "empty": ""}));
+        assert_eq!(
+            rest,
+            json!({"AWS.x": "1", "a b": "2", "empty": "", "ExtendedPayloadSize": "3", "SQSLargePayloadSize": "4"}),
+            "no header poses as a claim check's size attribute"
+        );
         assert_eq!(a.len(), 3);
     }
 
@@ -747,7 +959,7 @@ mod tests {
     fn messages_per_format() {
         let mut r = row();
         r.headers = json!({"traceparent": "t", "n": 1});
-        let native = Message::of(&Formatter::default(), &r);
+        let native = Message::of(&Formatter::default(), &r, MAX_ATTRIBUTES);
         let body: Value = serde_json::from_str(&native.body).unwrap();
         assert_eq!(body["event_id"], r.event_id.to_string());
         assert_eq!(
@@ -769,6 +981,7 @@ mod tests {
         let debezium = Message::of(
             &Formatter::new(Format::Debezium, CloudEventsMode::Structured, "s"),
             &r,
+            MAX_ATTRIBUTES,
         );
         assert_eq!(debezium.body, r.payload.to_string());
         assert!(
@@ -780,6 +993,7 @@ mod tests {
         let binary = Message::of(
             &Formatter::new(Format::CloudEvents, CloudEventsMode::Binary, "s"),
             &r,
+            MAX_ATTRIBUTES,
         );
         assert_eq!(binary.body, r.payload.to_string());
         assert!(binary.attributes.len() <= MAX_ATTRIBUTES);

@@ -27,6 +27,8 @@ use self::format::Formatter;
 pub mod amqp;
 #[cfg(any(feature = "sqs", feature = "sns"))]
 pub mod aws;
+#[cfg(any(feature = "sqs", feature = "sns"))]
+pub mod claim_check;
 #[cfg(test)]
 pub(crate) mod fake;
 pub mod format;

@@ -38,6 +38,7 @@ use outbox::OutboxRow;
 use tokio::sync::OnceCell;
 
 use super::aws::{self, CallError, Entry, Settings};
+use super::claim_check::ClaimCheck;
 use super::format::Formatter;
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
@@ -76,6 +77,8 @@ pub struct SnsSink {
     formatter: Formatter,
     client: OnceCell<Client>,
     arn: OnceCell<String>,
+    /// Where messages over the limit go, if anywhere.
+    claim_check: Option<ClaimCheck>,
 }
 
 impl SnsSink {
@@ -83,6 +86,7 @@ impl SnsSink {
     pub fn new(url: &str, options: &SinkOptions) -> Result<Self, SinkError> {
         let (topic, settings) = parse(url)?;
         Ok(Self {
+            claim_check: ClaimCheck::new(&settings, options.timeout),
             topic,
             settings,
             timeout: options.timeout,
@@ -168,23 +172,23 @@ impl SnsSink {
         }
     }
 
-    fn entry(&self, i: usize, row: &OutboxRow) -> Result<Entry<PublishBatchRequestEntry>, DeliveryError> {
-        let message = aws::Message::of(&self.formatter, row);
+    fn entry(
+        &self,
+        i: usize,
+        row: &OutboxRow,
+        message: aws::Message,
+    ) -> Result<Entry<PublishBatchRequestEntry>, DeliveryError> {
         let bytes = message.bytes();
-        if bytes > MAX_MESSAGE_BYTES {
-            return Err(aws::too_large(
-                "sns",
-                bytes,
-                MAX_MESSAGE_BYTES,
-                "SNS's message size limit",
-            ));
-        }
         let mut builder = PublishBatchRequestEntry::builder()
             .id(i.to_string())
             .message(message.body);
-        for (name, value) in message.attributes {
+        let offloaded = message
+            .offloaded
+            .map(|s| (s.attribute.to_owned(), aws::NUMBER, s.bytes.to_string()));
+        let attributes = message.attributes.into_iter().map(|(n, v)| (n, aws::STRING, v));
+        for (name, data_type, value) in attributes.chain(offloaded) {
             let value = MessageAttributeValue::builder()
-                .data_type("String")
+                .data_type(data_type)
                 .string_value(value)
                 .build()
                 .map_err(|e| DeliveryError::permanent(format!("sns: attribute {name:?}: {e}")))?;
@@ -231,10 +235,13 @@ impl SnsSink {
             Ok(r) => r,
             Err(e) => return batch.iter().map(|_| Err(e.clone())).collect(),
         };
+        let limit = (MAX_MESSAGE_BYTES, "SNS's message size limit");
+        let messages = aws::messages("sns", &self.formatter, batch, limit, self.claim_check.as_ref()).await;
         let prepared = batch
             .iter()
+            .zip(messages)
             .enumerate()
-            .map(|(i, row)| self.entry(i, row))
+            .map(|(i, (row, message))| self.entry(i, row, message?))
             .collect();
         aws::deliver(batch, prepared, MAX_MESSAGE_BYTES, |entries| {
             self.send(client, arn, entries)
@@ -357,7 +364,8 @@ impl Sink for SnsSink {
     }
 
     fn max_event_bytes(&self) -> Option<u64> {
-        Some(MAX_MESSAGE_BYTES as u64)
+        // With a claim check, a payload of any size has somewhere to go.
+        self.claim_check.is_none().then_some(MAX_MESSAGE_BYTES as u64)
     }
 }
 

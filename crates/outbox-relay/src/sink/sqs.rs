@@ -41,6 +41,7 @@ use outbox::OutboxRow;
 use tokio::sync::OnceCell;
 
 use super::aws::{self, CallError, Entry, Settings};
+use super::claim_check::ClaimCheck;
 use super::format::Formatter;
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
@@ -87,6 +88,8 @@ pub struct SqsSink {
     resolved: OnceCell<Resolved>,
     /// The queue's `MaximumMessageSize` as last read (0 before).
     max_bytes: AtomicU64,
+    /// Where messages over the limit go, if anywhere.
+    claim_check: Option<ClaimCheck>,
 }
 
 impl SqsSink {
@@ -94,6 +97,7 @@ impl SqsSink {
     pub fn new(url: &str, options: &SinkOptions) -> Result<Self, SinkError> {
         let (queue, settings) = parse(url)?;
         Ok(Self {
+            claim_check: ClaimCheck::new(&settings, options.timeout),
             queue,
             settings,
             timeout: options.timeout,
@@ -177,19 +181,23 @@ impl SqsSink {
         }
     }
 
-    fn entry(&self, i: usize, row: &OutboxRow) -> Result<Entry<SendMessageBatchRequestEntry>, DeliveryError> {
-        let message = aws::Message::of(&self.formatter, row);
+    fn entry(
+        &self,
+        i: usize,
+        row: &OutboxRow,
+        message: aws::Message,
+    ) -> Result<Entry<SendMessageBatchRequestEntry>, DeliveryError> {
         let bytes = message.bytes();
-        let limit = self.limit();
-        if bytes > limit {
-            return Err(aws::too_large("sqs", bytes, limit, LIMIT_SOURCE));
-        }
         let mut builder = SendMessageBatchRequestEntry::builder()
             .id(i.to_string())
             .message_body(message.body);
-        for (name, value) in message.attributes {
+        let offloaded = message
+            .offloaded
+            .map(|s| (s.attribute.to_owned(), aws::NUMBER, s.bytes.to_string()));
+        let attributes = message.attributes.into_iter().map(|(n, v)| (n, aws::STRING, v));
+        for (name, data_type, value) in attributes.chain(offloaded) {
             let value = MessageAttributeValue::builder()
-                .data_type("String")
+                .data_type(data_type)
                 .string_value(value)
                 .build()
                 .map_err(|e| DeliveryError::permanent(format!("sqs: attribute {name:?}: {e}")))?;
@@ -236,10 +244,13 @@ impl SqsSink {
             Ok(r) => r,
             Err(e) => return batch.iter().map(|_| Err(e.clone())).collect(),
         };
+        let limit = (self.limit(), LIMIT_SOURCE);
+        let messages = aws::messages("sqs", &self.formatter, batch, limit, self.claim_check.as_ref()).await;
         let prepared = batch
             .iter()
+            .zip(messages)
             .enumerate()
-            .map(|(i, row)| self.entry(i, row))
+            .map(|(i, (row, message))| self.entry(i, row, message?))
             .collect();
         let url = resolved.url.as_str();
         aws::deliver(batch, prepared, self.limit(), |entries| {
@@ -354,6 +365,10 @@ impl Sink for SqsSink {
     }
 
     fn max_event_bytes(&self) -> Option<u64> {
+        // With a claim check, a payload of any size has somewhere to go.
+        if self.claim_check.is_some() {
+            return None;
+        }
         Some(self.max_bytes.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 }
