@@ -15,7 +15,6 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
 use aws_sdk_sqs::types::{MessageSystemAttributeName, QueueAttributeName};
 use outbox_testkit::conformance::{self, Delivered, LONG, Scenario, SinkUnderTest};
 use outbox_testkit::{Moto, moto};
@@ -39,36 +38,34 @@ pub(crate) fn failed(doing: &str, e: impl std::fmt::Display) -> outbox_testkit::
     }
 }
 
+/// A configuration builder of SDK crate `$sdk` for `moto`: its region,
+/// credentials and endpoint.
+macro_rules! moto_config {
+    ($sdk:ident, $moto:expr) => {
+        $sdk::Config::builder()
+            .behavior_version($sdk::config::BehaviorVersion::latest())
+            .region($sdk::config::Region::new(moto::REGION))
+            .credentials_provider($sdk::config::Credentials::new(
+                moto::ACCESS_KEY_ID,
+                moto::SECRET_ACCESS_KEY,
+                None,
+                None,
+                "moto",
+            ))
+            .endpoint_url($moto.endpoint())
+    };
+}
+
 pub(crate) fn sqs_client(moto: &Moto) -> aws_sdk_sqs::Client {
-    let config = aws_sdk_sqs::Config::builder()
-        .behavior_version(BehaviorVersion::latest())
-        .region(Region::new(moto::REGION))
-        .credentials_provider(Credentials::new(
-            moto::ACCESS_KEY_ID,
-            moto::SECRET_ACCESS_KEY,
-            None,
-            None,
-            "moto",
-        ))
-        .endpoint_url(moto.endpoint())
-        .build();
-    aws_sdk_sqs::Client::from_conf(config)
+    aws_sdk_sqs::Client::from_conf(moto_config!(aws_sdk_sqs, moto).build())
 }
 
 pub(crate) fn sns_client(moto: &Moto) -> aws_sdk_sns::Client {
-    let config = aws_sdk_sns::Config::builder()
-        .behavior_version(aws_sdk_sns::config::BehaviorVersion::latest())
-        .region(aws_sdk_sns::config::Region::new(moto::REGION))
-        .credentials_provider(aws_sdk_sns::config::Credentials::new(
-            moto::ACCESS_KEY_ID,
-            moto::SECRET_ACCESS_KEY,
-            None,
-            None,
-            "moto",
-        ))
-        .endpoint_url(moto.endpoint())
-        .build();
-    aws_sdk_sns::Client::from_conf(config)
+    aws_sdk_sns::Client::from_conf(moto_config!(aws_sdk_sns, moto).build())
+}
+
+pub(crate) fn s3_client(moto: &Moto) -> aws_sdk_s3::Client {
+    aws_sdk_s3::Client::from_conf(moto_config!(aws_sdk_s3, moto).force_path_style(true).build())
 }
 
 pub(crate) async fn create_queue(
@@ -92,23 +89,6 @@ pub(crate) async fn create_queue(
     out.queue_url()
         .map(str::to_owned)
         .ok_or_else(|| failed(&format!("creating queue {name}"), "no queue URL"))
-}
-
-pub(crate) fn s3_client(moto: &Moto) -> aws_sdk_s3::Client {
-    let config = aws_sdk_s3::Config::builder()
-        .behavior_version(aws_sdk_s3::config::BehaviorVersion::latest())
-        .region(aws_sdk_s3::config::Region::new(moto::REGION))
-        .credentials_provider(aws_sdk_s3::config::Credentials::new(
-            moto::ACCESS_KEY_ID,
-            moto::SECRET_ACCESS_KEY,
-            None,
-            None,
-            "moto",
-        ))
-        .endpoint_url(moto.endpoint())
-        .force_path_style(true)
-        .build();
-    aws_sdk_s3::Client::from_conf(config)
 }
 
 /// What a queue held, read by receiving and deleting everything (so a

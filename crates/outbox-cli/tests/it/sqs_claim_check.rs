@@ -83,6 +83,20 @@ fn check_claimed(sink: &str, delivered: &[Delivered], prefix: &str, legacy: bool
     }
 }
 
+/// With a claim check the sink sets no size limit: the relay's
+/// `--max-event-bytes` is the limit.
+macro_rules! relay_limit {
+    () => {
+        fn max_message_bytes(&self) -> Option<usize> {
+            Some(RELAY_LIMIT)
+        }
+
+        fn oversize_flags(&self) -> Vec<String> {
+            vec!["--max-event-bytes".into(), RELAY_LIMIT.to_string()]
+        }
+    };
+}
+
 /// A standard SQS queue whose every message goes through S3
 /// (`claim-check-over=0`), with today's extended-client names.
 pub(crate) struct SqsClaimCheckSink {
@@ -120,13 +134,7 @@ impl SinkUnderTest for SqsClaimCheckSink {
 
     common!();
 
-    fn max_message_bytes(&self) -> Option<usize> {
-        Some(RELAY_LIMIT)
-    }
-
-    fn oversize_flags(&self) -> Vec<String> {
-        vec!["--max-event-bytes".into(), RELAY_LIMIT.to_string()]
-    }
+    relay_limit!();
 
     fn bad_urls() -> Vec<(&'static str, &'static str)> {
         vec![
@@ -176,13 +184,7 @@ impl SinkUnderTest for SnsFifoClaimCheckSink {
 
     common!();
 
-    fn max_message_bytes(&self) -> Option<usize> {
-        Some(RELAY_LIMIT)
-    }
-
-    fn oversize_flags(&self) -> Vec<String> {
-        vec!["--max-event-bytes".into(), RELAY_LIMIT.to_string()]
-    }
+    relay_limit!();
 
     fn bad_urls() -> Vec<(&'static str, &'static str)> {
         vec![

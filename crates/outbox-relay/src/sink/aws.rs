@@ -29,6 +29,9 @@ use std::time::Duration;
 use aws_config::retry::RetryConfig;
 use aws_config::timeout::TimeoutConfig;
 use aws_config::{BehaviorVersion, Region, SdkConfig};
+// The SDK's error types are smithy's, the same in every service's crate;
+// S3's is the one both sinks have.
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use futures::StreamExt;
 use outbox::OutboxRow;
 use serde_json::Value;
@@ -589,6 +592,41 @@ pub fn classify_call(service: &str, code: Option<&str>, status: Option<u16>, det
         (_, None) => CallError::Unavailable(message),
         _ => CallError::Retryable(message),
     }
+}
+
+/// An SDK error of a whole call to `service`, classified: only an answer
+/// from AWS (a service error) has a code and status; anything else (no
+/// connection, a timeout, a response cut off) got no answer.
+pub fn call_error<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
+    service: &str,
+    e: &SdkError<E>,
+) -> CallError {
+    match e {
+        SdkError::ServiceError(context) => {
+            let status = context.raw().status().as_u16();
+            let detail = format!(
+                "{} (HTTP {status}): {}",
+                e.code().unwrap_or("unknown error"),
+                e.message().unwrap_or("no message")
+            );
+            classify_call(service, e.code(), Some(status), &detail)
+        }
+        _ => classify_call(service, None, None, &error_chain(e)),
+    }
+}
+
+/// A failed lookup (`doing`) of `service`'s queue or topic: the sink cannot
+/// deliver yet, whatever AWS said (a missing queue or topic may still be
+/// created).
+pub fn unavailable<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
+    service: &str,
+    doing: &str,
+    e: &SdkError<E>,
+) -> DeliveryError {
+    let detail = match call_error(service, e) {
+        CallError::Unavailable(m) | CallError::Retryable(m) | CallError::Refused(m) => m,
+    };
+    DeliveryError::unavailable(format!("{doing}: {detail}"))
 }
 
 /// `error` and its causes, each once: the SDK's own display repeats a

@@ -264,34 +264,24 @@ const BUCKET_UNUSABLE: &[&str] = &[
     "SlowDown",
 ];
 
-/// A failed `PutObject`, as a delivery error of the event whose body it
-/// was: unavailable unless S3 refused the object itself.
+/// A failed `PutObject` (`doing`), as a delivery error of the event whose
+/// body it was: unavailable unless S3 refused the object itself.
 fn store_error<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
     service: &str,
     doing: &str,
     e: &SdkError<E>,
 ) -> DeliveryError {
-    let service = format!("{service} claim check");
-    let call = match e {
-        SdkError::ServiceError(context) => {
-            let status = context.raw().status().as_u16();
-            let detail = format!(
-                "{doing}: {} (HTTP {status}): {}",
-                e.code().unwrap_or("unknown error"),
-                e.message().unwrap_or("no message")
-            );
-            if e.code().is_some_and(|code| BUCKET_UNUSABLE.contains(&code)) {
-                CallError::Unavailable(format!(
-                    "{service}: {detail} (the bucket must exist, in the sink's region, and take PutObject \
-                     from these credentials; the sink never creates buckets)"
-                ))
-            } else {
-                aws::classify_call(&service, e.code(), Some(status), &detail)
-            }
+    match aws::call_error(&format!("{service} claim check: {doing}"), e) {
+        CallError::Refused(m) | CallError::Retryable(m)
+            if e.code().is_some_and(|code| BUCKET_UNUSABLE.contains(&code)) =>
+        {
+            DeliveryError::unavailable(format!(
+                "{m} (the bucket must exist, in the sink's region, and take PutObject from these \
+                 credentials; the sink never creates buckets)"
+            ))
         }
-        _ => aws::classify_call(&service, None, None, &format!("{doing}: {}", aws::error_chain(e))),
-    };
-    call.delivery()
+        call => call.delivery(),
+    }
 }
 
 #[cfg(test)]

@@ -30,7 +30,6 @@
 use std::time::Duration;
 
 use aws_sdk_sns::Client;
-use aws_sdk_sns::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_sns::types::{MessageAttributeValue, PublishBatchRequestEntry};
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -151,7 +150,7 @@ impl SnsSink {
                 .set_next_token(token.take())
                 .send()
                 .await
-                .map_err(|e| unavailable("listing topics", &e))?;
+                .map_err(|e| aws::unavailable("sns", "listing topics", &e))?;
             if let Some(arn) = page
                 .topics()
                 .iter()
@@ -217,7 +216,7 @@ impl SnsSink {
             .set_publish_batch_request_entries(Some(entries))
             .send()
             .await
-            .map_err(|e| call_error(&e))?;
+            .map_err(|e| aws::call_error("sns", &e))?;
         Ok(aws::answers(
             "sns",
             "PublishBatch",
@@ -259,37 +258,6 @@ fn partition(region: &str) -> &'static str {
     } else {
         "aws"
     }
-}
-
-/// An SDK error of a whole call, classified: only an answer from SNS
-/// (a service error) has a code and status; anything else (no connection,
-/// a timeout, a response cut off) got no answer.
-fn call_error<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
-    e: &SdkError<E>,
-) -> CallError {
-    match e {
-        SdkError::ServiceError(context) => {
-            let status = context.raw().status().as_u16();
-            let detail = format!(
-                "{} (HTTP {status}): {}",
-                e.code().unwrap_or("unknown error"),
-                e.message().unwrap_or("no message")
-            );
-            aws::classify_call("sns", e.code(), Some(status), &detail)
-        }
-        _ => aws::classify_call("sns", None, None, &aws::error_chain(e)),
-    }
-}
-
-/// A failed lookup: the sink cannot deliver yet.
-fn unavailable<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
-    doing: &str,
-    e: &SdkError<E>,
-) -> DeliveryError {
-    let detail = match call_error(e) {
-        CallError::Unavailable(m) | CallError::Retryable(m) | CallError::Refused(m) => m,
-    };
-    DeliveryError::unavailable(format!("{doing}: {detail}"))
 }
 
 /// The topic and settings an `sns://` URL names.
@@ -357,7 +325,9 @@ impl Sink for SnsSink {
                 .topic_arn(arn)
                 .send()
                 .await
-                .map_err(|e| unavailable(&format!("reading the attributes of topic {arn}"), &e))?;
+                .map_err(|e| {
+                    aws::unavailable("sns", &format!("reading the attributes of topic {arn}"), &e)
+                })?;
             Ok(())
         }
         .boxed()

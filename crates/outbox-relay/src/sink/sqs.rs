@@ -33,7 +33,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry};
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -140,7 +139,9 @@ impl SqsSink {
                             .set_queue_owner_aws_account_id(self.settings.account.clone())
                             .send()
                             .await
-                            .map_err(|e| unavailable(&format!("looking up queue {name:?}"), &e))?;
+                            .map_err(|e| {
+                                aws::unavailable("sqs", &format!("looking up queue {name:?}"), &e)
+                            })?;
                         let url = answer.queue_url().ok_or_else(|| {
                             DeliveryError::unavailable(format!(
                                 "sqs: GetQueueUrl for {name:?} answered no URL"
@@ -164,7 +165,7 @@ impl SqsSink {
             .attribute_names(QueueAttributeName::MaximumMessageSize)
             .send()
             .await
-            .map_err(|e| unavailable(&format!("reading the attributes of queue {url}"), &e))?;
+            .map_err(|e| aws::unavailable("sqs", &format!("reading the attributes of queue {url}"), &e))?;
         let limit = answer
             .attributes()
             .and_then(|a| a.get(&QueueAttributeName::MaximumMessageSize))
@@ -226,7 +227,7 @@ impl SqsSink {
             .set_entries(Some(entries))
             .send()
             .await
-            .map_err(|e| call_error(&e))?;
+            .map_err(|e| aws::call_error("sqs", &e))?;
         Ok(aws::answers(
             "sqs",
             "SendMessageBatch",
@@ -258,38 +259,6 @@ impl SqsSink {
         })
         .await
     }
-}
-
-/// An SDK error of a whole call, classified: only an answer from SQS
-/// (a service error) has a code and status; anything else (no connection,
-/// a timeout, a response cut off) got no answer.
-fn call_error<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
-    e: &SdkError<E>,
-) -> CallError {
-    match e {
-        SdkError::ServiceError(context) => {
-            let status = context.raw().status().as_u16();
-            let detail = format!(
-                "{} (HTTP {status}): {}",
-                e.code().unwrap_or("unknown error"),
-                e.message().unwrap_or("no message")
-            );
-            aws::classify_call("sqs", e.code(), Some(status), &detail)
-        }
-        _ => aws::classify_call("sqs", None, None, &aws::error_chain(e)),
-    }
-}
-
-/// A failed lookup: the sink cannot deliver yet, whatever AWS said (a
-/// missing queue may still be created).
-fn unavailable<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
-    doing: &str,
-    e: &SdkError<E>,
-) -> DeliveryError {
-    let detail = match call_error(e) {
-        CallError::Unavailable(m) | CallError::Retryable(m) | CallError::Refused(m) => m,
-    };
-    DeliveryError::unavailable(format!("{doing}: {detail}"))
 }
 
 /// The queue and settings an `sqs://` URL names.
