@@ -54,9 +54,9 @@ pub const CONCURRENCY: usize = 16;
 /// in attributes of their own.
 pub const OVERFLOW_ATTRIBUTE: &str = "headers";
 /// The data type of every attribute the sinks set but the claim check's.
-pub const STRING: &str = "String";
+const STRING: &str = "String";
 /// The data type of the claim check's size attribute.
-pub const NUMBER: &str = "Number";
+const NUMBER: &str = "Number";
 
 /// The query parameters of an `sqs://` or `sns://` URL.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -307,6 +307,21 @@ impl Message {
             .as_ref()
             .map_or(0, |s| number_bytes(s.attribute, s.bytes));
         self.body.len() + offloaded + self.attribute_bytes()
+    }
+
+    /// The body, and every attribute as name, data type and value (the
+    /// claim check's size attribute last).
+    pub fn into_parts(self) -> (String, Vec<(String, &'static str, String)>) {
+        let offloaded = self
+            .offloaded
+            .map(|s| (s.attribute.to_owned(), NUMBER, s.bytes.to_string()));
+        let attributes = self
+            .attributes
+            .into_iter()
+            .map(|(name, value)| (name, STRING, value))
+            .chain(offloaded)
+            .collect();
+        (self.body, attributes)
     }
 
     /// What the string attributes add to [`bytes`](Self::bytes).
@@ -1014,6 +1029,28 @@ mod tests {
                     .iter()
                     .map(|(n, v)| n.len() + v.len() + 6)
                     .sum::<usize>()
+        );
+
+        // Stored by a claim check: the size attribute is a Number, last,
+        // and counted.
+        let mut stored = native.clone();
+        stored.body = "[]".to_owned();
+        stored.offloaded = Some(Stored {
+            pointer: "[]".to_owned(),
+            attribute: claim_check::SIZE_ATTRIBUTE,
+            bytes: native.body.len(),
+        });
+        let size = native.body.len().to_string();
+        assert_eq!(
+            stored.bytes(),
+            2 + stored.attribute_bytes() + "ExtendedPayloadSize".len() + "Number".len() + size.len()
+        );
+        let (body, attributes) = stored.into_parts();
+        assert_eq!(body, "[]");
+        assert_eq!(attributes[0], ("id".into(), "String", r.event_id.to_string()));
+        assert_eq!(
+            attributes.last(),
+            Some(&("ExtendedPayloadSize".into(), "Number", size))
         );
 
         let debezium = Message::of(

@@ -20,7 +20,9 @@
 //! subscribed with raw message delivery receives them as they are; without
 //! it, SNS wraps them in its JSON envelope (`Message`, `MessageAttributes`).
 //! A message over SNS's 256 KiB (body and attributes) is refused here,
-//! permanently, naming the limit. Failures are classified as for SQS: a
+//! permanently, naming the limit, unless the URL names a claim check
+//! (`?claim-check=s3://…`, see [`super::claim_check`]): then its body goes
+//! to S3 and the message carries a pointer to it. Failures are classified as for SQS: a
 //! sender fault of an entry is permanent, any other entry failure
 //! retryable; no answer, throttling, a 5xx, refused credentials or a
 //! missing topic make the sink unavailable (the breaker probes with
@@ -178,14 +180,11 @@ impl SnsSink {
         message: aws::Message,
     ) -> Result<Entry<PublishBatchRequestEntry>, DeliveryError> {
         let bytes = message.bytes();
+        let (body, attributes) = message.into_parts();
         let mut builder = PublishBatchRequestEntry::builder()
             .id(i.to_string())
-            .message(message.body);
-        let offloaded = message
-            .offloaded
-            .map(|s| (s.attribute.to_owned(), aws::NUMBER, s.bytes.to_string()));
-        let attributes = message.attributes.into_iter().map(|(n, v)| (n, aws::STRING, v));
-        for (name, data_type, value) in attributes.chain(offloaded) {
+            .message(body);
+        for (name, data_type, value) in attributes {
             let value = MessageAttributeValue::builder()
                 .data_type(data_type)
                 .string_value(value)

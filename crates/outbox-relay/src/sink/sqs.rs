@@ -21,7 +21,9 @@
 //! (and at each probe) the sink reads the queue's `MaximumMessageSize`: a
 //! message over it is refused here, permanently, naming the limit, and the
 //! relay refuses a payload over it before it gets here; batch calls stay
-//! within it too. SQS answers each entry of a batch call: a sender fault
+//! within it too. Unless the URL names a claim check
+//! (`?claim-check=s3://…`, see [`super::claim_check`]): then such a
+//! message's body goes to S3 and the message carries a pointer to it. SQS answers each entry of a batch call: a sender fault
 //! (invalid characters, say) is permanent, anything else retryable. A
 //! call that got no answer, was throttled, or met a 5xx, refused
 //! credentials or a missing queue makes the sink unavailable (no attempt
@@ -189,14 +191,11 @@ impl SqsSink {
         message: aws::Message,
     ) -> Result<Entry<SendMessageBatchRequestEntry>, DeliveryError> {
         let bytes = message.bytes();
+        let (body, attributes) = message.into_parts();
         let mut builder = SendMessageBatchRequestEntry::builder()
             .id(i.to_string())
-            .message_body(message.body);
-        let offloaded = message
-            .offloaded
-            .map(|s| (s.attribute.to_owned(), aws::NUMBER, s.bytes.to_string()));
-        let attributes = message.attributes.into_iter().map(|(n, v)| (n, aws::STRING, v));
-        for (name, data_type, value) in attributes.chain(offloaded) {
+            .message_body(body);
+        for (name, data_type, value) in attributes {
             let value = MessageAttributeValue::builder()
                 .data_type(data_type)
                 .string_value(value)
