@@ -553,6 +553,8 @@ const THROTTLING: &[&str] = &[
     "RequestLimitExceeded",
     "KMSThrottlingException",
     "KMSThrottling",
+    // S3's, for the claim check.
+    "SlowDown",
 ];
 
 /// Error codes that mean the credentials or the key, not the event, are at

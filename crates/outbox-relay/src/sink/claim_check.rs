@@ -252,8 +252,10 @@ impl ClaimCheck {
     }
 }
 
-/// Error codes of S3 that mean the bucket cannot take anything yet: it
-/// does not exist, or is in another region than the sink's.
+/// Error codes of S3, answered with a 3xx or 4xx, that mean the bucket
+/// cannot take anything yet, whatever the object: it does not exist, is in
+/// another region than the sink's (the signature's region is then wrong
+/// too), or the account or key is refused.
 const BUCKET_UNUSABLE: &[&str] = &[
     "NoSuchBucket",
     "PermanentRedirect",
@@ -261,7 +263,6 @@ const BUCKET_UNUSABLE: &[&str] = &[
     "AllAccessDisabled",
     "AccountProblem",
     "InvalidAccessKeyId",
-    "SlowDown",
 ];
 
 /// A failed `PutObject` (`doing`), as a delivery error of the event whose
