@@ -244,8 +244,17 @@ impl SqsSink {
             Ok(r) => r,
             Err(e) => return batch.iter().map(|_| Err(e.clone())).collect(),
         };
-        let limit = (self.limit(), LIMIT_SOURCE);
-        let messages = aws::messages("sqs", &self.formatter, batch, limit, self.claim_check.as_ref()).await;
+        // Read once: a probe may change it while the batch is built, and
+        // the messages and the calls must be held to the same limit.
+        let limit = self.limit();
+        let messages = aws::messages(
+            "sqs",
+            &self.formatter,
+            batch,
+            (limit, LIMIT_SOURCE),
+            self.claim_check.as_ref(),
+        )
+        .await;
         let prepared = batch
             .iter()
             .zip(messages)
@@ -253,10 +262,7 @@ impl SqsSink {
             .map(|(i, (row, message))| self.entry(i, row, message?))
             .collect();
         let url = resolved.url.as_str();
-        aws::deliver(batch, prepared, self.limit(), |entries| {
-            self.send(client, url, entries)
-        })
-        .await
+        aws::deliver(batch, prepared, limit, |entries| self.send(client, url, entries)).await
     }
 }
 
