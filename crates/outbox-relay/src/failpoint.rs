@@ -20,8 +20,8 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Failpoint {
-    /// After the sink answered for a batch, before marking it published:
-    /// parks for ever.
+    /// After the sink acknowledged rows of a batch, before marking it
+    /// published: parks for ever.
     PauseAfterDeliver,
     /// The same place, once per process, for this long; then the relay goes
     /// on to commit (`sleep-after-deliver-ms=N`).
@@ -54,12 +54,22 @@ static SLEPT: AtomicBool = AtomicBool::new(false);
 
 impl Failpoint {
     /// Logs, tells `NOTIFY_SOCKET` (`OUTBOX_FAILPOINT=<name> reached`, and
-    /// `… over` when a sleep ends) and parks.
-    pub(crate) async fn park(self, rows: usize, signals: &crate::Signals) {
+    /// `… over` when a sleep ends) and parks, once the sink acknowledged
+    /// `acked` of the batch's `rows`.
+    ///
+    /// A batch the sink acknowledged none of passes: a test that kills the
+    /// relay here means to leave sent rows unmarked, and a batch the sink
+    /// refused, could not take (an outage begun since the test looked) or
+    /// never saw (rows kept back, a lease lapsed) would re-send nothing.
+    pub(crate) async fn park(self, rows: usize, acked: usize, signals: &crate::Signals) {
+        if acked == 0 {
+            return;
+        }
         match self {
             Self::PauseAfterDeliver => {
                 tracing::warn!(
                     rows,
+                    acked,
                     "failpoint pause-after-deliver reached; parked before marking"
                 );
                 signals.send("OUTBOX_FAILPOINT=pause-after-deliver reached");
@@ -71,6 +81,7 @@ impl Failpoint {
                 }
                 tracing::warn!(
                     rows,
+                    acked,
                     seconds = d.as_secs_f64(),
                     "failpoint sleep-after-deliver reached; sleeping before marking"
                 );

@@ -834,7 +834,11 @@ impl Relay {
         let open = breaker.record(&mut sent);
         let answers = screened.merge(batch.rows.len(), sent);
         if let Some(failpoint) = self.config.failpoint {
-            failpoint.park(batch.rows.len(), self.ctx.signals()).await;
+            let acked = answers
+                .iter()
+                .filter(|a| matches!(a, plan::Outcome::Sent(Ok(()))))
+                .count();
+            failpoint.park(batch.rows.len(), acked, self.ctx.signals()).await;
         }
         overlapped?;
 

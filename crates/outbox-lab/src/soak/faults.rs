@@ -234,7 +234,7 @@ impl Chaos {
             };
             let (took, detail) = match (outcome, restarted) {
                 (Ok(true), Ok(())) if after_ack => {
-                    (true, "parked after the sink's answer, before the mark".to_owned())
+                    (true, "parked after the sink's ack, before the mark".to_owned())
                 }
                 (Ok(false), Ok(())) => (
                     false,

@@ -253,8 +253,8 @@ impl Fleet {
     }
 
     /// Stops `p` cleanly and starts it again with the `pause-after-deliver`
-    /// failpoint; returns whether it parked there (after the sink answered
-    /// a batch, before marking it) within `PARK`. Either way it is killed
+    /// failpoint; returns whether it parked there (after the sink acknowledged
+    /// rows of a batch, before marking them) within `PARK`. Either way it is killed
     /// there (or wherever it is) and started plain: what it re-sends is one
     /// process's in flight.
     pub(crate) async fn kill_after_ack(&self, p: &mut Proc) -> anyhow::Result<bool> {

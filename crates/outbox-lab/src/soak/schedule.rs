@@ -154,7 +154,7 @@ pub(crate) enum KillKind {
     /// SIGKILL wherever it is.
     Anywhere,
     /// Restarted with the `pause-after-deliver` failpoint and SIGKILLed
-    /// once parked there: between the sink's answer and the mark.
+    /// once parked there: between the sink's ack and the mark.
     AfterAck,
 }
 

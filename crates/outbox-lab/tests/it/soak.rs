@@ -99,9 +99,19 @@ async fn issue_19_soak_quick_holds_every_check_under_its_faults() {
         assert_eq!(s["delivered"], s["committed"], "{n}: {s}");
     }
     // The failpoint kills re-sent what the sink had acknowledged: the
-    // checks saw duplicates, and put each down to a fault.
+    // checks saw duplicates from each source such a kill struck, and put
+    // each down to a fault. (Which relay a kill strikes is the seed's draw.)
+    for s in sources {
+        let struck = faults.iter().any(|f| {
+            f["kind"] == "relay SIGKILL after the sink's ack"
+                && f["took"] == true
+                && f["scope"].as_array().unwrap().contains(&s["source"])
+        });
+        if struck {
+            assert!(s["duplicates"].as_u64().unwrap() > 0, "seed {seed}: {s}");
+        }
+    }
     let poll = sources.iter().find(|s| s["source"] == "poll").unwrap();
-    assert!(poll["duplicates"].as_u64().unwrap() > 0, "{poll}");
     assert!(
         poll["dead_letters"].as_u64().unwrap() > 0,
         "poison events became dead letters: {poll}"
