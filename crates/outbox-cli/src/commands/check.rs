@@ -4,8 +4,9 @@
 //! PostgreSQL once (the connection, the role's privileges for the source,
 //! claim mode and retention, the schema version, and for `--source wal`
 //! `wal_level`, REPLICATION and the slot), then every sink once, each
-//! route's alone (`Sink::probe`: a refused connection or a wrong port is a
-//! failure, not an outage the relay would wait out). One line per check,
+//! route's alone (`Sink::check`: a refused connection or a wrong port is a
+//! failure, not an outage the relay would wait out; a claim check's bucket
+//! gets its empty probe object). One line per check,
 //! `ok` or `FAIL` with the fix. The exit code is the worst found: 0 all
 //! ok, 1 a service unreachable, 2 configuration (privileges, schema,
 //! flags; a bad flag never gets this far).
@@ -174,7 +175,7 @@ async fn sinks(prepared: &Prepared, report: &mut Report) {
     }
     for (name, url, sink) in &prepared.probes {
         let what = format!("sink {name} {}", outbox_relay::redact::url(url));
-        match tokio::time::timeout(PROBE_LIMIT, sink.probe()).await {
+        match tokio::time::timeout(PROBE_LIMIT, sink.check()).await {
             Ok(Ok(())) => report.ok(&what, &format!("{} reachable", sink.name())),
             Ok(Err(e)) => report.fail(
                 &what,

@@ -14,11 +14,12 @@ use outbox_testkit::{Moto, moto};
 use serde_json::{Value, json};
 
 use crate::conformance::scenario;
+use crate::metrics::{http_addr, ready};
 use crate::sqs::{
     MAX_MESSAGE, QUEUE, Reader, check_attributes, common, create_queue, enqueue, env_refs, failed, s3_client,
     topic_with_queue,
 };
-use crate::support::{Db, start_relay, stop_relay, wait_until};
+use crate::support::{Db, run_cli, start_relay, stop_relay, text, wait_until};
 
 /// The bucket the claim checks store in.
 const BUCKET: &str = "outbox-payloads";
@@ -363,6 +364,12 @@ async fn a_payload_over_the_limit_arrives_whole_through_s3_for_the_extended_clie
 /// bucket; another aggregate's small event is delivered meanwhile; one
 /// whose attributes alone pass the limit is a dead letter at once, nothing
 /// stored; and once the bucket exists, the big one arrives whole.
+///
+/// The big one alone in its batches opens the sink's breaker, and the
+/// sink's probe then asks the bucket too: a probe asking only the queue
+/// would pass, and three failed batches after passing probes would count
+/// as the event's attempts. `relay --check` finds the bucket missing, and
+/// then there.
 #[tokio::test]
 async fn a_missing_bucket_holds_back_only_what_it_would_store() {
     let moto = Moto::start().await.expect("start moto");
@@ -385,7 +392,19 @@ async fn a_missing_bucket_holds_back_only_what_it_would_store() {
         moto.endpoint()
     );
     let env = moto.client_env();
-    let relay = start_relay(&db.url, &sink, &[], &env_refs(&env)).await;
+    let check = run_cli(
+        &["relay", "--sink", &sink, "--check"],
+        &[&env_refs(&env)[..], &[("DATABASE_URL", &db.url)]].concat(),
+    )
+    .await;
+    let said = text(&check.stdout);
+    assert_eq!(check.status.code(), Some(1), "{said}{}", text(&check.stderr));
+    assert!(
+        said.contains(&format!("s3://{BUCKET}/orders/outbox-probe")) && said.contains("NoSuchBucket"),
+        "{said}"
+    );
+    let addr = http_addr();
+    let relay = start_relay(&db.url, &sink, &["--http", &addr], &env_refs(&env)).await;
     wait_until("small published, headed dead, big waiting on the bucket", LONG, || async {
         db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
             .await
@@ -416,6 +435,13 @@ async fn a_missing_bucket_holds_back_only_what_it_would_store() {
         error.contains("sink unavailable") && error.contains(&format!("s3://{BUCKET}/orders/")),
         "{error}"
     );
+    wait_until("the breaker's probe asking the bucket", LONG, || async {
+        let (_, body) = ready(&addr).await;
+        body["checks"]["sink sqs"]
+            .as_str()
+            .is_some_and(|c| c.contains("outbox-probe") && c.contains("NoSuchBucket"))
+    })
+    .await;
     let (attempts, error): (i32, String) = {
         let row = db
             .client
@@ -441,7 +467,22 @@ async fn a_missing_bucket_holds_back_only_what_it_would_store() {
     })
     .await;
     stop_relay(relay).await;
-    assert_eq!(objects(&moto, "orders/").await.len(), 1, "only big was stored");
+    assert_eq!(
+        db.count("SELECT attempts::bigint FROM outbox WHERE aggregate_id = 'big'")
+            .await,
+        0,
+        "the bucket's absence spent no attempt"
+    );
+    let mut stored = objects(&moto, "orders/").await;
+    assert!(stored.contains(&"orders/outbox-probe".to_owned()), "{stored:?}");
+    stored.retain(|key| key != "orders/outbox-probe");
+    assert_eq!(stored.len(), 1, "only big was stored: {stored:?}");
+    let check = run_cli(
+        &["relay", "--sink", &sink, "--check"],
+        &[&env_refs(&env)[..], &[("DATABASE_URL", &db.url)]].concat(),
+    )
+    .await;
+    assert_eq!(check.status.code(), Some(0), "{}", text(&check.stdout));
     let delivered = Reader::new(&moto, queue)
         .delivered()
         .await

@@ -30,7 +30,17 @@
 //! refused credentials or a missing bucket leave the event unsent without
 //! spending an attempt (the sink cannot deliver it yet); S3 refusing the
 //! object itself is permanent.
+//!
+//! While stores fail that way, the sink's probe stores an empty object at
+//! `<prefix>outbox-probe` too ([`ClaimCheck::probe_if_failing`]): a batch
+//! of stored messages alone opens the sink's breaker, and a probe that
+//! asked only the queue would let the next such batch fail again, until
+//! the breaker took those failures for the events' own and spent their
+//! attempts. A `PutObject` asks for the permission the stores use, where
+//! `HeadBucket` would ask for `s3:ListBucket`. `relay --check` stores it
+//! always ([`ClaimCheck::probe`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use aws_sdk_s3::Client;
@@ -55,6 +65,8 @@ const LEGACY_POINTER_CLASS: &str = "com.amazon.sqs.javamessaging.MessageS3Pointe
 const MAX_KEY: usize = 1024;
 /// What a key adds to the prefix: `<event_id>/<uuid>`.
 const KEY_SUFFIX: usize = 36 + 1 + 36;
+/// The probe's object, after the prefix: no event id reads so.
+const PROBE_KEY: &str = "outbox-probe";
 
 /// The `claim-check…` parameters of an `sqs://` or `sns://` URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,6 +155,9 @@ pub struct ClaimCheck {
     client: OnceCell<Client>,
     /// The length of every pointer (keys differ only in hex digits).
     pointer_bytes: usize,
+    /// The last store failed with S3 unavailable, and no probe since
+    /// got through.
+    failing: AtomicBool,
 }
 
 /// A body stored in S3: the pointer that replaces it, and the size
@@ -168,6 +183,7 @@ impl ClaimCheck {
             timeout,
             client: OnceCell::new(),
             pointer_bytes: 0,
+            failing: AtomicBool::new(false),
         };
         let placeholder = uuid::Uuid::nil();
         claim_check.pointer_bytes = claim_check
@@ -234,7 +250,8 @@ impl ClaimCheck {
     ) -> Result<Stored, DeliveryError> {
         let key = self.key(row.event_id, uuid::Uuid::new_v4());
         let bucket = &self.settings.bucket;
-        self.client()
+        let stored = self
+            .client()
             .await
             .put_object()
             .bucket(bucket)
@@ -243,12 +260,52 @@ impl ClaimCheck {
             .body(ByteStream::from(body.as_bytes().to_vec()))
             .send()
             .await
-            .map_err(|e| store_error(service, &format!("storing the body in s3://{bucket}/{key}"), &e))?;
+            .map_err(|e| store_error(service, &format!("storing the body in s3://{bucket}/{key}"), &e));
+        if let Err(e) = &stored {
+            if e.is_unavailable() {
+                self.failing.store(true, Ordering::Relaxed);
+            }
+            stored?;
+        }
+        self.failing.store(false, Ordering::Relaxed);
         Ok(Stored {
             pointer: self.pointer(&key),
             attribute: self.size_attribute(),
             bytes: body.len(),
         })
+    }
+
+    /// Stores an empty object at `<prefix>outbox-probe`, as a message's
+    /// body is stored; any failure is the sink unavailable, with its cause.
+    /// `service` names the sink in errors.
+    pub async fn probe(&self, service: &str) -> Result<(), DeliveryError> {
+        let bucket = &self.settings.bucket;
+        let key = format!("{}{PROBE_KEY}", self.settings.prefix);
+        self.client()
+            .await
+            .put_object()
+            .bucket(bucket)
+            .key(&key)
+            .body(ByteStream::from_static(b""))
+            .send()
+            .await
+            .map_err(|e| {
+                let doing = format!("storing the probe object s3://{bucket}/{key}");
+                DeliveryError::unavailable(store_error(service, &doing, &e).to_string())
+            })?;
+        self.failing.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// [`probe`](Self::probe), if the last store failed with S3
+    /// unavailable; else nothing: while S3 takes objects, or before any
+    /// message needed it, the sink's probe asks the queue alone.
+    pub async fn probe_if_failing(&self, service: &str) -> Result<(), DeliveryError> {
+        if self.failing.load(Ordering::Relaxed) {
+            self.probe(service).await
+        } else {
+            Ok(())
+        }
     }
 }
 

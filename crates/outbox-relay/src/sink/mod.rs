@@ -162,6 +162,15 @@ pub trait Sink: Send + Sync {
     fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         Box::pin(async { Ok(()) })
     }
+
+    /// Checks the setup for `relay --check`, sending no event: by default
+    /// [`probe`](Self::probe). A sink with a part its probe leaves alone
+    /// while that part works (the SQS and SNS claim check's bucket) checks
+    /// it here too.
+    fn check(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        self.probe()
+    }
+
     /// Whether the sink keeps a circuit breaker per route (the router): its
     /// unavailable answers may come from a route's breaker rather than a
     /// failed call, so the relay's own breaker does not count them as

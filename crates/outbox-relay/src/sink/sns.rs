@@ -327,7 +327,21 @@ impl Sink for SnsSink {
                 .map_err(|e| {
                     aws::unavailable("sns", &format!("reading the attributes of topic {arn}"), &e)
                 })?;
-            Ok(())
+            match &self.claim_check {
+                Some(claim_check) => claim_check.probe_if_failing("sns").await,
+                None => Ok(()),
+            }
+        }
+        .boxed()
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            self.probe().await?;
+            match &self.claim_check {
+                Some(claim_check) => claim_check.probe("sns").await,
+                None => Ok(()),
+            }
         }
         .boxed()
     }

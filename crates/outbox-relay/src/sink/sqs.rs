@@ -333,7 +333,22 @@ impl Sink for SqsSink {
     fn probe(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         async {
             let (client, resolved) = self.resolve().await?;
-            self.read_limit(client, &resolved.url).await
+            self.read_limit(client, &resolved.url).await?;
+            match &self.claim_check {
+                Some(claim_check) => claim_check.probe_if_failing("sqs").await,
+                None => Ok(()),
+            }
+        }
+        .boxed()
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
+        async {
+            self.probe().await?;
+            match &self.claim_check {
+                Some(claim_check) => claim_check.probe("sqs").await,
+                None => Ok(()),
+            }
         }
         .boxed()
     }
