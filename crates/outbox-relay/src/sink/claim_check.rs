@@ -32,13 +32,13 @@
 //! object itself is permanent.
 //!
 //! While stores fail that way, the sink's probe stores an empty object at
-//! `<prefix>outbox-probe` too ([`ClaimCheck::probe_if_failing`]): a batch
+//! `<prefix>outbox-probe` too ([`probe`]): a batch
 //! of stored messages alone opens the sink's breaker, and a probe that
 //! asked only the queue would let the next such batch fail again, until
 //! the breaker took those failures for the events' own and spent their
 //! attempts. A `PutObject` asks for the permission the stores use, where
 //! `HeadBucket` would ask for `s3:ListBucket`. `relay --check` stores it
-//! always ([`ClaimCheck::probe`]).
+//! always.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -278,7 +278,7 @@ impl ClaimCheck {
     /// Stores an empty object at `<prefix>outbox-probe`, as a message's
     /// body is stored; any failure is the sink unavailable, with its cause.
     /// `service` names the sink in errors.
-    pub async fn probe(&self, service: &str) -> Result<(), DeliveryError> {
+    async fn store_probe(&self, service: &str) -> Result<(), DeliveryError> {
         let bucket = &self.settings.bucket;
         let key = format!("{}{PROBE_KEY}", self.settings.prefix);
         self.client()
@@ -296,16 +296,20 @@ impl ClaimCheck {
         self.failing.store(false, Ordering::Relaxed);
         Ok(())
     }
+}
 
-    /// [`probe`](Self::probe), if the last store failed with S3
-    /// unavailable; else nothing: while S3 takes objects, or before any
-    /// message needed it, the sink's probe asks the queue alone.
-    pub async fn probe_if_failing(&self, service: &str) -> Result<(), DeliveryError> {
-        if self.failing.load(Ordering::Relaxed) {
-            self.probe(service).await
-        } else {
-            Ok(())
-        }
+/// The claim check's part of an SQS or SNS sink's probe, if the sink has
+/// one (`service` names it in errors): the probe object stored `always`
+/// (`relay --check`), else only while stores fail. While S3 takes objects,
+/// or before any message needed it, the sink's probe asks the queue alone.
+pub async fn probe(
+    claim_check: Option<&ClaimCheck>,
+    service: &str,
+    always: bool,
+) -> Result<(), DeliveryError> {
+    match claim_check {
+        Some(c) if always || c.failing.load(Ordering::Relaxed) => c.store_probe(service).await,
+        _ => Ok(()),
     }
 }
 

@@ -39,7 +39,7 @@ use outbox::OutboxRow;
 use tokio::sync::OnceCell;
 
 use super::aws::{self, CallError, Entry, Settings};
-use super::claim_check::ClaimCheck;
+use super::claim_check::{self, ClaimCheck};
 use super::format::Formatter;
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
@@ -327,10 +327,7 @@ impl Sink for SnsSink {
                 .map_err(|e| {
                     aws::unavailable("sns", &format!("reading the attributes of topic {arn}"), &e)
                 })?;
-            match &self.claim_check {
-                Some(claim_check) => claim_check.probe_if_failing("sns").await,
-                None => Ok(()),
-            }
+            claim_check::probe(self.claim_check.as_ref(), "sns", false).await
         }
         .boxed()
     }
@@ -338,10 +335,7 @@ impl Sink for SnsSink {
     fn check(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         async {
             self.probe().await?;
-            match &self.claim_check {
-                Some(claim_check) => claim_check.probe("sns").await,
-                None => Ok(()),
-            }
+            claim_check::probe(self.claim_check.as_ref(), "sns", true).await
         }
         .boxed()
     }

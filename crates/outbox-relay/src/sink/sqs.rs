@@ -42,7 +42,7 @@ use outbox::OutboxRow;
 use tokio::sync::OnceCell;
 
 use super::aws::{self, CallError, Entry, Settings};
-use super::claim_check::ClaimCheck;
+use super::claim_check::{self, ClaimCheck};
 use super::format::Formatter;
 use super::{Delivery, DeliveryError, Sink, SinkError, SinkOptions};
 
@@ -334,10 +334,7 @@ impl Sink for SqsSink {
         async {
             let (client, resolved) = self.resolve().await?;
             self.read_limit(client, &resolved.url).await?;
-            match &self.claim_check {
-                Some(claim_check) => claim_check.probe_if_failing("sqs").await,
-                None => Ok(()),
-            }
+            claim_check::probe(self.claim_check.as_ref(), "sqs", false).await
         }
         .boxed()
     }
@@ -345,10 +342,7 @@ impl Sink for SqsSink {
     fn check(&self) -> BoxFuture<'_, Result<(), DeliveryError>> {
         async {
             self.probe().await?;
-            match &self.claim_check {
-                Some(claim_check) => claim_check.probe("sqs").await,
-                None => Ok(()),
-            }
+            claim_check::probe(self.claim_check.as_ref(), "sqs", true).await
         }
         .boxed()
     }
