@@ -147,6 +147,10 @@ impl Fault {
     }
 }
 
+/// The fewest relay kills at the failpoint a run plans (if it kills that
+/// often at all); the others are drawn, 30% of the kills.
+const MIN_AFTER_ACK: usize = 2;
+
 /// How a relay is killed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -273,6 +277,19 @@ pub(crate) fn draw(budget: &Budget, sources: &[Src], rng: &mut Rng) -> (Vec<Plan
         });
         at += rng.between(lo, hi);
     }
+    // Whatever the draw, a few kills at the failpoint: one that meets a
+    // server down is made a plain kill, and a run must still test one.
+    let drawn = kills.iter().filter(|k| k.kind == KillKind::AfterAck).count();
+    let mut missing = MIN_AFTER_ACK.saturating_sub(drawn);
+    for kill in kills.iter_mut().rev() {
+        if missing == 0 {
+            break;
+        }
+        if kill.kind == KillKind::Anywhere {
+            kill.kind = KillKind::AfterAck;
+            missing -= 1;
+        }
+    }
     (planned, kills)
 }
 
@@ -326,6 +343,24 @@ mod tests {
         assert!(faults.iter().all(|p| p.at.as_secs_f64() < 600.0 * FAULTS_UNTIL));
         // 460 s of kills every 1.5–3 s.
         assert!((150..=320).contains(&kills.len()), "{}", kills.len());
+    }
+
+    #[test]
+    fn every_run_plans_kills_at_the_failpoint() {
+        let short = Budget {
+            duration: Duration::from_secs(20),
+            ..budget()
+        };
+        for seed in 0..50 {
+            let (_, kills) = draw(&short, &[Src::Poll, Src::Wal], &mut Rng::new(seed));
+            let after_ack = kills.iter().filter(|k| k.kind == KillKind::AfterAck).count();
+            assert!(kills.len() >= 4, "seed {seed}: {} kills", kills.len());
+            assert!(
+                after_ack >= MIN_AFTER_ACK,
+                "seed {seed}: {after_ack} of {}",
+                kills.len()
+            );
+        }
     }
 
     #[test]
