@@ -553,6 +553,8 @@ const THROTTLING: &[&str] = &[
     "RequestLimitExceeded",
     "KMSThrottlingException",
     "KMSThrottling",
+    // SQS spells its KMS codes so (the SDK's `KmsThrottled`).
+    "KMS.ThrottlingException",
     // S3's, for the claim check.
     "SlowDown",
 ];
@@ -577,8 +579,18 @@ const REFUSED_CREDENTIALS: &[&str] = &[
     "KMSDisabledException",
     "KMSDisabled",
     "KMSInvalidStateException",
+    "KMSInvalidState",
     "KMSNotFoundException",
     "KMSNotFound",
+    "KMSOptInRequired",
+    // SQS's, answered with a 400: without them a key the relay may not
+    // use made every event a dead letter at once.
+    "KMS.AccessDeniedException",
+    "KMS.DisabledException",
+    "KMS.InvalidKeyUsageException",
+    "KMS.InvalidStateException",
+    "KMS.NotFoundException",
+    "KMS.OptInRequired",
 ];
 
 /// Error codes that mean the queue or topic does not exist (yet).
@@ -704,13 +716,17 @@ pub fn answers<'a>(
 
 /// One entry's failure inside a batch answer. A sender fault is the
 /// event's (too large, invalid characters, a bad attribute): permanent,
-/// unless AWS says it throttled. Anything else is AWS's: retryable.
+/// unless AWS says it throttled, or refused the credentials or the key
+/// (then the sink is unavailable, as for a whole call). Anything else is
+/// AWS's: retryable.
 pub fn classify_entry(service: &str, code: &str, sender_fault: bool, message: Option<&str>) -> DeliveryError {
     let text = match message {
         Some(m) if !m.is_empty() => format!("{service}: {code}: {m}"),
         _ => format!("{service}: {code}"),
     };
-    if THROTTLING.contains(&code) || !sender_fault {
+    if REFUSED_CREDENTIALS.contains(&code) {
+        DeliveryError::unavailable(text)
+    } else if THROTTLING.contains(&code) || !sender_fault {
         DeliveryError::retryable(text)
     } else {
         DeliveryError::permanent(text)
@@ -1257,5 +1273,39 @@ mod tests {
         assert!(!classify_entry("sqs", "InvalidMessageContents", true, None).is_retryable());
         assert!(classify_entry("sqs", "InternalError", false, None).is_retryable());
         assert!(classify_entry("sqs", "ThrottlingException", true, None).is_retryable());
+        assert!(classify_entry("sns", "KMSAccessDenied", true, None).is_unavailable());
+    }
+
+    /// Every KMS error the SDKs model for `SendMessageBatch` and
+    /// `PublishBatch`, as their deserializers spell the codes (SQS with a
+    /// dot, answered with a 400): the key, not the event, is at fault.
+    #[test]
+    fn kms_errors_leave_the_event_waiting() {
+        let sqs = [
+            "KMS.AccessDeniedException",
+            "KMS.DisabledException",
+            "KMS.InvalidKeyUsageException",
+            "KMS.InvalidStateException",
+            "KMS.NotFoundException",
+            "KMS.OptInRequired",
+            "KMS.ThrottlingException",
+        ];
+        let sns = [
+            "KMSAccessDenied",
+            "KMSDisabled",
+            "KMSInvalidState",
+            "KMSNotFound",
+            "KMSOptInRequired",
+            "KMSThrottling",
+        ];
+        for code in sqs.into_iter().chain(sns) {
+            assert!(
+                matches!(
+                    classify_call("sqs", Some(code), Some(400), "x"),
+                    CallError::Unavailable(_)
+                ),
+                "{code}"
+            );
+        }
     }
 }
