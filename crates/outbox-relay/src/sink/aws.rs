@@ -256,7 +256,7 @@ pub struct Message {
     /// [`offloaded`](Self::offloaded)'s, in order.
     pub attributes: Vec<(String, String)>,
     /// Where the claim check stored the body, when it did: the body is
-    /// its pointer, and the message has one more attribute, a [`NUMBER`].
+    /// its pointer, and the message has one more attribute, of type `Number`.
     pub offloaded: Option<Stored>,
 }
 

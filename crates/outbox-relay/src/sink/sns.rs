@@ -22,11 +22,12 @@
 //! A message over SNS's 256 KiB (body and attributes) is refused here,
 //! permanently, naming the limit, unless the URL names a claim check
 //! (`?claim-check=s3://…`, see [`super::claim_check`]): then its body goes
-//! to S3 and the message carries a pointer to it. Failures are classified as for SQS: a
-//! sender fault of an entry is permanent, any other entry failure
-//! retryable; no answer, throttling, a 5xx, refused credentials or a
-//! missing topic make the sink unavailable (the breaker probes with
-//! `GetTopicAttributes`). The waves of [`super::aws`] keep per-aggregate
+//! to S3 and the message carries a pointer to it. Failures are classified
+//! as for SQS: a sender fault of an entry is permanent, any other entry
+//! failure retryable; no answer, throttling, a 5xx, refused credentials or
+//! KMS key, or a missing topic make the sink unavailable (the breaker
+//! probes with `GetTopicAttributes`, and the claim check's bucket while its
+//! stores fail). The waves of [`super::aws`] keep per-aggregate
 //! order; a standard topic itself promises none.
 
 use std::time::Duration;

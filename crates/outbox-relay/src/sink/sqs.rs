@@ -23,11 +23,14 @@
 //! relay refuses a payload over it before it gets here; batch calls stay
 //! within it too. Unless the URL names a claim check
 //! (`?claim-check=s3://…`, see [`super::claim_check`]): then such a
-//! message's body goes to S3 and the message carries a pointer to it. SQS answers each entry of a batch call: a sender fault
-//! (invalid characters, say) is permanent, anything else retryable. A
-//! call that got no answer, was throttled, or met a 5xx, refused
-//! credentials or a missing queue makes the sink unavailable (no attempt
-//! spent; the breaker probes with `GetQueueAttributes`). Order per
+//! message's body goes to S3 and the message carries a pointer to it.
+//!
+//! SQS answers each entry of a batch call: a sender fault (invalid
+//! characters, say) is permanent, anything else retryable. A call that got
+//! no answer, was throttled, or met a 5xx, refused credentials or KMS key,
+//! or a missing queue makes the sink unavailable (no attempt spent; the
+//! breaker probes with `GetQueueAttributes`, and the claim check's bucket
+//! while its stores fail). Order per
 //! aggregate: see [`super::aws`]'s waves. A standard queue itself promises
 //! no order ("best effort"); a FIFO queue does, per group.
 
